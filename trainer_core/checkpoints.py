@@ -1,0 +1,379 @@
+"""The run directory: its layout, checkpoint commits, discovery, metrics history and retention.
+
+Nobody else builds these paths. Layout::
+
+    {storage}/{run}/
+      run.json                          spec, fingerprint, versions, schema
+      attempts.jsonl                    one record per attempt
+      metrics/segment-a{A}-{first}-{last}.jsonl   per-step rows, merged by step
+      checkpoint-{step:09d}/            files, manifest.json, then COMMITTED (last)
+      summary.json                      written by finalize
+      (Ray's own snapshot and marker files sit beside these)
+
+Durable order: checkpoint files, metrics segment, manifest, commit marker; deletion last and
+marker first (a directory without its marker does not exist). Every JSON carries "schema".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pyarrow.fs as pafs
+
+from trainer_core.errors import CheckpointCorruptError, IncompatibleRunError
+from trainer_core.storage import Location
+
+SCHEMA_VERSION = 1
+RUN_FILE = "run.json"
+ATTEMPTS_FILE = "attempts.jsonl"
+SUMMARY_FILE = "summary.json"
+METRICS_DIR = "metrics"
+MANIFEST_FILE = "manifest.json"
+MARKER_FILE = "COMMITTED"
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d{9})$")
+SEGMENT_PATTERN = re.compile(r"^segment-a(\d{4})-(\d{9})-(\d{9})\.jsonl$")
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"checkpoint-{step:09d}"
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as its manifest describes it."""
+
+    step: int
+    name: str
+    uri: str
+    manifest: dict[str, Any] = field(repr=False)
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return dict(self.manifest.get("metrics") or {})
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        return dict(self.manifest["files"])
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a listing of the run directory found, oldest first."""
+
+    committed: list[CheckpointInfo]
+    #: Checkpoint directories without a valid marker (partial, or a marker that does not match).
+    uncommitted: list[str]
+    #: Committed by marker, but a file is missing or has the wrong size.
+    damaged: list[str]
+
+    @property
+    def newest(self) -> CheckpointInfo | None:
+        return self.committed[-1] if self.committed else None
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    keep: list[str]
+    delete: list[str]
+    reasons: dict[str, str]
+
+
+class RunDirectory:
+    """One run's directory on any pyarrow filesystem."""
+
+    def __init__(self, location: Location):
+        self.location = location
+
+    @property
+    def uri(self) -> str:
+        return self.location.uri
+
+    # -- run.json ---------------------------------------------------------------------------
+
+    def read_run_record(self) -> dict[str, Any] | None:
+        record = self.location.child(RUN_FILE)
+        if not record.exists():
+            return None
+        data = record.read_json()
+        _check_schema(data, record.uri)
+        return data
+
+    def write_run_record(self, spec_json: dict[str, Any], fingerprint: str, versions: dict) -> None:
+        self.location.child(RUN_FILE).write_json(
+            {
+                "schema": SCHEMA_VERSION,
+                "spec": spec_json,
+                "fingerprint": fingerprint,
+                "identity": spec_json.get("_identity"),
+                "versions": versions,
+                "created_at": time.time(),
+            }
+        )
+
+    def check_compatible(self, identity: dict[str, Any], fingerprint: str) -> None:
+        """Refuse to continue a run whose checkpoints were written by an incompatible spec."""
+        record = self.read_run_record()
+        if record is None or record.get("fingerprint") == fingerprint:
+            return
+        stored = record.get("identity") or {}
+        changed = sorted(k for k in set(stored) | set(identity) if stored.get(k) != identity.get(k))
+        raise IncompatibleRunError(
+            f"run {self.uri} was started with another model/data/scaling identity "
+            f"(changed: {', '.join(changed) or 'fingerprint'}); its checkpoints cannot be "
+            "resumed with this spec. Choose a new run.name, or restore the original values."
+        )
+
+    # -- attempts.jsonl -----------------------------------------------------------------------
+
+    def read_attempts(self) -> list[dict[str, Any]]:
+        path = self.location.child(ATTEMPTS_FILE)
+        if not path.exists():
+            return []
+        records = [json.loads(line) for line in path.read_bytes().decode().splitlines() if line]
+        for record in records:
+            _check_schema(record, path.uri)
+        return records
+
+    def record_attempt(self, record: dict[str, Any]) -> None:
+        """Insert or replace the record for ``record["attempt"]`` (single writer: the lease)."""
+        records = [r for r in self.read_attempts() if r["attempt"] != record["attempt"]]
+        records.append({"schema": SCHEMA_VERSION, **record})
+        records.sort(key=lambda r: r["attempt"])
+        body = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
+        self.location.child(ATTEMPTS_FILE).write_bytes(body.encode())
+
+    # -- checkpoints: writing -------------------------------------------------------------------
+
+    def checkpoint_location(self, step: int) -> Location:
+        return self.location.child(checkpoint_dir_name(step))
+
+    def prepare_checkpoint_dir(self, step: int) -> None:
+        """Remove a stale directory for ``step`` (left by an attempt that did not commit it).
+
+        Re-uploading into a reused directory keeps stale files; start from empty instead.
+        Marker first, so the directory never looks committed while it is half deleted.
+        """
+        target = self.checkpoint_location(step)
+        if target.exists():
+            target.child(MARKER_FILE).delete_file()
+            target.delete_dir()
+
+    def write_checkpoint_file(self, step: int, name: str, data: bytes) -> FileEntry:
+        self.checkpoint_location(step).child(name).write_bytes(data)
+        return FileEntry(name=name, size=len(data), sha256=sha256_hex(data))
+
+    def commit_checkpoint(
+        self, step: int, entries: Sequence[FileEntry], meta: dict[str, Any]
+    ) -> CheckpointInfo:
+        """Write the manifest, then the commit marker naming the manifest's hash. Last step."""
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate checkpoint file names: {sorted(names)}")
+        manifest = {
+            "schema": SCHEMA_VERSION,
+            "step": step,
+            "created_at": time.time(),
+            "files": {e.name: {"size": e.size, "sha256": e.sha256} for e in entries},
+            **meta,
+        }
+        manifest_bytes = json.dumps(manifest, indent=2, sort_keys=True).encode()
+        location = self.checkpoint_location(step)
+        location.child(MANIFEST_FILE).write_bytes(manifest_bytes)
+        location.child(MARKER_FILE).write_json(
+            {"schema": SCHEMA_VERSION, "step": step, "manifest_sha256": sha256_hex(manifest_bytes)}
+        )
+        return CheckpointInfo(step, checkpoint_dir_name(step), location.uri, manifest)
+
+    # -- checkpoints: discovery -----------------------------------------------------------------
+
+    def scan(self) -> Scan:
+        """List checkpoint directories and classify each (cheap: no file contents are read)."""
+        committed, uncommitted, damaged = [], [], []
+        for info in self.location.list():
+            match = CHECKPOINT_PATTERN.fullmatch(info.base_name)
+            if info.type != pafs.FileType.Directory or not match:
+                continue
+            step = int(match.group(1))
+            try:
+                checkpoint = self.read_committed(step)
+            except CheckpointCorruptError:
+                damaged.append(info.base_name)
+                continue
+            if checkpoint is None:
+                uncommitted.append(info.base_name)
+            else:
+                committed.append(checkpoint)
+        committed.sort(key=lambda c: c.step)
+        return Scan(committed, sorted(uncommitted), sorted(damaged))
+
+    def read_committed(self, step: int) -> CheckpointInfo | None:
+        location = self.checkpoint_location(step)
+        marker_path = location.child(MARKER_FILE)
+        if not marker_path.exists():
+            return None
+        try:
+            marker = marker_path.read_json()
+            manifest_bytes = location.child(MANIFEST_FILE).read_bytes()
+        except (ValueError, FileNotFoundError):
+            return None
+        if marker.get("manifest_sha256") != sha256_hex(manifest_bytes):
+            return None
+        manifest = json.loads(manifest_bytes)
+        _check_schema(manifest, location.uri)
+        for name, entry in manifest["files"].items():
+            file_info = location.child(name).info()
+            if file_info.type != pafs.FileType.File or file_info.size != entry["size"]:
+                raise CheckpointCorruptError(
+                    f"checkpoint {location.uri}: file {name} is missing or has "
+                    f"{file_info.size} bytes instead of {entry['size']}"
+                )
+        return CheckpointInfo(step, checkpoint_dir_name(step), location.uri, manifest)
+
+    def read_verified(self, checkpoint: CheckpointInfo, name: str) -> bytes:
+        """Read one file of a committed checkpoint and prove it matches the manifest."""
+        entry = checkpoint.files.get(name)
+        if entry is None:
+            raise CheckpointCorruptError(f"checkpoint {checkpoint.uri} has no file {name}")
+        try:
+            data = self.checkpoint_location(checkpoint.step).child(name).read_bytes()
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(f"checkpoint {checkpoint.uri}: {name} is gone") from e
+        if len(data) != entry["size"] or sha256_hex(data) != entry["sha256"]:
+            raise CheckpointCorruptError(
+                f"checkpoint {checkpoint.uri}: {name} does not match its manifest "
+                f"({len(data)} bytes, sha256 {sha256_hex(data)[:12]}...)"
+            )
+        return data
+
+    # -- metrics history ----------------------------------------------------------------------
+
+    def write_metrics_segment(self, attempt: int, rows: Sequence[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        first, last = rows[0]["step"], rows[-1]["step"]
+        name = f"segment-a{attempt:04d}-{first:09d}-{last:09d}.jsonl"
+        body = "".join(json.dumps({"schema": SCHEMA_VERSION, **r}) + "\n" for r in rows)
+        self.location.child(METRICS_DIR, name).write_bytes(body.encode())
+
+    def read_metrics_history(self) -> list[dict[str, Any]]:
+        """One row per step across every attempt: see ``merge_metrics``."""
+        segments = []
+        for info in self.location.child(METRICS_DIR).list():
+            match = SEGMENT_PATTERN.fullmatch(info.base_name)
+            if not match:
+                continue
+            body = self.location.child(METRICS_DIR, info.base_name).read_bytes().decode()
+            rows = [json.loads(line) for line in body.splitlines() if line]
+            segments.append((int(match.group(1)), rows))
+        return merge_metrics(segments, self.read_attempts())
+
+    # -- retention ----------------------------------------------------------------------------
+
+    def delete_checkpoints(self, names: Iterable[str]) -> None:
+        for name in names:
+            match = CHECKPOINT_PATTERN.fullmatch(name)
+            if not match:
+                raise ValueError(f"refusing to delete {name!r}: not a checkpoint directory")
+            location = self.location.child(name)
+            location.child(MARKER_FILE).delete_file()
+            location.delete_dir()
+
+
+def _check_schema(data: dict[str, Any], where: str) -> None:
+    schema = data.get("schema")
+    if not isinstance(schema, int) or schema > SCHEMA_VERSION:
+        raise IncompatibleRunError(
+            f"{where} has schema {schema!r}, this relaytrain reads schema <= {SCHEMA_VERSION}: "
+            "upgrade relaytrain, or start a new run.name"
+        )
+
+
+def merge_metrics(
+    segments: Sequence[tuple[int, Sequence[dict[str, Any]]]], attempts: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Merge per-attempt metric segments into one row per step.
+
+    A row from attempt ``a`` at step ``s`` is dropped when a later attempt resumed from a step
+    before ``s`` (that timeline was rewound); of the rows left for a step, the newest attempt's
+    wins. The result is sorted by step with no duplicates.
+    """
+    rewinds = [(r["attempt"], r.get("resumed_from_step") or 0) for r in attempts]
+    best: dict[int, tuple[int, dict[str, Any]]] = {}
+    for attempt, rows in sorted(segments, key=lambda s: s[0]):
+        for row in rows:
+            step = row["step"]
+            if any(later > attempt and step > resumed for later, resumed in rewinds):
+                continue
+            if step not in best or best[step][0] <= attempt:
+                best[step] = (attempt, {k: v for k, v in row.items() if k != "schema"})
+    return [best[step][1] for step in sorted(best)]
+
+
+def plan_retention(
+    committed: Sequence[CheckpointInfo],
+    *,
+    keep_last: int | None,
+    keep_best: int,
+    best_metric: str,
+    best_mode: Literal["min", "max"],
+    protected_steps: Iterable[int] = (),
+    uncommitted: Sequence[str] = (),
+    in_flight_from_step: int | None = None,
+) -> RetentionPlan:
+    """Decide which checkpoint directories to delete. Pure: the caller executes the plan.
+
+    Keeps the newest ``keep_last`` (all if None), the best ``keep_best`` by ``best_metric``,
+    the newest committed one always, and every protected step (e.g. the one a run resumes
+    from). Uncommitted directories are deleted unless they may still be in flight (step at or
+    after ``in_flight_from_step``).
+    """
+    reasons: dict[str, str] = {}
+    ordered = sorted(committed, key=lambda c: c.step)
+    if ordered:
+        reasons[ordered[-1].name] = "newest"
+    if keep_last is not None:
+        for c in ordered[-keep_last:]:
+            reasons.setdefault(c.name, "last")
+    else:
+        for c in ordered:
+            reasons.setdefault(c.name, "last")
+    scored = [c for c in ordered if _finite(c.metrics.get(best_metric))]
+    sign = 1.0 if best_mode == "min" else -1.0
+    scored.sort(key=lambda c: (sign * float(c.metrics[best_metric]), -c.step))
+    for c in scored[:keep_best]:
+        reasons.setdefault(c.name, "best")
+    protected = set(protected_steps)
+    for c in ordered:
+        if c.step in protected:
+            reasons.setdefault(c.name, "protected")
+    keep = [c.name for c in ordered if c.name in reasons]
+    delete = [c.name for c in ordered if c.name not in reasons]
+    for name in uncommitted:
+        match = CHECKPOINT_PATTERN.fullmatch(name)
+        step = int(match.group(1)) if match else None
+        if step is not None and in_flight_from_step is not None and step >= in_flight_from_step:
+            reasons[name] = "in flight"
+            continue
+        delete.append(name)
+    return RetentionPlan(keep=keep, delete=delete, reasons=reasons)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and value == value and abs(value) != float("inf")

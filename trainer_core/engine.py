@@ -1,0 +1,487 @@
+"""The Ray seam: start or connect to Ray, run one attempt of a run with TorchTrainer, classify.
+
+``run_attempt(spec)`` is one attempt: preflight checks on the driver (fail fast, no workers),
+``TorchTrainer.fit()`` with ``RunConfig(storage_path, name=<run name>)`` so every attempt
+addresses the same run directory, metrics relayed to ``on_event`` while fit() runs, the attempt
+recorded in ``attempts.jsonl``, and any failure raised as a classified ``RelaytrainError``.
+A second call on the same run resumes from the newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow
+import ray
+import torch
+
+from trainer_core import __version__, storage, workloads
+from trainer_core import data as data_mod
+from trainer_core.checkpoints import RunDirectory, plan_retention
+from trainer_core.errors import (
+    ClusterCapacityError,
+    IncompatibleRunError,
+    InfrastructureError,
+    RelaytrainError,
+    SpecError,
+    StorageError,
+    TrainingCodeError,
+)
+from trainer_core.loop import WorkerConfig, builtin_train_loop, user_train_loop
+from trainer_core.spec import RunSpec
+
+logger = logging.getLogger("relaytrain.engine")
+
+#: Ray Train's controller polls workers this often; a report blocks up to one interval when the
+#: previous one was not yet consumed. relaytrain reports only at checkpoints, so a shorter poll
+#: mostly buys faster failure detection. Users can override it in their environment.
+DEFAULT_HEALTH_CHECK_INTERVAL_S = "0.5"
+RAY_ENV_DEFAULTS = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": DEFAULT_HEALTH_CHECK_INTERVAL_S,
+    "RAY_TRAIN_ENABLE_STATE_TRACKING": "0",
+}
+
+EventHandler = Callable[[dict[str, Any]], None]
+
+
+# -- Ray lifecycle --------------------------------------------------------------------------------
+
+
+def ray_runtime_env() -> dict[str, Any]:
+    """The job runtime env relaytrain needs: the health-check interval, unless the user set it."""
+    env = {k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}
+    return {"env_vars": env}
+
+
+@contextlib.contextmanager
+def ray_cluster(num_cpus: int | None = None) -> Iterator[bool]:
+    """Use the running Ray, or connect to ``RAY_ADDRESS``, or start a local cluster.
+
+    Yields whether this call started (or connected) Ray; only then is it shut down afterwards.
+    Whoever starts Ray stops it: a cluster someone else connected to is left alone.
+    """
+    if ray.is_initialized():
+        yield False
+        return
+    for key, value in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    address = os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = {"runtime_env": ray_runtime_env(), "log_to_driver": False}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+    try:
+        yield True
+    finally:
+        ray.shutdown()
+
+
+def check_capacity(spec: RunSpec) -> None:
+    """Refuse a worker group the cluster can never hold (Ray would wait forever)."""
+    per_worker = dict(spec.scaling.resources_per_worker or {})
+    per_worker.setdefault("GPU" if spec.scaling.use_gpu else "CPU", 1.0)
+    total = ray.cluster_resources()
+    for resource, amount in per_worker.items():
+        needed = amount * spec.scaling.num_workers
+        available = total.get(resource, 0.0)
+        if needed > available:
+            raise ClusterCapacityError(
+                f"scaling.num_workers={spec.scaling.num_workers} workers need {needed:g} "
+                f"{resource} in all, but the Ray cluster has {available:g}: lower "
+                "scaling.num_workers or scaling.resources_per_worker, or add nodes",
+                field="scaling.num_workers",
+            )
+
+
+@ray.remote(num_cpus=0)
+class MetricsRelay:
+    """Collects rank 0's events so the driver can stream them while fit() runs."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def push(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+    def drain(self) -> list[dict[str, Any]]:
+        events, self.events = self.events, []
+        return events
+
+
+# -- preflight ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What an attempt will do, decided on the driver before any worker starts."""
+
+    run_name: str
+    storage_uri: str
+    run_uri: str
+    attempt: int
+    resume_step: int | None
+    candidates: list[int]
+    reason: str
+
+
+def versions() -> dict[str, str]:
+    return {
+        "relaytrain": __version__,
+        "ray": ray.__version__,
+        "torch": torch.__version__,
+        "pyarrow": pyarrow.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def canonical_storage_uri(uri: str) -> str:
+    """The storage URI every process can resolve (local paths made absolute)."""
+    location = storage.resolve(uri)
+    return location.path if location.is_local else uri
+
+
+def validate_workload(spec: RunSpec) -> None:
+    """Import what the spec names and read the dataset's schema: SpecError before any worker."""
+    if spec.train_loop is not None:
+        workloads.resolve_train_loop(spec.train_loop)
+        return
+    assert spec.model is not None and spec.data is not None
+    arrays = data_mod.load_arrays(spec.data)
+    info = data_mod.describe(spec.data, arrays)
+    train, _ = data_mod.split(arrays, spec.data.validation_fraction, spec.run.seed)
+    data_mod.epoch_batches(len(train), spec.data.batch_size, 0, 0, 0, spec.scaling.num_workers)
+    workloads.build_model(spec.model, info.num_features, info.num_outputs)
+
+
+def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDirectory]:
+    """Validate storage and the run directory, and decide fresh start vs. resume."""
+    name = spec.run.name
+    if name is None:
+        raise SpecError("run.name is not set: give the run a name", field="run.name")
+    storage_uri = canonical_storage_uri(spec.run.storage)
+    root = storage.resolve(storage_uri)
+    if root.uri.startswith("memory://"):
+        raise SpecError(
+            "run.storage memory:// lives in one process; Ray workers cannot see it. Use a "
+            "path shared by every node, or object storage.",
+            field="run.storage",
+        )
+    storage.probe_writable(root)
+    run_dir = RunDirectory(root.child(name))
+    record = run_dir.read_run_record()
+    if record is not None:
+        stored_ray = record.get("versions", {}).get("ray")
+        if stored_ray and stored_ray != ray.__version__:
+            raise IncompatibleRunError(
+                f"run {run_dir.uri} was written by Ray {stored_ray}; this is Ray "
+                f"{ray.__version__}, which cannot read its run snapshot. Resume it with Ray "
+                f"{stored_ray}, or start a new run.name."
+            )
+        run_dir.check_compatible(spec.identity(), spec.fingerprint())
+    attempts = run_dir.read_attempts()
+    number = (
+        attempt if attempt is not None else (max((a["attempt"] for a in attempts), default=0) + 1)
+    )
+    scan = run_dir.scan()
+    candidates = [c.step for c in reversed(scan.committed)]
+    if candidates:
+        reason = f"resume from the newest committed checkpoint (step {candidates[0]})"
+        if scan.uncommitted:
+            reason += f"; ignoring uncommitted {', '.join(scan.uncommitted)}"
+        if scan.damaged:
+            reason += f"; skipping damaged {', '.join(scan.damaged)}"
+    else:
+        reason = "fresh start: no committed checkpoint in the run directory"
+    plan = Plan(
+        name,
+        storage_uri,
+        run_dir.uri,
+        number,
+        candidates[0] if candidates else None,
+        candidates,
+        reason,
+    )
+    return plan, run_dir
+
+
+# -- one attempt ----------------------------------------------------------------------------------
+
+
+@dataclass
+class AttemptResult:
+    run_name: str
+    run_uri: str
+    attempt: int
+    status: str
+    resumed_from_step: int | None
+    steps_completed: int
+    final_metrics: dict[str, Any]
+    latest_checkpoint_uri: str | None
+    wall_time_s: float
+    plan_reason: str
+    events: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "events"}
+
+
+@dataclass
+class LiveState:
+    """What the driver knows of a running attempt, folded from the relayed events."""
+
+    step: int = 0
+    resumed_from: int | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    checkpoint_uri: str | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def apply(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        kind = event["kind"]
+        if kind == "metrics" and event["rows"]:
+            self.step = max(self.step, event["rows"][-1]["step"])
+            self.metrics = {**self.metrics, **event["rows"][-1]}
+        elif kind == "resumed":
+            self.resumed_from = event.get("step")
+        elif kind == "fresh_start":
+            self.resumed_from = None
+        elif kind == "checkpoint":
+            self.checkpoint_uri = event.get("checkpoint_uri")
+
+
+def run_attempt(
+    spec: RunSpec,
+    *,
+    attempt: int | None = None,
+    on_event: EventHandler | None = None,
+    poll_interval_s: float = 0.5,
+) -> AttemptResult:
+    """Run one attempt of ``spec`` (resuming if the run has committed checkpoints)."""
+    started = time.time()
+    validate_workload(spec)
+    plan, run_dir = plan_attempt(spec, attempt)
+    with ray_cluster() as _:
+        check_capacity(spec)
+        if run_dir.read_run_record() is None:
+            run_dir.write_run_record(
+                {**spec.model_dump(mode="json"), "_identity": spec.identity()},
+                spec.fingerprint(),
+                versions(),
+            )
+        record = {
+            "attempt": plan.attempt,
+            "started_at": started,
+            "status": "running",
+            "resumed_from_step": plan.resume_step,
+            "plan": plan.reason,
+        }
+        run_dir.record_attempt(record)
+        _clean_orphans(spec, run_dir)
+        live = LiveState(step=plan.resume_step or 0, resumed_from=plan.resume_step)
+
+        def handle(event: dict[str, Any]) -> None:
+            live.apply(event)
+            if on_event is not None:
+                on_event(event)
+
+        try:
+            _fit(spec, plan, handle, poll_interval_s)
+        except BaseException as error:
+            classified = classify(error)
+            run_dir.record_attempt(
+                {
+                    **record,
+                    "status": "failed",
+                    "ended_at": time.time(),
+                    "resumed_from_step": live.resumed_from,
+                    "last_step": live.step,
+                    "error_class": type(classified).__name__,
+                    "error_budget": getattr(classified, "budget", "none"),
+                    "error_message": str(classified)[:2000],
+                    "error_step": getattr(classified, "step", None),
+                }
+            )
+            if classified is error:
+                raise
+            raise classified from error
+        newest = run_dir.scan().newest
+        result = AttemptResult(
+            run_name=plan.run_name,
+            run_uri=plan.run_uri,
+            attempt=plan.attempt,
+            status="completed",
+            resumed_from_step=live.resumed_from,
+            steps_completed=newest.step if newest else live.step,
+            final_metrics=newest.metrics if newest else dict(live.metrics),
+            latest_checkpoint_uri=newest.uri if newest else live.checkpoint_uri,
+            wall_time_s=time.time() - started,
+            plan_reason=plan.reason,
+            events=live.events,
+        )
+        run_dir.record_attempt(
+            {
+                **record,
+                "status": "completed",
+                "ended_at": time.time(),
+                "resumed_from_step": live.resumed_from,
+                "last_step": result.steps_completed,
+            }
+        )
+        return result
+
+
+def _clean_orphans(spec: RunSpec, run_dir: RunDirectory) -> None:
+    """Before workers start nothing is in flight: drop uncommitted checkpoint directories."""
+    scan = run_dir.scan()
+    plan = plan_retention(
+        scan.committed,
+        keep_last=None,
+        keep_best=0,
+        best_metric=spec.checkpoint.best_metric,
+        best_mode=spec.checkpoint.best_mode,
+        uncommitted=scan.uncommitted,
+    )
+    if plan.delete:
+        logger.info("removing uncommitted checkpoint directories: %s", plan.delete)
+        run_dir.delete_checkpoints(plan.delete)
+
+
+def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    root = storage.resolve(plan.storage_uri)
+    worker_config = WorkerConfig(
+        spec=spec.model_dump(mode="json"),
+        storage_uri=plan.storage_uri,
+        run_name=plan.run_name,
+        attempt=plan.attempt,
+        candidates=plan.candidates,
+        relay=relay,
+    )
+    user_loop = spec.train_loop is not None
+    return TorchTrainer(
+        train_loop_per_worker=user_train_loop if user_loop else builtin_train_loop,
+        train_loop_config=worker_config.to_dict(),
+        torch_config=TorchConfig(backend="nccl" if spec.scaling.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=spec.scaling.num_workers,
+            use_gpu=spec.scaling.use_gpu,
+            resources_per_worker=spec.scaling.resources_per_worker,
+        ),
+        run_config=RunConfig(
+            name=plan.run_name,
+            storage_path=root.path,
+            storage_filesystem=root.filesystem,
+            failure_config=FailureConfig(max_failures=0),
+            # relaytrain applies retention itself (keep last + best, never the resume point);
+            # a user's own loop relies on Ray's checkpoint manager.
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=spec.checkpoint.keep_last if user_loop else None
+            ),
+        ),
+    )
+
+
+def _fit(spec: RunSpec, plan: Plan, handle: EventHandler, poll_interval_s: float) -> None:
+    relay = MetricsRelay.remote()  # type: ignore[attr-defined]
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = _trainer(spec, plan, relay).fit()
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, name=f"relaytrain-fit-{plan.run_name}", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(poll_interval_s)
+            for event in ray.get(relay.drain.remote()):
+                handle(event)
+        for event in ray.get(relay.drain.remote()):
+            handle(event)
+    finally:
+        with contextlib.suppress(Exception):
+            ray.kill(relay)
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+# -- classification -------------------------------------------------------------------------------
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    seen = 0
+    while seen < 10:
+        seen += 1
+        inner = getattr(error, "_base_exc", None) or getattr(error, "cause", None)
+        if isinstance(error, ray.exceptions.RayTaskError):
+            inner = error.as_instanceof_cause() if inner is None else inner
+        if inner is None or inner is error or not isinstance(inner, BaseException):
+            return error
+        error = inner
+    return error
+
+
+def classify(error: BaseException) -> BaseException:
+    """Map what fit() raised to a RelaytrainError that says what the orchestrator must do.
+
+    Non-Exception BaseExceptions (cancellation, KeyboardInterrupt) pass through unchanged.
+    """
+    from ray.train import ControllerError, PreemptionError, WorkerGroupError
+
+    if isinstance(error, RelaytrainError) or not isinstance(error, Exception):
+        return error
+    if isinstance(error, PreemptionError):
+        return InfrastructureError(f"preempted: {error}")
+    if isinstance(error, WorkerGroupError):
+        failures = {rank: _unwrap(e) for rank, e in sorted(error.worker_failures.items())}
+        for failure in failures.values():  # a spec error anywhere wins: never retry it
+            if isinstance(failure, SpecError):
+                return failure
+        for failure in failures.values():
+            if isinstance(failure, TrainingCodeError):
+                return failure
+        for failure in failures.values():
+            if isinstance(failure, StorageError):
+                return failure
+        detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
+        if any(
+            isinstance(
+                e,
+                ray.exceptions.RayActorError
+                | ray.exceptions.NodeDiedError
+                | ray.exceptions.WorkerCrashedError,
+            )
+            for e in failures.values()
+        ):
+            return InfrastructureError(f"a training worker died: {detail}"[:4000])
+        first = next(iter(failures.values()), error)
+        return TrainingCodeError(
+            f"{type(first).__name__}: {first}"[:4000], error_type=type(first).__name__
+        )
+    if isinstance(error, ControllerError):
+        cause = _unwrap(error.controller_failure)
+        if isinstance(cause, ray.exceptions.ActorDiedError):
+            return IncompatibleRunError(
+                f"Ray Train's controller died while starting ({cause}); the usual cause is a "
+                "run snapshot written by another Ray version. Start a new run.name, or resume "
+                "with the Ray version that wrote it."
+            )
+        return InfrastructureError(f"Ray Train's controller failed: {cause}")
+    if isinstance(error, ray.exceptions.RayError):
+        return InfrastructureError(f"Ray failed: {type(error).__name__}: {error}"[:4000])
+    if isinstance(error, OSError):
+        return InfrastructureError(f"storage or system error: {error}")
+    return TrainingCodeError(f"{type(error).__name__}: {error}", error_type=type(error).__name__)

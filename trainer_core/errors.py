@@ -1,0 +1,106 @@
+"""The error hierarchy, classified by what the orchestrator must do.
+
+- ``SpecError``: the input is wrong. Never retried: a retry cannot fix it.
+- ``InfrastructureError``: a worker or node died, the node was preempted, storage failed
+  transiently. Retried from the newest committed checkpoint, on the infrastructure budget.
+- ``TrainingCodeError``: the training code raised. Retried on its own (smaller) budget; the same
+  error at the same step twice in a row is a bug, not bad luck (see ``is_repeat_of``).
+
+Every class pickles with its extra fields (errors cross Ray worker and Prefect result boundaries).
+"""
+
+from __future__ import annotations
+
+
+class RelaytrainError(Exception):
+    """Root of every error relaytrain raises on purpose."""
+
+    #: Retry budget this error draws on: "none", "infrastructure" or "code".
+    budget = "none"
+
+    def __reduce__(self):  # keep subclasses with extra kwargs picklable
+        return (_rebuild, (type(self), self.args, self.__dict__.copy()))
+
+
+def _rebuild(cls, args, state):
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
+class SpecError(RelaytrainError, ValueError):
+    """The run specification, a parameter, or something it names is invalid. Never retried."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class ClusterCapacityError(SpecError):
+    """The Ray cluster cannot hold the requested workers (Ray itself would wait forever)."""
+
+
+class IncompatibleRunError(SpecError):
+    """The run directory was written by an incompatible spec, schema or Ray version."""
+
+
+class StorageError(RelaytrainError):
+    """Storage cannot be reached, read or written."""
+
+
+class StorageUnavailableError(StorageError):
+    """A transient storage failure: worth a retry on the infrastructure budget."""
+
+    budget = "infrastructure"
+
+
+class CheckpointCorruptError(StorageError):
+    """A checkpoint's files do not match its manifest (or it has no valid commit marker)."""
+
+
+class InfrastructureError(RelaytrainError):
+    """A worker or node died, or was preempted. Retried from the newest committed checkpoint."""
+
+    budget = "infrastructure"
+
+    def __init__(self, message: str, *, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+class TrainingCodeError(RelaytrainError):
+    """The training code raised. ``error_type`` and ``step`` identify it across attempts."""
+
+    budget = "code"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        error_type: str,
+        step: int | None = None,
+        rank: int | None = None,
+        traceback: str | None = None,
+        deterministic: bool = False,
+    ):
+        super().__init__(message)
+        self.error_type = error_type
+        self.step = step
+        self.rank = rank
+        self.traceback = traceback
+        #: True when the failure will repeat on retry (e.g. the loss became NaN).
+        self.deterministic = deterministic
+
+    def is_repeat_of(self, other: BaseException | None) -> bool:
+        """True when ``other`` is the same training error at the same step (stop retrying)."""
+        return (
+            isinstance(other, TrainingCodeError)
+            and other.error_type == self.error_type
+            and other.step == self.step
+            and str(other) == str(self)
+        )
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside training code by a ``raise`` fault from the spec (tests and demos)."""

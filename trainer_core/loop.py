@@ -1,0 +1,521 @@
+"""The per-worker training loop (runs inside Ray Train workers).
+
+With ``engine`` this is the only module that touches Ray: it calls ``ray.train.report`` (only to
+register committed checkpoints, so reports stay rare) and Ray's torch helpers. Metrics reach the
+driver through a relay actor, without blocking the step.
+
+Resume is exact: model, optimizer, LR schedule, every rank's RNG states and the data cursor are
+restored from the newest checkpoint that every rank can verify against its manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from ray.train import Checkpoint, CheckpointUploadMode
+
+from trainer_core import data as data_mod
+from trainer_core import storage, training_state, workloads
+from trainer_core.checkpoints import CheckpointInfo, FileEntry, RunDirectory, plan_retention
+from trainer_core.errors import (
+    CheckpointCorruptError,
+    InjectedFault,
+    RelaytrainError,
+    TrainingCodeError,
+)
+from trainer_core.spec import FaultSection, RunSpec
+
+logger = logging.getLogger("relaytrain.worker")
+
+
+# -- what the engine hands every worker ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    spec: dict[str, Any]
+    storage_uri: str
+    run_name: str
+    attempt: int
+    #: Committed checkpoint steps, newest first, as the driver's scan found them.
+    candidates: list[int]
+    relay: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"relaytrain": self}
+
+
+@dataclass
+class Faults:
+    faults: list[FaultSection]
+    attempt: int
+    rank: int
+
+    def check(self, step: int) -> None:
+        for fault in self.faults:
+            if (fault.attempt, fault.rank, fault.at_step) != (self.attempt, self.rank, step):
+                continue
+            if fault.kind == "kill":
+                logger.warning("fault: SIGKILL of rank %d at step %d", self.rank, step)
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise InjectedFault(
+                f"injected fault at step {step} on rank {self.rank} (attempt {self.attempt})"
+            )
+
+
+class Relay:
+    """Rank 0's non-blocking channel to the driver (fire-and-forget actor calls)."""
+
+    def __init__(self, handle: Any, rank: int):
+        self.handle = handle if rank == 0 else None
+
+    def send(self, kind: str, **payload: Any) -> None:
+        if self.handle is not None:
+            self.handle.push.remote({"kind": kind, "time": time.time(), **payload})
+
+
+def _all_reduce(values: list[float], op: Any = None) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def _all_ok(ok: bool) -> bool:
+    return _all_reduce([1.0 if ok else 0.0], dist.ReduceOp.MIN)[0] == 1.0
+
+
+# -- the built-in loop ---------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    cursor: data_mod.Cursor = field(default_factory=lambda: data_mod.Cursor(0, 0))
+    metrics: dict[str, float] = field(default_factory=dict)
+    resumed_from: int | None = None
+
+
+class BuiltinLoop:
+    """One worker's side of a run of the built-in loop."""
+
+    def __init__(self, config: WorkerConfig):
+        context = ray.train.get_context()
+        self.rank = context.get_world_rank()
+        self.world_size = context.get_world_size()
+        self.config = config
+        self.spec = RunSpec.model_validate(config.spec)
+        assert self.spec.model and self.spec.data and self.spec.schedule
+        self.run_dir = RunDirectory(storage.resolve(config.storage_uri).child(config.run_name))
+        self.relay = Relay(config.relay, self.rank)
+        self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
+        self.data_spec = self.spec.data.resolved()
+        arrays = data_mod.load_arrays(self.data_spec)
+        info = data_mod.describe(self.data_spec, arrays)
+        self.train, self.val = data_mod.split(
+            arrays, self.data_spec.validation_fraction, self.spec.run.seed
+        )
+        self.num_batches = data_mod.batches_per_epoch(
+            len(self.train), self.data_spec.batch_size, self.world_size
+        )
+        self.total_steps = self.num_batches * self.spec.schedule.epochs
+        training_state.seed_everything(self.spec.run.seed)  # identical initial weights
+        self.model = workloads.build_model(self.spec.model, info.num_features, info.num_outputs)
+        self.optimizer = training_state.make_optimizer(self.model.parameters(), self.spec.optimizer)
+        self.scheduler = training_state.make_scheduler(
+            self.optimizer, self.spec.schedule, self.total_steps
+        )
+        self.loss_fn = workloads.loss_function(self.data_spec.task or "classification")
+        training_state.seed_everything(self.spec.run.seed * 1009 + self.rank + 1)  # per-rank RNG
+        self.progress = Progress()
+        self.pending: list[dict[str, Any]] = []  # rows not yet aggregated across ranks
+        self.unsaved: list[dict[str, Any]] = []  # rows not yet in a metrics segment
+        self.last_checkpoint_step = 0
+        self.current_step = 0
+
+    # -- resume --------------------------------------------------------------------------------
+
+    def _files_for_rank(self, checkpoint: CheckpointInfo) -> dict[str, str]:
+        sharded = checkpoint.manifest.get("sharded", False)
+        same_world = checkpoint.manifest.get("world_size") == self.world_size
+        suffix = f"-rank{self.rank}" if sharded else ""
+        wanted = {
+            "model": f"model{suffix}.pt",
+            "optimizer": f"optimizer{suffix}.pt",
+            "scheduler": "scheduler.pt",
+        }
+        if same_world:
+            wanted["rng"] = f"rng-rank{self.rank}.pt"
+        return wanted
+
+    def restore(self) -> None:
+        skipped: list[dict[str, Any]] = []
+        for step in self.config.candidates:
+            states: dict[str, Any] | None = None
+            checkpoint = None
+            try:
+                checkpoint = self.run_dir.read_committed(step)
+                if checkpoint is None:
+                    raise CheckpointCorruptError(f"checkpoint at step {step} is not committed")
+                states = {
+                    key: training_state.from_bytes(self.run_dir.read_verified(checkpoint, name))
+                    for key, name in self._files_for_rank(checkpoint).items()
+                }
+            except (CheckpointCorruptError, FileNotFoundError, RuntimeError, ValueError) as e:
+                logger.warning("rank %d cannot use checkpoint %d: %s", self.rank, step, e)
+                skipped.append({"step": step, "reason": str(e)})
+                states = None
+            if not _all_ok(states is not None):
+                if states is not None:
+                    skipped.append({"step": step, "reason": "another rank could not verify it"})
+                continue
+            assert states is not None and checkpoint is not None
+            self.model.load_state_dict(states["model"])
+            self.optimizer.load_state_dict(states["optimizer"])
+            self.scheduler.load_state_dict(states["scheduler"])
+            if "rng" in states:
+                training_state.restore_rng(states["rng"])
+            manifest = checkpoint.manifest
+            self.progress = Progress(
+                step=step,
+                cursor=data_mod.Cursor.from_json(manifest["cursor"]),
+                metrics=dict(manifest.get("metrics") or {}),
+                resumed_from=step,
+            )
+            self.last_checkpoint_step = step
+            self.relay.send("resumed", step=step, checkpoint_uri=checkpoint.uri, skipped=skipped)
+            return
+        self.relay.send("fresh_start", skipped=skipped)
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.restore()
+        ddp_model = ray.train.torch.prepare_model(self.model)
+        schedule = self.spec.schedule
+        assert schedule is not None
+        cursor = self.progress.cursor
+        step = self.progress.step
+        for epoch in range(cursor.epoch, schedule.epochs):
+            batches = data_mod.epoch_batches(
+                len(self.train),
+                self.data_spec.batch_size,
+                self.spec.run.seed,
+                epoch,
+                self.rank,
+                self.world_size,
+            )
+            first = cursor.batch if epoch == cursor.epoch else 0
+            ddp_model.train()
+            for index in range(first, len(batches)):
+                step += 1
+                loss = self._step(ddp_model, batches[index], step)
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.pending.append(
+                    {"step": step, "epoch": epoch, "batch": index, "loss": loss, "lr": lr}
+                )
+                end_of_epoch = index == len(batches) - 1
+                extra: dict[str, float] = {}
+                if end_of_epoch:
+                    extra = self._evaluate()
+                    ddp_model.train()
+                should_checkpoint = step % self.spec.checkpoint.every == 0 or (
+                    end_of_epoch and epoch == schedule.epochs - 1
+                )
+                if step % self.spec.report.every == 0 or end_of_epoch or should_checkpoint:
+                    self._aggregate(extra)
+                if should_checkpoint:
+                    next_cursor = (
+                        data_mod.Cursor(epoch + 1, 0)
+                        if end_of_epoch
+                        else data_mod.Cursor(epoch, index + 1)
+                    )
+                    self._checkpoint(step, next_cursor)
+        if step == self.progress.step and step > 0 and self.last_checkpoint_step == step:
+            self.relay.send("already_complete", step=step)
+        self.relay.send("finished", step=step, metrics=self.progress.metrics)
+
+    def _step(self, model: torch.nn.Module, index: np.ndarray, step: int) -> float:
+        self.current_step = step
+        self.faults.check(step)
+        features = torch.from_numpy(self.train.features[index])
+        labels = torch.from_numpy(self.train.labels[index])
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(model(features), labels)
+        loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        value = loss.item()
+        if not math.isfinite(value):
+            raise TrainingCodeError(
+                f"loss became {value} at step {step} on rank {self.rank}: lower optimizer.lr, "
+                "check the data for NaN/inf, or add gradient clipping in your model",
+                error_type="NonFiniteLoss",
+                step=step,
+                rank=self.rank,
+                deterministic=True,
+            )
+        return value
+
+    @torch.no_grad()
+    def _evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        index = data_mod.shard(len(self.val), self.rank, self.world_size)
+        loss_sum, correct = 0.0, 0.0
+        for start in range(0, len(index), 256):
+            part = index[start : start + 256]
+            features = torch.from_numpy(self.val.features[part])
+            labels = torch.from_numpy(self.val.labels[part])
+            output = self.model(features)
+            loss_sum += float(self.loss_fn(output, labels)) * len(part)
+            if self.data_spec.task == "classification":
+                correct += float((output.argmax(dim=1) == labels).sum())
+        loss_sum, correct, count = _all_reduce([loss_sum, correct, float(len(index))])
+        if count == 0:
+            return {}
+        metrics = {"val_loss": loss_sum / count}
+        if self.data_spec.task == "classification":
+            metrics["val_accuracy"] = correct / count
+        return metrics
+
+    def _aggregate(self, extra: dict[str, float]) -> None:
+        """Average the pending per-step losses across ranks (one collective per window)."""
+        if not self.pending:
+            return
+        means = _all_reduce([row["loss"] for row in self.pending])
+        rows = []
+        for row, total in zip(self.pending, means, strict=True):
+            rows.append(
+                {
+                    **row,
+                    "loss": total / self.world_size,
+                    "attempt": self.config.attempt,
+                    "time": time.time(),
+                }
+            )
+        rows[-1].update(extra)
+        self.pending = []
+        self.unsaved.extend(rows)
+        self.progress.metrics = {
+            "step": rows[-1]["step"],
+            "epoch": rows[-1]["epoch"],
+            "loss": rows[-1]["loss"],
+            **{k: v for k, v in self.progress.metrics.items() if k.startswith("val_")},
+            **extra,
+        }
+        self.relay.send("metrics", rows=rows)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _checkpoint(self, step: int, cursor: data_mod.Cursor) -> None:
+        sharded = self.spec.checkpoint.sharded
+        if self.rank == 0:
+            self.run_dir.prepare_checkpoint_dir(step)
+        dist.barrier()
+        entries: list[FileEntry] = []
+        write = self.run_dir.write_checkpoint_file
+        suffix = f"-rank{self.rank}" if sharded else ""
+        if sharded or self.rank == 0:
+            entries.append(
+                write(step, f"model{suffix}.pt", training_state.to_bytes(self.model.state_dict()))
+            )
+            entries.append(
+                write(
+                    step,
+                    f"optimizer{suffix}.pt",
+                    training_state.to_bytes(self.optimizer.state_dict()),
+                )
+            )
+        if self.rank == 0:
+            entries.append(
+                write(step, "scheduler.pt", training_state.to_bytes(self.scheduler.state_dict()))
+            )
+        entries.append(
+            write(
+                step,
+                f"rng-rank{self.rank}.pt",
+                training_state.to_bytes(training_state.capture_rng()),
+            )
+        )
+        gathered: list[list[FileEntry] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, entries)
+        metrics = dict(self.progress.metrics)
+        location = self.run_dir.checkpoint_location(step)
+        if self.rank == 0:
+            self.run_dir.write_metrics_segment(self.config.attempt, self.unsaved)
+            info = self.run_dir.commit_checkpoint(
+                step,
+                [e for part in gathered for e in (part or [])],
+                {
+                    "epoch": cursor.epoch,
+                    "cursor": cursor.to_json(),
+                    "metrics": metrics,
+                    "world_size": self.world_size,
+                    "sharded": sharded,
+                    "attempt": self.config.attempt,
+                    "format": "relaytrain.torch/1",
+                },
+            )
+            self._apply_retention(step)
+            self.relay.send("checkpoint", step=step, checkpoint_uri=info.uri, metrics=metrics)
+        self.unsaved = []
+        self.last_checkpoint_step = step
+        # Register the committed checkpoint with Ray: it is already in Ray's run directory
+        # (RunConfig(storage_path, name) is the same place), so nothing is uploaded again.
+        ray_storage = ray.train.get_context().get_storage()
+        name = location.path.rsplit("/", 1)[-1]
+        checkpoint = Checkpoint(
+            f"{ray_storage.experiment_fs_path}/{name}", filesystem=ray_storage.storage_filesystem
+        )
+        ray.train.report(
+            {k: v for k, v in metrics.items() if isinstance(v, int | float)},
+            checkpoint=checkpoint if self.rank == 0 else None,
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+        )
+
+    def _apply_retention(self, step: int) -> None:
+        policy = self.spec.checkpoint
+        scan = self.run_dir.scan()
+        plan = plan_retention(
+            scan.committed,
+            keep_last=policy.keep_last,
+            keep_best=policy.keep_best,
+            best_metric=policy.best_metric,
+            best_mode=policy.best_mode,
+            protected_steps={self.progress.resumed_from or 0},
+            uncommitted=scan.uncommitted,
+            in_flight_from_step=step + 1,
+        )
+        if plan.delete:
+            self.run_dir.delete_checkpoints(plan.delete)
+
+
+def builtin_train_loop(config: dict[str, Any]) -> None:
+    """Ray Train ``train_loop_per_worker`` of the built-in loop."""
+    worker_config: WorkerConfig = config["relaytrain"]
+    loop = None
+    try:
+        loop = BuiltinLoop(worker_config)
+        loop.run()
+    except (RelaytrainError, InjectedFault) as e:
+        if isinstance(e, InjectedFault):
+            raise _as_code_error(e, loop) from e
+        raise
+    except Exception as e:
+        raise _as_code_error(e, loop) from e
+
+
+def _as_code_error(error: BaseException, loop: BuiltinLoop | None) -> TrainingCodeError:
+    step = None
+    rank = None
+    if loop is not None:
+        rank = loop.rank
+        step = loop.current_step or None
+    return TrainingCodeError(
+        f"{type(error).__name__}: {error}",
+        error_type=type(error).__name__,
+        step=step,
+        rank=rank,
+        traceback="".join(traceback.format_exception(error)),
+    )
+
+
+# -- a user's own Ray Train loop ------------------------------------------------------------------
+
+
+class ReportHook:
+    """Wraps ``ray.train.report`` around a user's loop: faults, relayed and persisted metrics.
+
+    A "step" of a user loop is one ``report`` call, unless the metrics carry ``step``.
+    """
+
+    def __init__(self, config: WorkerConfig, original: Callable[..., Any]):
+        context = ray.train.get_context()
+        self.rank = context.get_world_rank()
+        self.original = original
+        self.config = config
+        self.spec = RunSpec.model_validate(config.spec)
+        self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
+        self.relay = Relay(config.relay, self.rank)
+        self.run_dir = RunDirectory(storage.resolve(config.storage_uri).child(config.run_name))
+        self.calls = 0
+        self.unsaved: list[dict[str, Any]] = []
+
+    def __call__(self, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.faults.check(self.calls)
+        step = int(metrics.get("step", self.calls)) if isinstance(metrics, dict) else self.calls
+        row = {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float | str)}
+        row.update(step=step, attempt=self.config.attempt, time=time.time())
+        self.unsaved.append(row)
+        self.relay.send("metrics", rows=[row])
+        result = self.original(metrics, *args, **kwargs)
+        checkpoint = kwargs.get("checkpoint") or (args[0] if args else None)
+        if self.rank == 0 and checkpoint is not None:
+            self.flush()
+            self.relay.send("checkpoint", step=step, metrics=row)
+        return result
+
+    def flush(self) -> None:
+        if self.rank == 0 and self.unsaved:
+            self.run_dir.write_metrics_segment(self.config.attempt, self.unsaved)
+        self.unsaved = []
+
+
+def user_train_loop(config: dict[str, Any]) -> None:
+    """Ray Train ``train_loop_per_worker`` that runs a user's own loop unchanged."""
+    worker_config: WorkerConfig = config["relaytrain"]
+    spec = RunSpec.model_validate(worker_config.spec)
+    assert spec.train_loop is not None
+    hook = ReportHook(worker_config, ray.train.report)
+    ray.train.report = hook  # the loop is imported below, so `from ray.train import report` works
+    try:
+        fn = workloads.resolve_train_loop(spec.train_loop)
+        resumed = ray.train.get_checkpoint()
+        hook.relay.send(
+            "resumed" if resumed else "fresh_start",
+            checkpoint_uri=resumed.path if resumed else None,
+            skipped=[],
+        )
+        try:
+            if _takes_config(fn):
+                fn(dict(spec.train_loop_config))
+            else:
+                fn()
+        except (RelaytrainError, InjectedFault) as e:
+            if isinstance(e, InjectedFault):
+                raise TrainingCodeError(
+                    str(e), error_type="InjectedFault", step=hook.calls, rank=hook.rank
+                ) from e
+            raise
+        except Exception as e:
+            raise TrainingCodeError(
+                f"{type(e).__name__}: {e}",
+                error_type=type(e).__name__,
+                step=hook.calls,
+                rank=hook.rank,
+                traceback="".join(traceback.format_exception(e)),
+            ) from e
+        hook.flush()
+        hook.relay.send("finished", step=hook.calls, metrics={})
+    finally:
+        ray.train.report = hook.original
+
+
+def _takes_config(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    return len(inspect.signature(fn).parameters) >= 1

@@ -1,0 +1,364 @@
+"""The run specification: validated once at the edge (YAML, CLI ``--set``, flow parameters), frozen.
+
+Key names that users, deployments and tests depend on are fixed (see README "The run spec").
+Sections that only the built-in loop reads (model, data, optimizer, schedule) are optional when a
+user's own Ray Train loop is named with ``train_loop``, and required otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from trainer_core.errors import SpecError
+
+SCHEMA_VERSION = 1
+
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+IMPORT_PATH_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+BUILTIN_MODELS = ("mlp", "cnn")
+BUILTIN_DATASETS = ("digits", "synthetic")
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def validate_run_name(name: str) -> str:
+    """Return ``name`` if it is a safe run name, else raise SpecError naming the rule."""
+    if not RUN_NAME_PATTERN.fullmatch(name) or ".." in name:
+        raise SpecError(
+            f"run.name {name!r} is not a valid run name: use 1-100 characters from "
+            "letters, digits, '.', '_' and '-', starting with a letter or digit, and no '..' "
+            "(a run name is a directory under run.storage and must not escape it).",
+            field="run.name",
+        )
+    return name
+
+
+class RunSection(_Section):
+    name: str | None = None
+    storage: str = "./runs"
+    seed: int = 0
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        return None if value is None else validate_run_name(value)
+
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError(
+                "run.storage is empty: give a path or a URI such as s3://bucket/prefix"
+            )
+        return value
+
+
+class ModelSection(_Section):
+    #: "mlp", "cnn", or the import path of a builder ``package.module:function``.
+    name: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if value not in BUILTIN_MODELS and not IMPORT_PATH_PATTERN.fullmatch(value):
+            raise ValueError(
+                f"model.name {value!r} is neither a built-in model {BUILTIN_MODELS} nor an "
+                "import path 'package.module:function'"
+            )
+        return value
+
+
+class SyntheticSection(_Section):
+    num_samples: PositiveInt = 2048
+    num_features: PositiveInt = 16
+    noise: Annotated[float, Field(ge=0)] = 0.1
+
+
+class DataSection(_Section):
+    #: "digits", "synthetic", or a Parquet URI / path (file or directory).
+    dataset: str
+    #: One list column (e.g. "pixels") or several scalar columns.
+    features: str | list[str] | None = None
+    label: str | None = None
+    task: Literal["classification", "regression"] | None = None
+    batch_size: PositiveInt = 32
+    validation_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
+
+    @model_validator(mode="after")
+    def _builtin_defaults(self) -> DataSection:
+        if self.dataset not in BUILTIN_DATASETS and (self.features is None or self.label is None):
+            raise ValueError(
+                f"data.dataset {self.dataset!r} is a Parquet dataset: name its columns with "
+                "data.features (one list column or a list of scalar columns) and data.label"
+            )
+        if self.dataset not in BUILTIN_DATASETS and self.task is None:
+            raise ValueError(
+                "data.task is required for a Parquet dataset: 'classification' or 'regression'"
+            )
+        return self
+
+    def resolved(self) -> DataSection:
+        """This section with the built-in datasets' columns and task filled in."""
+        defaults: dict[str, Any] = {}
+        if self.dataset == "digits":
+            defaults = {"features": "pixels", "label": "label", "task": "classification"}
+        elif self.dataset == "synthetic":
+            defaults = {"features": "x", "label": "y", "task": "regression"}
+        update = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        return self.model_copy(update=update)
+
+
+class OptimizerSection(_Section):
+    name: Literal["sgd", "adam", "adamw"] = "adam"
+    lr: Annotated[float, Field(gt=0)] = 1e-3
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+
+
+class ScheduleSection(_Section):
+    epochs: PositiveInt
+    lr_schedule: Literal["constant", "cosine", "step"] = "constant"
+    warmup_steps: NonNegativeInt = 0
+    #: For lr_schedule "step": multiply the rate by ``gamma`` every ``step_size`` steps.
+    step_size: PositiveInt = 100
+    gamma: Annotated[float, Field(gt=0, le=1)] = 0.5
+
+
+class ScalingSection(_Section):
+    num_workers: PositiveInt
+    use_gpu: bool = False
+    resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] | None = None
+
+
+class CheckpointSection(_Section):
+    #: Commit a checkpoint every this many optimizer steps (and always at the end).
+    every: PositiveInt = 50
+    #: Keep the newest N committed checkpoints; None keeps all.
+    keep_last: PositiveInt | None = 3
+    #: Also keep the best N by ``best_metric``; 0 disables.
+    keep_best: NonNegativeInt = 1
+    best_metric: str = "val_loss"
+    best_mode: Literal["min", "max"] = "min"
+    #: Every rank writes its own model/optimizer shard (rank-named files) instead of rank 0 only.
+    sharded: bool = False
+
+
+class ReportSection(_Section):
+    #: Aggregate per-step losses across ranks and stream them to the driver every N steps.
+    every: PositiveInt = 10
+
+
+class RetriesSection(_Section):
+    infrastructure: NonNegativeInt = 3
+    code: NonNegativeInt = 1
+
+
+class FaultSection(_Section):
+    kind: Literal["raise", "kill"]
+    at_step: PositiveInt
+    rank: NonNegativeInt = 0
+    attempt: PositiveInt = 1
+
+
+class RunSpec(_Section):
+    """The whole, validated, frozen specification of a training run."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection | None = None
+    data: DataSection | None = None
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
+    schedule: ScheduleSection | None = None
+    scaling: ScalingSection
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    report: ReportSection = Field(default_factory=ReportSection)
+    retries: RetriesSection = Field(default_factory=RetriesSection)
+    #: Import path of a user's own Ray Train ``train_loop_per_worker``.
+    train_loop: str | None = None
+    train_loop_config: dict[str, Any] = Field(default_factory=dict)
+    faults: list[FaultSection] = Field(default_factory=list)
+
+    @field_validator("train_loop")
+    @classmethod
+    def _train_loop(cls, value: str | None) -> str | None:
+        if value is not None and not IMPORT_PATH_PATTERN.fullmatch(value):
+            raise ValueError(
+                f"train_loop {value!r} is not an import path: use 'package.module:function'"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunSpec:
+        if self.train_loop is None:
+            missing = [s for s in ("model", "data", "schedule") if getattr(self, s) is None]
+            if missing:
+                raise ValueError(
+                    f"section(s) {missing} are required by the built-in training loop "
+                    "(or name your own Ray Train loop with train_loop)"
+                )
+        else:
+            ignored = [s for s in ("model", "data", "schedule") if getattr(self, s) is not None]
+            if ignored:
+                warnings.warn(
+                    f"train_loop is set, so section(s) {ignored} are ignored: pass what your "
+                    "loop needs through train_loop_config",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        for fault in self.faults:
+            if fault.rank >= self.scaling.num_workers:
+                raise ValueError(
+                    f"faults: rank {fault.rank} does not exist with scaling.num_workers="
+                    f"{self.scaling.num_workers}: use a rank below {self.scaling.num_workers}"
+                )
+        if self.scaling.use_gpu:
+            warnings.warn(
+                "scaling.use_gpu is true: the workers will need GPUs (CPU runs use gloo)",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self
+
+    # -- derived values --------------------------------------------------------------------
+
+    def with_run_name(self, name: str) -> RunSpec:
+        """This spec with ``run.name`` set (validated)."""
+        validate_run_name(name)
+        return self.model_copy(update={"run": self.run.model_copy(update={"name": name})})
+
+    def default_run_name(self, now: str) -> str:
+        """A unique-enough default name from the workload and a timestamp string."""
+        if self.train_loop is not None:
+            workload = self.train_loop.rsplit(":", 1)[1]
+        else:
+            assert self.model is not None and self.data is not None
+            dataset = self.data.dataset if self.data.dataset in BUILTIN_DATASETS else "parquet"
+            workload = f"{dataset}-{self.model.name.rsplit(':', 1)[-1]}"
+        return validate_run_name(re.sub(r"[^A-Za-z0-9._-]", "-", f"{workload}-{now}")[:100])
+
+    def identity(self) -> dict[str, Any]:
+        """The parts a resumed run must share with the run that wrote its checkpoints."""
+        data = (
+            self.data.resolved().model_dump(exclude={"validation_fraction"}) if self.data else None
+        )
+        return {
+            "model": self.model.model_dump() if self.model else None,
+            "data": data,
+            "train_loop": self.train_loop,
+            "num_workers": self.scaling.num_workers,
+            "seed": self.run.seed,
+            "sharded": self.checkpoint.sharded,
+        }
+
+    def fingerprint(self) -> str:
+        """sha256 of the spec's identity (what must not change across a run's attempts)."""
+        canonical = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# -- building a spec at the edge -----------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``dotted.key=value``; the value is JSON where it parses, else a plain string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise SpecError(
+            f"override {text!r} is not of the form dotted.key=value (e.g. scaling.num_workers=2)",
+            field="--set",
+        )
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_override(raw: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set ``value`` at ``path`` inside nested dicts/lists, creating dicts as needed."""
+    node: Any = raw
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise SpecError(
+                    f"override {'.'.join(path)}: {part!r} is not an index of a list of "
+                    f"{len(node)} item(s)",
+                    field=".".join(path),
+                )
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+            continue
+        if not isinstance(node, dict):
+            raise SpecError(
+                f"override {'.'.join(path)}: {'.'.join(path[:i])} is not a section",
+                field=".".join(path),
+            )
+        if last:
+            node[part] = value
+        else:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(p) for p in item["loc"]) or "spec"
+        given = item.get("input")
+        shown = "" if isinstance(given, dict) else f" (got {given!r})"
+        lines.append(f"  {loc}: {item['msg']}{shown}")
+    return "invalid run spec:\n" + "\n".join(lines)
+
+
+def build_spec(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> RunSpec:
+    """Validate a raw mapping plus ``--set`` overrides into a frozen RunSpec or raise SpecError."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"a run spec must be a mapping, got {type(raw).__name__}")
+    raw = json.loads(json.dumps(raw))  # deep copy, and proves it is plain data
+    for text in overrides:
+        path, value = parse_override(text)
+        apply_override(raw, path, value)
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]["loc"] if e.errors() else ()
+        raise SpecError(
+            format_validation_error(e), field=".".join(str(p) for p in first) or None
+        ) from e
+
+
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunSpec:
+    """Load a YAML spec file and apply ``--set`` overrides."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as e:
+        raise SpecError(f"spec file {str(path)!r} does not exist", field="--config") from e
+    except yaml.YAMLError as e:
+        raise SpecError(f"spec file {str(path)!r} is not valid YAML: {e}", field="--config") from e
+    return build_spec(raw, overrides)

@@ -1,0 +1,83 @@
+"""What a checkpoint must hold for resume to be exact, as bytes; and the optimizer/schedule.
+
+Everything here is plain torch, loadable with ``torch.load(..., weights_only=True)``: storage is
+not trusted code, so no pickled Python objects beyond tensors and primitive containers.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer_core.spec import OptimizerSection, ScheduleSection
+
+
+def to_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def capture_rng() -> dict[str, Any]:
+    """The python, numpy and torch RNG states of this process."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(np.asarray(keys).copy()), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(params: Any, section: OptimizerSection) -> torch.optim.Optimizer:
+    if section.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=section.lr, momentum=section.momentum, weight_decay=section.weight_decay
+        )
+    if section.name == "adamw":
+        return torch.optim.AdamW(params, lr=section.lr, weight_decay=section.weight_decay)
+    return torch.optim.Adam(params, lr=section.lr, weight_decay=section.weight_decay)
+
+
+def lr_factor(step: int, schedule: ScheduleSection, total_steps: int) -> float:
+    """Multiplier of the base learning rate after ``step`` optimizer steps. Pure."""
+    if schedule.warmup_steps and step < schedule.warmup_steps:
+        return (step + 1) / schedule.warmup_steps
+    if schedule.lr_schedule == "cosine":
+        span = max(total_steps - schedule.warmup_steps, 1)
+        progress = min((step - schedule.warmup_steps) / span, 1.0)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule.lr_schedule == "step":
+        return schedule.gamma ** (step // schedule.step_size)
+    return 1.0
+
+
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: ScheduleSection, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, schedule, total_steps)
+    )
