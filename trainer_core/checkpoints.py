@@ -314,7 +314,13 @@ def merge_metrics(
     before ``s`` (that timeline was rewound); of the rows left for a step, the newest attempt's
     wins. The result is sorted by step with no duplicates.
     """
-    rewinds = [(r["attempt"], r.get("resumed_from_step") or 0) for r in attempts]
+    # An attempt whose resume point is unknown (None: a user's loop resumed by Ray) rewinds
+    # nothing; 0 is a fresh start and rewinds everything before it.
+    rewinds = [
+        (r["attempt"], r["resumed_from_step"])
+        for r in attempts
+        if r.get("resumed_from_step") is not None
+    ]
     best: dict[int, tuple[int, dict[str, Any]]] = {}
     for attempt, rows in sorted(segments, key=lambda s: s[0]):
         for row in rows:

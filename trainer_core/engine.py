@@ -253,7 +253,7 @@ class LiveState:
         elif kind == "resumed":
             self.resumed_from = event.get("step")
         elif kind == "fresh_start":
-            self.resumed_from = None
+            self.resumed_from = 0  # known: from the beginning (None means unknown)
         elif kind == "checkpoint":
             self.checkpoint_uri = event.get("checkpoint_uri")
 
@@ -319,7 +319,7 @@ def run_attempt(
             run_uri=plan.run_uri,
             attempt=plan.attempt,
             status="completed",
-            resumed_from_step=live.resumed_from,
+            resumed_from_step=live.resumed_from or None,
             steps_completed=newest.step if newest else live.step,
             final_metrics=newest.metrics if newest else dict(live.metrics),
             latest_checkpoint_uri=newest.uri if newest else live.checkpoint_uri,
@@ -447,25 +447,19 @@ def classify(error: BaseException) -> BaseException:
         return InfrastructureError(f"preempted: {error}")
     if isinstance(error, WorkerGroupError):
         failures = {rank: _unwrap(e) for rank, e in sorted(error.worker_failures.items())}
-        for failure in failures.values():  # a spec error anywhere wins: never retry it
-            if isinstance(failure, SpecError):
-                return failure
-        for failure in failures.values():
-            if isinstance(failure, TrainingCodeError):
-                return failure
-        for failure in failures.values():
-            if isinstance(failure, StorageError):
-                return failure
+        # Precedence: a spec error anywhere (never retry), then a genuine training-code error,
+        # then storage; peers that only saw a dead rank's collective fail as infrastructure.
+        for kind in (SpecError, TrainingCodeError, StorageError, InfrastructureError):
+            for failure in failures.values():
+                if isinstance(failure, kind):
+                    return failure
         detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
-        if any(
-            isinstance(
-                e,
-                ray.exceptions.RayActorError
-                | ray.exceptions.NodeDiedError
-                | ray.exceptions.WorkerCrashedError,
-            )
-            for e in failures.values()
-        ):
+        died = (
+            ray.exceptions.RayActorError,
+            ray.exceptions.NodeDiedError,
+            ray.exceptions.WorkerCrashedError,
+        )
+        if any(isinstance(e, died) for e in failures.values()):
             return InfrastructureError(f"a training worker died: {detail}"[:4000])
         first = next(iter(failures.values()), error)
         return TrainingCodeError(

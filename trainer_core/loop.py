@@ -32,6 +32,7 @@ from trainer_core import storage, training_state, workloads
 from trainer_core.checkpoints import CheckpointInfo, FileEntry, RunDirectory, plan_retention
 from trainer_core.errors import (
     CheckpointCorruptError,
+    InfrastructureError,
     InjectedFault,
     RelaytrainError,
     TrainingCodeError,
@@ -418,12 +419,38 @@ def builtin_train_loop(config: dict[str, Any]) -> None:
         raise _as_code_error(e, loop) from e
 
 
-def _as_code_error(error: BaseException, loop: BuiltinLoop | None) -> TrainingCodeError:
+#: What a collective says when a peer process vanished (gloo over TCP, NCCL): the peer died,
+#: this rank did nothing wrong.
+PEER_FAILURE_SIGNS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Read error",
+    "Write error",
+    "NCCL communicator was aborted",
+)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """True when ``error`` is a collective failing because another rank went away."""
+    if isinstance(error, dist.DistBackendError | dist.DistNetworkError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(sign in text for sign in PEER_FAILURE_SIGNS)
+
+
+def _as_code_error(
+    error: BaseException, loop: BuiltinLoop | None
+) -> TrainingCodeError | InfrastructureError:
     step = None
     rank = None
     if loop is not None:
         rank = loop.rank
         step = loop.current_step or None
+    if is_peer_failure(error):
+        return InfrastructureError(
+            f"rank {rank} lost a peer during a collective at step {step}: {error}", step=step
+        )
     return TrainingCodeError(
         f"{type(error).__name__}: {error}",
         error_type=type(error).__name__,
@@ -439,7 +466,7 @@ def _as_code_error(error: BaseException, loop: BuiltinLoop | None) -> TrainingCo
 class ReportHook:
     """Wraps ``ray.train.report`` around a user's loop: faults, relayed and persisted metrics.
 
-    A "step" of a user loop is one ``report`` call, unless the metrics carry ``step``.
+    Fault steps count ``report`` calls in this attempt; history rows are keyed by ``user_step``.
     """
 
     def __init__(self, config: WorkerConfig, original: Callable[..., Any]):
@@ -457,7 +484,7 @@ class ReportHook:
     def __call__(self, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         self.faults.check(self.calls)
-        step = int(metrics.get("step", self.calls)) if isinstance(metrics, dict) else self.calls
+        step = user_step(metrics, self.calls)
         row = {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float | str)}
         row.update(step=step, attempt=self.config.attempt, time=time.time())
         self.unsaved.append(row)
@@ -473,6 +500,17 @@ class ReportHook:
         if self.rank == 0 and self.unsaved:
             self.run_dir.write_metrics_segment(self.config.attempt, self.unsaved)
         self.unsaved = []
+
+
+def user_step(metrics: Any, calls: int) -> int:
+    """The history key of a user loop's report: its ``step`` metric, else ``epoch + 1`` (epochs
+    done), else the report count in this attempt (which restarts after a resume)."""
+    if isinstance(metrics, dict):
+        if isinstance(metrics.get("step"), int | float):
+            return int(metrics["step"])
+        if isinstance(metrics.get("epoch"), int | float):
+            return int(metrics["epoch"]) + 1
+    return calls
 
 
 def user_train_loop(config: dict[str, Any]) -> None:

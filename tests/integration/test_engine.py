@@ -1,0 +1,159 @@
+"""The engine on a real local Ray cluster with 2 gloo DDP workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import tiny_raw
+from trainer_core import storage, training_state
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.engine import run_attempt
+from trainer_core.errors import (
+    ClusterCapacityError,
+    InfrastructureError,
+    SpecError,
+    TrainingCodeError,
+)
+from trainer_core.spec import build_spec
+
+pytestmark = pytest.mark.integration
+
+
+def final_state(run_dir: RunDirectory) -> dict:
+    newest = run_dir.scan().newest
+    assert newest is not None
+    return {
+        "step": newest.step,
+        "model": training_state.from_bytes(run_dir.read_verified(newest, "model.pt")),
+        "optimizer": training_state.from_bytes(run_dir.read_verified(newest, "optimizer.pt")),
+    }
+
+
+def assert_same_tensors(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same_tensors(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_tensors(x, y)
+    else:
+        assert a == b
+
+
+def losses(run_dir: RunDirectory) -> list[tuple[int, float]]:
+    return [(row["step"], row["loss"]) for row in run_dir.read_metrics_history()]
+
+
+def run_dir_of(spec) -> RunDirectory:
+    return RunDirectory(storage.resolve(spec.run.storage).child(spec.run.name))
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory):
+    """The uninterrupted run every recovery test must reproduce bit for bit."""
+    root = tmp_path_factory.mktemp("reference")
+    spec = build_spec(tiny_raw(root, "reference"))
+    events = []
+    result = run_attempt(spec, on_event=events.append)
+    assert result.status == "completed"
+    assert any(e["kind"] == "metrics" for e in events)  # streamed while fit() ran
+    run_dir = run_dir_of(spec)
+    return {"result": result, "state": final_state(run_dir), "losses": losses(run_dir)}
+
+
+def test_reference_run_is_complete(reference):
+    steps = [step for step, _ in reference["losses"]]
+    assert steps == list(range(1, reference["result"].steps_completed + 1))
+    assert reference["result"].steps_completed == 39  # 3 epochs x 13 batches per rank
+    assert "val_loss" in reference["result"].final_metrics
+
+
+def test_golden_exact_resume_after_raise(reference, tmp_path):
+    spec = build_spec(tiny_raw(tmp_path, "golden", faults=[{"kind": "raise", "at_step": 17}]))
+    with pytest.raises(TrainingCodeError) as failure:
+        run_attempt(spec)
+    assert failure.value.step == 17 and failure.value.error_type == "InjectedFault"
+    second = run_attempt(spec)
+    assert second.attempt == 2 and second.resumed_from_step == 10
+    run_dir = run_dir_of(spec)
+    assert_same_tensors(final_state(run_dir), reference["state"])
+    assert losses(run_dir) == reference["losses"]
+    attempts = run_dir.read_attempts()
+    assert [a["status"] for a in attempts] == ["failed", "completed"]
+    assert attempts[0]["error_class"] == "TrainingCodeError" and attempts[0]["error_step"] == 17
+    assert attempts[1]["resumed_from_step"] == 10
+
+
+def test_kill_mid_epoch_then_resume(reference, tmp_path):
+    spec = build_spec(
+        tiny_raw(tmp_path, "killed", faults=[{"kind": "kill", "at_step": 23, "rank": 1}])
+    )
+    with pytest.raises(InfrastructureError):
+        run_attempt(spec)
+    second = run_attempt(spec)
+    assert second.resumed_from_step == 20
+    run_dir = run_dir_of(spec)
+    assert_same_tensors(final_state(run_dir), reference["state"])
+    assert losses(run_dir) == reference["losses"]
+
+
+def test_corrupt_newest_checkpoint_falls_back(reference, tmp_path):
+    spec = build_spec(tiny_raw(tmp_path, "corrupt", faults=[{"kind": "raise", "at_step": 25}]))
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    run_dir = run_dir_of(spec)
+    newest = run_dir.scan().newest
+    assert newest is not None and newest.step == 20
+    model_file = tmp_path / "corrupt" / newest.name / "model.pt"
+    data = bytearray(model_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one flipped byte: only the sha256 can tell
+    model_file.write_bytes(bytes(data))
+    events = []
+    second = run_attempt(spec, on_event=events.append)
+    resumed = next(e for e in events if e["kind"] == "resumed")
+    assert resumed["step"] == 10
+    assert [s["step"] for s in resumed["skipped"]] == [20]
+    assert second.resumed_from_step == 10
+    assert_same_tensors(final_state(run_dir), reference["state"])
+    assert losses(run_dir) == reference["losses"]
+
+
+def test_stock_ray_train_loop_runs_and_resumes(ray_cluster, tmp_path):
+    raw = {
+        "run": {"name": "stock", "storage": str(tmp_path)},
+        "scaling": {"num_workers": 2},
+        "train_loop": "examples.ray_train_loop:train_func",
+        "train_loop_config": {"num_epochs": 4, "lr": 0.01},
+        "faults": [{"kind": "raise", "at_step": 3}],
+    }
+    spec = build_spec(raw)
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    events = []
+    second = run_attempt(spec, on_event=events.append)
+    assert second.status == "completed"
+    resumed = next(e for e in events if e["kind"] in ("resumed", "fresh_start"))
+    assert resumed["kind"] == "resumed" and resumed["checkpoint_uri"]
+    epochs = [row["epoch"] for row in run_dir_of(spec).read_metrics_history()]
+    assert epochs == [0, 1, 2, 3]  # epoch 2 onwards ran again after the resume, once each
+    reported = [e["rows"][0]["epoch"] for e in events if e["kind"] == "metrics"]
+    assert reported == [2, 3]
+
+
+def test_more_workers_than_cluster_fails_fast(ray_cluster, tmp_path):
+    spec = build_spec(tiny_raw(tmp_path, "too-big", scaling={"num_workers": 64}))
+    with pytest.raises(ClusterCapacityError, match=r"scaling\.num_workers=64"):
+        run_attempt(spec)
+    assert not (tmp_path / "too-big" / "attempts.jsonl").exists()
+
+
+def test_bad_model_import_fails_before_any_worker(ray_cluster, tmp_path):
+    spec = build_spec(tiny_raw(tmp_path, "bad-import", model={"name": "nowhere.models:net"}))
+    with pytest.raises(SpecError, match="nowhere"):
+        run_attempt(spec)
+    assert not (tmp_path / "bad-import").exists()

@@ -1,0 +1,99 @@
+import pickle
+import random
+
+import numpy as np
+import pytest
+import ray
+import torch
+from ray.train import ControllerError, WorkerGroupError
+
+from trainer_core import training_state, workloads
+from trainer_core.engine import classify
+from trainer_core.errors import (
+    ClusterCapacityError,
+    IncompatibleRunError,
+    InfrastructureError,
+    SpecError,
+    TrainingCodeError,
+)
+from trainer_core.spec import ModelSection, ScheduleSection
+
+
+def test_errors_pickle_with_their_fields():
+    error = TrainingCodeError("boom", error_type="ValueError", step=7, rank=1, deterministic=True)
+    clone = pickle.loads(pickle.dumps(error))
+    assert (clone.error_type, clone.step, clone.rank, clone.deterministic) == (
+        "ValueError",
+        7,
+        1,
+        True,
+    )
+    assert str(clone) == "boom" and clone.is_repeat_of(error)
+    spec_error = pickle.loads(pickle.dumps(ClusterCapacityError("x", field="scaling")))
+    assert spec_error.field == "scaling" and spec_error.budget == "none"
+    assert InfrastructureError("y", step=3).budget == "infrastructure"
+
+
+def test_repeat_detection_needs_same_step():
+    a = TrainingCodeError("boom", error_type="ValueError", step=7)
+    assert not a.is_repeat_of(TrainingCodeError("boom", error_type="ValueError", step=8))
+
+
+def test_classify_worker_group_failures():
+    code = TrainingCodeError("bad", error_type="KeyError", step=4)
+    peer = InfrastructureError("lost a peer")
+    assert classify(WorkerGroupError("x", {0: peer, 1: code})) is code
+    spec = SpecError("bad kwargs")
+    assert classify(WorkerGroupError("x", {0: code, 1: spec})) is spec
+    died = classify(WorkerGroupError("x", {1: ray.exceptions.ActorDiedError()}))
+    assert isinstance(died, InfrastructureError)
+    plain = classify(WorkerGroupError("x", {0: ZeroDivisionError("z")}))
+    assert isinstance(plain, TrainingCodeError) and plain.error_type == "ZeroDivisionError"
+
+
+def test_classify_controller_death_as_incompatible_run():
+    error = classify(ControllerError(ray.exceptions.ActorDiedError()))
+    assert isinstance(error, IncompatibleRunError) and "run.name" in str(error)
+
+
+def test_cancellation_passes_through():
+    interrupt = KeyboardInterrupt()
+    assert classify(interrupt) is interrupt
+
+
+def test_rng_roundtrip_is_exact_and_safe_to_load():
+    training_state.seed_everything(5)
+    state = training_state.from_bytes(training_state.to_bytes(training_state.capture_rng()))
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    training_state.restore_rng(state)
+    assert (random.random(), np.random.rand()) == expected[:2]
+    assert torch.equal(torch.rand(1), expected[2])
+
+
+def test_lr_schedule_shapes():
+    cosine = ScheduleSection(epochs=1, lr_schedule="cosine", warmup_steps=10)
+    assert training_state.lr_factor(0, cosine, 110) == pytest.approx(0.1)
+    assert training_state.lr_factor(10, cosine, 110) == pytest.approx(1.0)
+    assert training_state.lr_factor(110, cosine, 110) == pytest.approx(0.0)
+    step = ScheduleSection(epochs=1, lr_schedule="step", step_size=5, gamma=0.5)
+    assert training_state.lr_factor(12, step, 100) == pytest.approx(0.25)
+
+
+def test_models_build_and_bad_ones_are_spec_errors():
+    cnn = workloads.build_model(ModelSection(name="cnn"), 64, 10)
+    assert cnn(torch.zeros(3, 64)).shape == (3, 10)
+    mlp = workloads.build_model(ModelSection(name="mlp", kwargs={"hidden": [4]}), 5, 1)
+    assert mlp(torch.zeros(2, 5)).shape == (2, 1)
+    with pytest.raises(SpecError, match="image_shape"):
+        workloads.build_model(ModelSection(name="cnn"), 10, 2)
+    with pytest.raises(SpecError, match=r"rejected model\.kwargs"):
+        workloads.build_model(ModelSection(name="mlp", kwargs={"depth": 3}), 5, 1)
+    with pytest.raises(SpecError, match="no attribute"):
+        workloads.build_model(ModelSection(name="trainer_core.workloads:nothing"), 5, 1)
+    with pytest.raises(SpecError, match=r"not a torch\.nn\.Module"):
+        workloads.build_model(ModelSection(name="operator:add"), 5, 1)
+
+
+def test_user_model_import_path():
+    model = workloads.build_model(ModelSection(name="trainer_core.workloads:MLP"), 3, 2)
+    assert isinstance(model, torch.nn.Module)

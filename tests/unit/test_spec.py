@@ -1,0 +1,111 @@
+import warnings
+
+import pytest
+
+from tests.conftest import tiny_raw
+from trainer_core.errors import SpecError
+from trainer_core.spec import build_spec, load_spec, parse_override
+
+
+def test_examples_load_and_are_frozen():
+    spec = load_spec("examples/digits_cnn.yaml")
+    assert spec.scaling.num_workers == 2 and spec.model.name == "cnn"
+    with pytest.raises(Exception, match="frozen"):
+        spec.scaling.num_workers = 3  # type: ignore[misc]
+    load_spec("examples/synthetic_mlp.yaml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_spec("examples/ray_loop.yaml")
+
+
+def test_overrides_parse_json_else_string():
+    spec = load_spec(
+        "examples/digits_cnn.yaml",
+        [
+            "scaling.num_workers=1",
+            "run.name=my-run",
+            "checkpoint.best_mode=min",
+            'faults=[{"kind": "raise", "at_step": 3}]',
+            "model.kwargs.channels=[4, 8]",
+        ],
+    )
+    assert spec.scaling.num_workers == 1
+    assert spec.run.name == "my-run"
+    assert spec.faults[0].at_step == 3 and spec.faults[0].attempt == 1
+    assert spec.model.kwargs["channels"] == [4, 8]
+    assert parse_override("a.b=true") == (["a", "b"], True)
+    assert parse_override("a=x=y") == (["a"], "x=y")
+
+
+def test_list_index_override(tmp_path):
+    raw = tiny_raw(tmp_path, "x", faults=[{"kind": "raise", "at_step": 3}])
+    assert build_spec(raw, ["faults.0.at_step=9"]).faults[0].at_step == 9
+    with pytest.raises(SpecError, match="not an index"):
+        build_spec(raw, ["faults.4.at_step=9"])
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("scaling.num_workers=0", "scaling.num_workers"),
+        ("scaling.num_workers=-2", "scaling.num_workers"),
+        ("schedule.epochs=0", "schedule.epochs"),
+        ("checkpoint.best_mode=median", "checkpoint.best_mode"),
+        ("checkpoint.every=0", "checkpoint.every"),
+        ("optimizer.lr=-1", "optimizer.lr"),
+        ("scaling.num_worker=2", "scaling.num_worker"),  # typo: extra keys are refused
+        ("run.name=../escape", "run.name"),
+        ("run.name=a/b", "run.name"),
+        ('run.name=""', "run.name"),
+        ("run.name=" + "x" * 101, "run.name"),
+        ("model.name=not a path", "model.name"),
+        ("train_loop=nocolon", "train_loop"),
+        ('faults=[{"kind": "explode", "at_step": 1}]', "faults.0.kind"),
+        ('faults=[{"kind": "raise", "at_step": 1, "rank": 5}]', "faults"),
+    ],
+)
+def test_bad_values_name_the_field(tmp_path, override, field):
+    with pytest.raises(SpecError) as error:
+        build_spec(tiny_raw(tmp_path, "x"), [override])
+    assert field.split(".")[0] in str(error.value)
+
+
+def test_builtin_loop_needs_its_sections(tmp_path):
+    raw = tiny_raw(tmp_path, "x")
+    del raw["model"]
+    with pytest.raises(SpecError, match="model"):
+        build_spec(raw)
+
+
+def test_parquet_dataset_needs_columns_and_task(tmp_path):
+    with pytest.raises(SpecError, match=r"data\.features"):
+        build_spec(tiny_raw(tmp_path, "x", data={"dataset": "s3://b/d.parquet"}))
+
+
+def test_train_loop_ignores_builtin_sections_with_a_warning(tmp_path):
+    raw = tiny_raw(tmp_path, "x", train_loop="examples.ray_train_loop:train_func")
+    with pytest.warns(UserWarning, match="ignored"):
+        build_spec(raw)
+
+
+def test_missing_and_broken_spec_files(tmp_path):
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(bad)
+
+
+def test_fingerprint_ignores_what_may_change_between_attempts(tmp_path):
+    base = build_spec(tiny_raw(tmp_path, "x"))
+    more_epochs = build_spec(tiny_raw(tmp_path, "x"), ["schedule.epochs=9", "retries.code=5"])
+    wider = build_spec(tiny_raw(tmp_path, "x"), ["model.kwargs.hidden=[32]"])
+    assert base.fingerprint() == more_epochs.fingerprint()
+    assert base.fingerprint() != wider.fingerprint()
+
+
+def test_default_run_name_is_valid():
+    spec = load_spec("examples/digits_cnn.yaml")
+    assert spec.default_run_name("20261122-030000") == "digits-cnn-20261122-030000"
+    assert spec.with_run_name("abc").run.name == "abc"
