@@ -228,6 +228,8 @@ class AttemptResult:
     latest_checkpoint_uri: str | None
     wall_time_s: float
     plan_reason: str
+    #: Seconds rank 0 spent stepping, aggregating metrics, writing checkpoints, reporting to Ray.
+    timings: dict[str, float] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -242,6 +244,7 @@ class LiveState:
     resumed_from: int | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     checkpoint_uri: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def apply(self, event: dict[str, Any]) -> None:
@@ -256,6 +259,8 @@ class LiveState:
             self.resumed_from = 0  # known: from the beginning (None means unknown)
         elif kind == "checkpoint":
             self.checkpoint_uri = event.get("checkpoint_uri")
+        elif kind == "finished":
+            self.timings = dict(event.get("timings") or {})
 
 
 def run_attempt(
@@ -325,6 +330,7 @@ def run_attempt(
             latest_checkpoint_uri=newest.uri if newest else live.checkpoint_uri,
             wall_time_s=time.time() - started,
             plan_reason=plan.reason,
+            timings=live.timings,
             events=live.events,
         )
         run_dir.record_attempt(

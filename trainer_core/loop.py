@@ -102,6 +102,22 @@ def _all_ok(ok: bool) -> bool:
 
 
 @dataclass
+class Timings:
+    """Seconds this rank spent in each part of the loop (reported by rank 0 when it finishes)."""
+
+    step_s: float = 0.0
+    aggregate_s: float = 0.0
+    checkpoint_s: float = 0.0
+    report_s: float = 0.0
+    num_steps: int = 0
+    num_aggregates: int = 0
+    num_checkpoints: int = 0
+
+    def to_json(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
 class Progress:
     step: int = 0
     cursor: data_mod.Cursor = field(default_factory=lambda: data_mod.Cursor(0, 0))
@@ -145,6 +161,7 @@ class BuiltinLoop:
         self.unsaved: list[dict[str, Any]] = []  # rows not yet in a metrics segment
         self.last_checkpoint_step = 0
         self.current_step = 0
+        self.timings = Timings()
 
     # -- resume --------------------------------------------------------------------------------
 
@@ -222,7 +239,10 @@ class BuiltinLoop:
             ddp_model.train()
             for index in range(first, len(batches)):
                 step += 1
+                started = time.perf_counter()
                 loss = self._step(ddp_model, batches[index], step)
+                self.timings.step_s += time.perf_counter() - started
+                self.timings.num_steps += 1
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.pending.append(
                     {"step": step, "epoch": epoch, "batch": index, "loss": loss, "lr": lr}
@@ -236,7 +256,10 @@ class BuiltinLoop:
                     end_of_epoch and epoch == schedule.epochs - 1
                 )
                 if step % self.spec.report.every == 0 or end_of_epoch or should_checkpoint:
+                    started = time.perf_counter()
                     self._aggregate(extra)
+                    self.timings.aggregate_s += time.perf_counter() - started
+                    self.timings.num_aggregates += 1
                 if should_checkpoint:
                     next_cursor = (
                         data_mod.Cursor(epoch + 1, 0)
@@ -246,7 +269,9 @@ class BuiltinLoop:
                     self._checkpoint(step, next_cursor)
         if step == self.progress.step and step > 0 and self.last_checkpoint_step == step:
             self.relay.send("already_complete", step=step)
-        self.relay.send("finished", step=step, metrics=self.progress.metrics)
+        self.relay.send(
+            "finished", step=step, metrics=self.progress.metrics, timings=self.timings.to_json()
+        )
 
     def _step(self, model: torch.nn.Module, index: np.ndarray, step: int) -> float:
         self.current_step = step
@@ -321,6 +346,7 @@ class BuiltinLoop:
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _checkpoint(self, step: int, cursor: data_mod.Cursor) -> None:
+        started = time.perf_counter()
         sharded = self.spec.checkpoint.sharded
         if self.rank == 0:
             self.run_dir.prepare_checkpoint_dir(step)
@@ -375,6 +401,9 @@ class BuiltinLoop:
         self.last_checkpoint_step = step
         # Register the committed checkpoint with Ray: it is already in Ray's run directory
         # (RunConfig(storage_path, name) is the same place), so nothing is uploaded again.
+        reported = time.perf_counter()
+        self.timings.checkpoint_s += reported - started
+        self.timings.num_checkpoints += 1
         ray_storage = ray.train.get_context().get_storage()
         name = location.path.rsplit("/", 1)[-1]
         checkpoint = Checkpoint(
@@ -386,6 +415,7 @@ class BuiltinLoop:
             checkpoint_dir_name=name,
             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
         )
+        self.timings.report_s += time.perf_counter() - reported
 
     def _apply_retention(self, step: int) -> None:
         policy = self.spec.checkpoint

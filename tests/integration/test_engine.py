@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -20,13 +22,15 @@ from trainer_core.spec import build_spec
 pytestmark = pytest.mark.integration
 
 
-def final_state(run_dir: RunDirectory) -> dict:
+def final_state(run_dir: RunDirectory, suffix: str = "") -> dict:
     newest = run_dir.scan().newest
     assert newest is not None
     return {
         "step": newest.step,
-        "model": training_state.from_bytes(run_dir.read_verified(newest, "model.pt")),
-        "optimizer": training_state.from_bytes(run_dir.read_verified(newest, "optimizer.pt")),
+        "model": training_state.from_bytes(run_dir.read_verified(newest, f"model{suffix}.pt")),
+        "optimizer": training_state.from_bytes(
+            run_dir.read_verified(newest, f"optimizer{suffix}.pt")
+        ),
     }
 
 
@@ -71,6 +75,8 @@ def test_reference_run_is_complete(reference):
     assert steps == list(range(1, reference["result"].steps_completed + 1))
     assert reference["result"].steps_completed == 39  # 3 epochs x 13 batches per rank
     assert "val_loss" in reference["result"].final_metrics
+    timings = reference["result"].timings
+    assert timings["num_steps"] == 39 and timings["num_checkpoints"] == 4
 
 
 def test_golden_exact_resume_after_raise(reference, tmp_path):
@@ -95,8 +101,20 @@ def test_kill_mid_epoch_then_resume(reference, tmp_path):
     )
     with pytest.raises(InfrastructureError):
         run_attempt(spec)
+    # Ray's snapshot can lag the newest committed checkpoint after a crash (often it does on
+    # its own: the report of step 20 was still queued when the worker died). Make sure it lags.
+    snapshot_path = tmp_path / "killed" / "checkpoint_manager_snapshot.json"
+    snapshot = json.loads(snapshot_path.read_text())
+    names = [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]]
+    if "checkpoint-000000020" in names:
+        keep = names.index("checkpoint-000000020")
+        snapshot["checkpoint_results"] = snapshot["checkpoint_results"][:keep]
+        snapshot["checkpoint_report_indices"] = snapshot["checkpoint_report_indices"][:keep]
+        snapshot["latest_checkpoint_result"] = snapshot["checkpoint_results"][-1]
+        snapshot_path.write_text(json.dumps(snapshot))
+    assert run_dir_of(spec).scan().newest.step == 20
     second = run_attempt(spec)
-    assert second.resumed_from_step == 20
+    assert second.resumed_from_step == 20  # relaytrain's newest committed, not Ray's newest
     run_dir = run_dir_of(spec)
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]
@@ -120,6 +138,27 @@ def test_corrupt_newest_checkpoint_falls_back(reference, tmp_path):
     assert [s["step"] for s in resumed["skipped"]] == [20]
     assert second.resumed_from_step == 10
     assert_same_tensors(final_state(run_dir), reference["state"])
+    assert losses(run_dir) == reference["losses"]
+
+
+def test_sharded_checkpoints_resume_exactly(reference, tmp_path):
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "sharded",
+            checkpoint={"sharded": True},
+            faults=[{"kind": "raise", "at_step": 12, "rank": 1}],
+        )
+    )
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    assert run_attempt(spec).resumed_from_step == 10
+    run_dir = run_dir_of(spec)
+    files = set(run_dir.scan().newest.files)
+    assert {"model-rank0.pt", "model-rank1.pt", "optimizer-rank1.pt"} <= files
+    assert "model.pt" not in files
+    for rank in (0, 1):
+        assert_same_tensors(final_state(run_dir, f"-rank{rank}"), reference["state"])
     assert losses(run_dir) == reference["losses"]
 
 
