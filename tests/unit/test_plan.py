@@ -1,0 +1,73 @@
+"""Driver-side planning: no Ray cluster needed."""
+
+import pytest
+
+from tests.conftest import tiny_raw
+from trainer_core import storage
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.engine import plan_attempt, validate_workload
+from trainer_core.errors import IncompatibleRunError, SpecError
+from trainer_core.spec import build_spec
+
+
+def make(tmp_path, *overrides, name="planned"):
+    return build_spec(tiny_raw(tmp_path, name), list(overrides))
+
+
+def test_fresh_then_resume_plan(tmp_path):
+    spec = make(tmp_path)
+    plan, run_dir = plan_attempt(spec)
+    assert plan.attempt == 1 and plan.resume_step is None and "fresh start" in plan.reason
+    for step in (10, 20):
+        entries = [run_dir.write_checkpoint_file(step, "model.pt", b"x")]
+        run_dir.commit_checkpoint(step, entries, {"metrics": {}, "cursor": {}})
+    run_dir.write_checkpoint_file(30, "model.pt", b"partial")
+    run_dir.record_attempt({"attempt": 1, "status": "failed"})
+    plan, _ = plan_attempt(spec)
+    assert plan.attempt == 2 and plan.candidates == [20, 10]
+    assert "step 20" in plan.reason and "checkpoint-000000030" in plan.reason
+
+
+def test_run_written_by_another_ray_version_is_refused(tmp_path):
+    spec = make(tmp_path)
+    run_dir = RunDirectory(storage.resolve(str(tmp_path)).child("planned"))
+    run_dir.write_run_record({"_identity": spec.identity()}, spec.fingerprint(), {"ray": "2.40.0"})
+    with pytest.raises(IncompatibleRunError, match=r"Ray 2\.40\.0"):
+        plan_attempt(spec)
+
+
+def test_changed_model_shape_is_refused(tmp_path):
+    spec = make(tmp_path)
+    _, run_dir = plan_attempt(spec)
+    import ray
+
+    run_dir.write_run_record(
+        {"_identity": spec.identity()}, spec.fingerprint(), {"ray": ray.__version__}
+    )
+    plan_attempt(make(tmp_path, "schedule.epochs=7"))  # more epochs: same run
+    with pytest.raises(IncompatibleRunError, match="changed: model"):
+        plan_attempt(make(tmp_path, "model.kwargs.hidden=[64]"))
+
+
+def test_process_local_storage_is_refused(tmp_path):
+    with pytest.raises(SpecError, match="memory://"):
+        plan_attempt(make(tmp_path, "run.storage=memory://x"))
+
+
+def test_unwritable_storage_is_refused_before_anything(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(Exception, match="not writable"):
+        plan_attempt(make(tmp_path, f"run.storage={blocker}/runs"))
+
+
+def test_workload_is_checked_on_the_driver(tmp_path):
+    validate_workload(make(tmp_path))
+    with pytest.raises(SpecError, match=r"model\.kwargs"):
+        validate_workload(make(tmp_path, "model.kwargs.width=3"))
+    with pytest.raises(SpecError, match="train_loop"):
+        validate_workload(
+            build_spec(
+                {"scaling": {"num_workers": 1}, "train_loop": "examples.ray_train_loop:missing"}
+            )
+        )
