@@ -17,14 +17,8 @@ def ray_cluster():
     """A real local Ray cluster shared by every integration test (started once, stopped once)."""
     import ray
 
-    from trainer_core.engine import RAY_ENV_DEFAULTS, ray_runtime_env
-
-    for key, value in RAY_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
     # 4 logical CPUs on 2 cores: room for 2 gloo workers plus Ray's own actors.
-    ray.init(
-        num_cpus=4, include_dashboard=False, runtime_env=ray_runtime_env(), log_to_driver=False
-    )
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -41,13 +41,10 @@ from trainer_core.spec import RunSpec
 logger = logging.getLogger("relaytrain.engine")
 
 #: Ray Train's controller polls workers this often; a report blocks up to one interval when the
-#: previous one was not yet consumed. relaytrain reports only at checkpoints, so a shorter poll
-#: mostly buys faster failure detection. Users can override it in their environment.
-DEFAULT_HEALTH_CHECK_INTERVAL_S = "0.5"
-RAY_ENV_DEFAULTS = {
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": DEFAULT_HEALTH_CHECK_INTERVAL_S,
-    "RAY_TRAIN_ENABLE_STATE_TRACKING": "0",
-}
+#: previous one was not yet consumed (relaytrain reports asynchronously, at checkpoints only), and
+#: worker deaths are noticed within about one interval. Ray propagates the driver's value to the
+#: controller and workers; a value set in the environment wins.
+RAY_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 
 EventHandler = Callable[[dict[str, Any]], None]
 
@@ -55,10 +52,10 @@ EventHandler = Callable[[dict[str, Any]], None]
 # -- Ray lifecycle --------------------------------------------------------------------------------
 
 
-def ray_runtime_env() -> dict[str, Any]:
-    """The job runtime env relaytrain needs: the health-check interval, unless the user set it."""
-    env = {k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}
-    return {"env_vars": env}
+def apply_ray_env_defaults() -> None:
+    """Set relaytrain's Ray Train settings in this (driver) process unless the user set them."""
+    for key, value in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
 
 
 @contextlib.contextmanager
@@ -71,10 +68,8 @@ def ray_cluster(num_cpus: int | None = None) -> Iterator[bool]:
     if ray.is_initialized():
         yield False
         return
-    for key, value in RAY_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
     address = os.environ.get("RAY_ADDRESS")
-    kwargs: dict[str, Any] = {"runtime_env": ray_runtime_env(), "log_to_driver": False}
+    kwargs: dict[str, Any] = {"log_to_driver": False}
     if address:
         ray.init(address=address, **kwargs)
     else:
@@ -365,6 +360,7 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    apply_ray_env_defaults()
     root = storage.resolve(plan.storage_uri)
     worker_config = WorkerConfig(
         spec=spec.model_dump(mode="json"),

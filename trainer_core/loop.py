@@ -103,7 +103,7 @@ class Relay:
             self.handle.push.remote({"kind": kind, "time": now, **payload})
 
     def _flush_rows(self, now: float) -> None:
-        if self.rows:
+        if self.rows and self.handle is not None:
             self.handle.push.remote({"kind": "metrics", "time": now, "rows": self.rows})
             self.rows = []
         self.last_push = now
