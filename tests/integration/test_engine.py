@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -101,17 +99,10 @@ def test_kill_mid_epoch_then_resume(reference, tmp_path):
     )
     with pytest.raises(InfrastructureError):
         run_attempt(spec)
-    # Ray's snapshot can lag the newest committed checkpoint after a crash (often it does on
-    # its own: the report of step 20 was still queued when the worker died). Make sure it lags.
-    snapshot_path = tmp_path / "killed" / "checkpoint_manager_snapshot.json"
-    snapshot = json.loads(snapshot_path.read_text())
-    names = [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]]
-    if "checkpoint-000000020" in names:
-        keep = names.index("checkpoint-000000020")
-        snapshot["checkpoint_results"] = snapshot["checkpoint_results"][:keep]
-        snapshot["checkpoint_report_indices"] = snapshot["checkpoint_report_indices"][:keep]
-        snapshot["latest_checkpoint_result"] = snapshot["checkpoint_results"][-1]
-        snapshot_path.write_text(json.dumps(snapshot))
+    # Ray's snapshot can lag the newest committed checkpoint after a crash (the tests saw it
+    # list step 10, or nothing yet: registration is asynchronous). Take the extreme: Ray knows
+    # of no checkpoint at all.
+    (tmp_path / "killed" / "checkpoint_manager_snapshot.json").unlink(missing_ok=True)
     assert run_dir_of(spec).scan().newest.step == 20
     second = run_attempt(spec)
     assert second.resumed_from_step == 20  # relaytrain's newest committed, not Ray's newest
