@@ -356,9 +356,56 @@ def _clean_orphans(spec: RunSpec, run_dir: RunDirectory) -> None:
         run_dir.delete_checkpoints(plan.delete)
 
 
+def _abortable_trainer_class() -> type:
+    """TorchTrainer that keeps its controller's handle, so an interrupted driver can stop it.
+
+    Ray 2.60 keeps the handle local to ``_initialize_and_run_controller``; this mirrors that
+    method (Ray is pinned exactly) minus the SIGINT handler, which cannot be installed off the
+    main thread anyway.
+    """
+    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.constants import (
+        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+        get_env_vars_to_propagate,
+    )
+    from ray.train.v2._internal.execution.controller import TrainController
+
+    class AbortableTorchTrainer(TorchTrainer):
+        controller: Any = None
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
+            env_vars = get_env_vars_to_propagate()
+            env_vars.setdefault(
+                RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+                DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+            )
+            controller_class = ray.remote(
+                num_cpus=0,
+                label_selector={
+                    ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()  # type: ignore[attr-defined]
+                },
+                runtime_env={"env_vars": env_vars},
+            )(TrainController)
+            self.controller = controller_class.remote(**controller_init_kwargs)
+            ray.get(self.controller.run.remote())
+            return ray.get(self.controller.get_result.remote())
+
+        def abort(self, timeout_s: float = 15.0) -> None:
+            """Stop the worker group (controller.abort), then the controller itself."""
+            if self.controller is None:
+                return
+            with contextlib.suppress(Exception):
+                ray.get(self.controller.abort.remote(), timeout=timeout_s)
+            with contextlib.suppress(Exception):
+                ray.kill(self.controller)
+
+    return AbortableTorchTrainer
+
+
 def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     apply_ray_env_defaults()
     root = storage.resolve(plan.storage_uri)
@@ -371,7 +418,7 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
         relay=relay,
     )
     user_loop = spec.train_loop is not None
-    return TorchTrainer(
+    return _abortable_trainer_class()(
         train_loop_per_worker=user_train_loop if user_loop else builtin_train_loop,
         train_loop_config=worker_config.to_dict(),
         torch_config=TorchConfig(backend="nccl" if spec.scaling.use_gpu else "gloo"),
@@ -395,17 +442,24 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
 
 
 def _fit(spec: RunSpec, plan: Plan, handle: EventHandler, poll_interval_s: float) -> None:
+    """Run fit() in a thread and relay events here; an interrupt stops the worker group.
+
+    Cancellation (Prefect's TerminationSignal, KeyboardInterrupt) arrives in this thread as a
+    BaseException: the ``finally`` aborts Ray Train's controller, which stops every worker.
+    """
     relay = MetricsRelay.remote()  # type: ignore[attr-defined]
+    trainer = _trainer(spec, plan, relay)
     outcome: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            outcome["result"] = _trainer(spec, plan, relay).fit()
-        except BaseException as e:
+            outcome["result"] = trainer.fit()
+        except BaseException as e:  # re-raised in the caller's thread
             outcome["error"] = e
 
     thread = threading.Thread(target=target, name=f"relaytrain-fit-{plan.run_name}", daemon=True)
     thread.start()
+    finished = False
     try:
         while thread.is_alive():
             thread.join(poll_interval_s)
@@ -413,7 +467,12 @@ def _fit(spec: RunSpec, plan: Plan, handle: EventHandler, poll_interval_s: float
                 handle(event)
         for event in ray.get(relay.drain.remote()):
             handle(event)
+        finished = True
     finally:
+        if not finished:
+            logger.warning("interrupted: stopping the Ray Train worker group of %s", plan.run_name)
+            trainer.abort()
+            thread.join(30)
         with contextlib.suppress(Exception):
             ray.kill(relay)
     if "error" in outcome:
@@ -427,7 +486,11 @@ def _unwrap(error: BaseException) -> BaseException:
     seen = 0
     while seen < 10:
         seen += 1
-        inner = getattr(error, "_base_exc", None) or getattr(error, "cause", None)
+        inner = (
+            getattr(error, "_base_exc", None)
+            or getattr(error, "health_check_failure", None)
+            or getattr(error, "cause", None)
+        )
         if isinstance(error, ray.exceptions.RayTaskError):
             inner = error.as_instanceof_cause() if inner is None else inner
         if inner is None or inner is error or not isinstance(inner, BaseException):
@@ -442,13 +505,31 @@ def classify(error: BaseException) -> BaseException:
     Non-Exception BaseExceptions (cancellation, KeyboardInterrupt) pass through unchanged.
     """
     from ray.train import ControllerError, PreemptionError, WorkerGroupError
+    from ray.train.v2._internal.exceptions import (
+        WorkerGroupStartupTimeoutError,
+        WorkerHealthCheckFailedError,
+        WorkerHealthCheckTimeoutError,
+    )
+
+    # Ray Train's own verdicts on a worker's health: the worker, not the code, failed.
+    unhealthy = (
+        WorkerHealthCheckFailedError,
+        WorkerHealthCheckTimeoutError,
+        WorkerGroupStartupTimeoutError,
+    )
 
     if isinstance(error, RelaytrainError) or not isinstance(error, Exception):
         return error
     if isinstance(error, PreemptionError):
         return InfrastructureError(f"preempted: {error}")
     if isinstance(error, WorkerGroupError):
-        failures = {rank: _unwrap(e) for rank, e in sorted(error.worker_failures.items())}
+        raw = dict(sorted(error.worker_failures.items()))
+        if any(isinstance(e, unhealthy) for e in raw.values()) and not any(
+            isinstance(_unwrap(e), SpecError | TrainingCodeError) for e in raw.values()
+        ):
+            detail = "; ".join(f"rank {r}: {e}" for r, e in raw.items())
+            return InfrastructureError(f"a training worker died or hung: {detail}"[:4000])
+        failures = {rank: _unwrap(e) for rank, e in raw.items()}
         # Precedence: a spec error anywhere (never retry), then a genuine training-code error,
         # then storage; peers that only saw a dead rank's collective fail as infrastructure.
         for kind in (SpecError, TrainingCodeError, StorageError, InfrastructureError):

@@ -47,6 +47,10 @@ def test_classify_worker_group_failures():
     assert classify(WorkerGroupError("x", {0: code, 1: spec})) is spec
     died = classify(WorkerGroupError("x", {1: ray.exceptions.ActorDiedError()}))
     assert isinstance(died, InfrastructureError)
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    health = WorkerHealthCheckFailedError("health check failed", ray.exceptions.ActorDiedError())
+    assert isinstance(classify(WorkerGroupError("x", {1: health})), InfrastructureError)
     plain = classify(WorkerGroupError("x", {0: ZeroDivisionError("z")}))
     assert isinstance(plain, TrainingCodeError) and plain.error_type == "ZeroDivisionError"
 
