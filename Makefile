@@ -28,7 +28,7 @@ test: $(STAMP) lint
 	$(VENV)/bin/pytest tests
 
 run: $(STAMP)
-	$(PY) -m trainer_core.cli --config examples/digits_cnn.yaml
+	$(PY) -m flows.training --config examples/digits_cnn.yaml
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

@@ -26,17 +26,16 @@ import torch
 from trainer_core import __version__, storage, workloads
 from trainer_core import data as data_mod
 from trainer_core.checkpoints import RunDirectory, plan_retention
+from trainer_core.classify import classify
 from trainer_core.errors import (
     ClusterCapacityError,
     IncompatibleRunError,
-    InfrastructureError,
-    RelaytrainError,
     SpecError,
-    StorageError,
-    TrainingCodeError,
 )
-from trainer_core.loop import WorkerConfig, builtin_train_loop, user_train_loop
+from trainer_core.loop import builtin_train_loop
 from trainer_core.spec import RunSpec
+from trainer_core.user_loop import user_train_loop
+from trainer_core.worker import WorkerConfig
 
 logger = logging.getLogger("relaytrain.engine")
 
@@ -303,7 +302,7 @@ def run_attempt(
                     "status": "failed",
                     "ended_at": time.time(),
                     "resumed_from_step": live.resumed_from,
-                    "last_step": live.step,
+                    "last_step": max(live.step, getattr(classified, "step", None) or 0),
                     "error_class": type(classified).__name__,
                     "error_budget": getattr(classified, "budget", "none"),
                     "error_message": str(classified)[:2000],
@@ -477,88 +476,3 @@ def _fit(spec: RunSpec, plan: Plan, handle: EventHandler, poll_interval_s: float
             ray.kill(relay)
     if "error" in outcome:
         raise outcome["error"]
-
-
-# -- classification -------------------------------------------------------------------------------
-
-
-def _unwrap(error: BaseException) -> BaseException:
-    seen = 0
-    while seen < 10:
-        seen += 1
-        inner = (
-            getattr(error, "_base_exc", None)
-            or getattr(error, "health_check_failure", None)
-            or getattr(error, "cause", None)
-        )
-        if isinstance(error, ray.exceptions.RayTaskError):
-            inner = error.as_instanceof_cause() if inner is None else inner
-        if inner is None or inner is error or not isinstance(inner, BaseException):
-            return error
-        error = inner
-    return error
-
-
-def classify(error: BaseException) -> BaseException:
-    """Map what fit() raised to a RelaytrainError that says what the orchestrator must do.
-
-    Non-Exception BaseExceptions (cancellation, KeyboardInterrupt) pass through unchanged.
-    """
-    from ray.train import ControllerError, PreemptionError, WorkerGroupError
-    from ray.train.v2._internal.exceptions import (
-        WorkerGroupStartupTimeoutError,
-        WorkerHealthCheckFailedError,
-        WorkerHealthCheckTimeoutError,
-    )
-
-    # Ray Train's own verdicts on a worker's health: the worker, not the code, failed.
-    unhealthy = (
-        WorkerHealthCheckFailedError,
-        WorkerHealthCheckTimeoutError,
-        WorkerGroupStartupTimeoutError,
-    )
-
-    if isinstance(error, RelaytrainError) or not isinstance(error, Exception):
-        return error
-    if isinstance(error, PreemptionError):
-        return InfrastructureError(f"preempted: {error}")
-    if isinstance(error, WorkerGroupError):
-        raw = dict(sorted(error.worker_failures.items()))
-        if any(isinstance(e, unhealthy) for e in raw.values()) and not any(
-            isinstance(_unwrap(e), SpecError | TrainingCodeError) for e in raw.values()
-        ):
-            detail = "; ".join(f"rank {r}: {e}" for r, e in raw.items())
-            return InfrastructureError(f"a training worker died or hung: {detail}"[:4000])
-        failures = {rank: _unwrap(e) for rank, e in raw.items()}
-        # Precedence: a spec error anywhere (never retry), then a genuine training-code error,
-        # then storage; peers that only saw a dead rank's collective fail as infrastructure.
-        for kind in (SpecError, TrainingCodeError, StorageError, InfrastructureError):
-            for failure in failures.values():
-                if isinstance(failure, kind):
-                    return failure
-        detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
-        died = (
-            ray.exceptions.RayActorError,
-            ray.exceptions.NodeDiedError,
-            ray.exceptions.WorkerCrashedError,
-        )
-        if any(isinstance(e, died) for e in failures.values()):
-            return InfrastructureError(f"a training worker died: {detail}"[:4000])
-        first = next(iter(failures.values()), error)
-        return TrainingCodeError(
-            f"{type(first).__name__}: {first}"[:4000], error_type=type(first).__name__
-        )
-    if isinstance(error, ControllerError):
-        cause = _unwrap(error.controller_failure)
-        if isinstance(cause, ray.exceptions.ActorDiedError):
-            return IncompatibleRunError(
-                f"Ray Train's controller died while starting ({cause}); the usual cause is a "
-                "run snapshot written by another Ray version. Start a new run.name, or resume "
-                "with the Ray version that wrote it."
-            )
-        return InfrastructureError(f"Ray Train's controller failed: {cause}")
-    if isinstance(error, ray.exceptions.RayError):
-        return InfrastructureError(f"Ray failed: {type(error).__name__}: {error}"[:4000])
-    if isinstance(error, OSError):
-        return InfrastructureError(f"storage or system error: {error}")
-    return TrainingCodeError(f"{type(error).__name__}: {error}", error_type=type(error).__name__)

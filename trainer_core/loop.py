@@ -1,8 +1,11 @@
 """The per-worker training loop (runs inside Ray Train workers).
 
-With ``engine`` this is the only module that touches Ray: it calls ``ray.train.report`` (only to
-register committed checkpoints, so reports stay rare) and Ray's torch helpers. Metrics reach the
-driver through a relay actor, without blocking the step.
+With ``engine`` this is the only module that touches Ray: Ray's torch helpers and context, and
+``ray.train.report`` inside a user's own loop. The built-in loop never reports to Ray: metrics
+reach the driver through a relay actor without blocking the step, and checkpoints are
+relaytrain's own (committed with a manifest and marker). Registering them with Ray would add a
+second, lagging source of truth whose snapshot refuses to load once retention deletes a
+checkpoint it lists.
 
 Resume is exact: model, optimizer, LR schedule, every rank's RNG states and the data cursor are
 restored from the newest checkpoint that every rank can verify against its manifest.
@@ -12,11 +15,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,6 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from ray.train import Checkpoint, CheckpointUploadMode
 
 from trainer_core import data as data_mod
 from trainer_core import storage, training_state, workloads
@@ -33,90 +32,20 @@ from trainer_core.checkpoints import CheckpointInfo, FileEntry, RunDirectory, pl
 from trainer_core.errors import (
     CheckpointCorruptError,
     InfrastructureError,
-    InjectedFault,
     RelaytrainError,
     TrainingCodeError,
 )
-from trainer_core.spec import FaultSection, RunSpec
+from trainer_core.spec import RunSpec
+from trainer_core.worker import (
+    Faults,
+    Relay,
+    WorkerConfig,
+    all_ok,
+    all_reduce,
+    is_peer_failure,
+)
 
 logger = logging.getLogger("relaytrain.worker")
-
-
-# -- what the engine hands every worker ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    spec: dict[str, Any]
-    storage_uri: str
-    run_name: str
-    attempt: int
-    #: Committed checkpoint steps, newest first, as the driver's scan found them.
-    candidates: list[int]
-    relay: Any = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"relaytrain": self}
-
-
-@dataclass
-class Faults:
-    faults: list[FaultSection]
-    attempt: int
-    rank: int
-
-    def check(self, step: int) -> None:
-        for fault in self.faults:
-            if (fault.attempt, fault.rank, fault.at_step) != (self.attempt, self.rank, step):
-                continue
-            if fault.kind == "kill":
-                logger.warning("fault: SIGKILL of rank %d at step %d", self.rank, step)
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise InjectedFault(
-                f"injected fault at step {step} on rank {self.rank} (attempt {self.attempt})"
-            )
-
-
-class Relay:
-    """Rank 0's non-blocking channel to the driver (fire-and-forget actor calls).
-
-    Metric rows are batched and pushed at most every ``interval_s`` (an actor call costs about
-    half a millisecond on a busy machine); any other event flushes them first, in order.
-    """
-
-    def __init__(self, handle: Any, rank: int, interval_s: float = 1.0):
-        self.handle = handle if rank == 0 else None
-        self.interval_s = interval_s
-        self.rows: list[dict[str, Any]] = []
-        self.last_push = 0.0
-
-    def send(self, kind: str, **payload: Any) -> None:
-        if self.handle is None:
-            return
-        now = time.time()
-        if kind == "metrics":
-            self.rows.extend(payload["rows"])
-            if now - self.last_push < self.interval_s:
-                return
-        self._flush_rows(now)
-        if kind != "metrics":
-            self.handle.push.remote({"kind": kind, "time": now, **payload})
-
-    def _flush_rows(self, now: float) -> None:
-        if self.rows and self.handle is not None:
-            self.handle.push.remote({"kind": "metrics", "time": now, "rows": self.rows})
-            self.rows = []
-        self.last_push = now
-
-
-def _all_reduce(values: list[float], op: Any = None) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
-    return tensor.tolist()
-
-
-def _all_ok(ok: bool) -> bool:
-    return _all_reduce([1.0 if ok else 0.0], dist.ReduceOp.MIN)[0] == 1.0
 
 
 # -- the built-in loop ---------------------------------------------------------------------------
@@ -129,7 +58,6 @@ class Timings:
     step_s: float = 0.0
     aggregate_s: float = 0.0
     checkpoint_s: float = 0.0
-    report_s: float = 0.0
     relay_s: float = 0.0
     num_steps: int = 0
     num_aggregates: int = 0
@@ -218,7 +146,7 @@ class BuiltinLoop:
                 logger.warning("rank %d cannot use checkpoint %d: %s", self.rank, step, e)
                 skipped.append({"step": step, "reason": str(e)})
                 states = None
-            if not _all_ok(states is not None):
+            if not all_ok(states is not None):
                 if states is not None:
                     skipped.append({"step": step, "reason": "another rank could not verify it"})
                 continue
@@ -332,7 +260,7 @@ class BuiltinLoop:
             loss_sum += float(self.loss_fn(output, labels)) * len(part)
             if self.data_spec.task == "classification":
                 correct += float((output.argmax(dim=1) == labels).sum())
-        loss_sum, correct, count = _all_reduce([loss_sum, correct, float(len(index))])
+        loss_sum, correct, count = all_reduce([loss_sum, correct, float(len(index))])
         if count == 0:
             return {}
         metrics = {"val_loss": loss_sum / count}
@@ -412,7 +340,6 @@ class BuiltinLoop:
         gathered: list[list[FileEntry] | None] = [None] * self.world_size
         dist.all_gather_object(gathered, entries)
         metrics = dict(self.progress.metrics)
-        location = self.run_dir.checkpoint_location(step)
         if self.rank == 0:
             self.run_dir.write_metrics_segment(self.config.attempt, self.unsaved)
             info = self.run_dir.commit_checkpoint(
@@ -434,26 +361,8 @@ class BuiltinLoop:
         self.last_checkpoint_step = step
         # Register the committed checkpoint with Ray: it is already in Ray's run directory
         # (RunConfig(storage_path, name) is the same place), so nothing is uploaded again.
-        reported = time.perf_counter()
-        self.timings.checkpoint_s += reported - started
+        self.timings.checkpoint_s += time.perf_counter() - started
         self.timings.num_checkpoints += 1
-        ray_storage = ray.train.get_context().get_storage()
-        name = location.path.rsplit("/", 1)[-1]
-        checkpoint = Checkpoint(
-            f"{ray_storage.experiment_fs_path}/{name}", filesystem=ray_storage.storage_filesystem
-        )
-        # ASYNC hands the wait for Ray's size-1 result queue (up to one controller poll) to a
-        # background thread; the "upload" is the identity because the files are in place, and
-        # Ray must not delete what it did not write.
-        ray.train.report(
-            {k: v for k, v in metrics.items() if isinstance(v, int | float)},
-            checkpoint=checkpoint if self.rank == 0 else None,
-            checkpoint_dir_name=name,
-            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-            checkpoint_upload_fn=_already_in_place,
-            delete_local_checkpoint_after_upload=False,
-        )
-        self.timings.report_s += time.perf_counter() - reported
 
     def _apply_retention(self, step: int) -> None:
         policy = self.spec.checkpoint
@@ -472,11 +381,6 @@ class BuiltinLoop:
             self.run_dir.delete_checkpoints(plan.delete)
 
 
-def _already_in_place(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
-    """Ray's upload hook for a checkpoint relaytrain already committed in the run directory."""
-    return checkpoint
-
-
 def builtin_train_loop(config: dict[str, Any]) -> None:
     """Ray Train ``train_loop_per_worker`` of the built-in loop."""
     worker_config: WorkerConfig = config["relaytrain"]
@@ -484,32 +388,20 @@ def builtin_train_loop(config: dict[str, Any]) -> None:
     try:
         loop = BuiltinLoop(worker_config)
         loop.run()
-    except (RelaytrainError, InjectedFault) as e:
-        if isinstance(e, InjectedFault):
-            raise _as_code_error(e, loop) from e
+    except RelaytrainError:
+        _flush(loop)
         raise
     except Exception as e:
+        _flush(loop)
         raise _as_code_error(e, loop) from e
 
 
-#: What a collective says when a peer process vanished (gloo over TCP, NCCL): the peer died,
-#: this rank did nothing wrong.
-PEER_FAILURE_SIGNS = (
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "Broken pipe",
-    "Read error",
-    "Write error",
-    "NCCL communicator was aborted",
-)
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    """True when ``error`` is a collective failing because another rank went away."""
-    if isinstance(error, dist.DistBackendError | dist.DistNetworkError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(sign in text for sign in PEER_FAILURE_SIGNS)
+def _flush(loop: BuiltinLoop | None) -> None:
+    if loop is not None:
+        try:
+            loop.relay.flush()
+        except Exception:  # the relay is best effort; the error being raised matters more
+            logger.debug("relay flush failed", exc_info=True)
 
 
 def _as_code_error(
@@ -531,102 +423,3 @@ def _as_code_error(
         rank=rank,
         traceback="".join(traceback.format_exception(error)),
     )
-
-
-# -- a user's own Ray Train loop ------------------------------------------------------------------
-
-
-class ReportHook:
-    """Wraps ``ray.train.report`` around a user's loop: faults, relayed and persisted metrics.
-
-    Fault steps count ``report`` calls in this attempt; history rows are keyed by ``user_step``.
-    """
-
-    def __init__(self, config: WorkerConfig, original: Callable[..., Any]):
-        context = ray.train.get_context()
-        self.rank = context.get_world_rank()
-        self.original = original
-        self.config = config
-        self.spec = RunSpec.model_validate(config.spec)
-        self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
-        self.relay = Relay(config.relay, self.rank)
-        self.run_dir = RunDirectory(storage.resolve(config.storage_uri).child(config.run_name))
-        self.calls = 0
-        self.unsaved: list[dict[str, Any]] = []
-
-    def __call__(self, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        self.faults.check(self.calls)
-        step = user_step(metrics, self.calls)
-        row = {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float | str)}
-        row.update(step=step, attempt=self.config.attempt, time=time.time())
-        self.unsaved.append(row)
-        self.relay.send("metrics", rows=[row])
-        result = self.original(metrics, *args, **kwargs)
-        checkpoint = kwargs.get("checkpoint") or (args[0] if args else None)
-        if self.rank == 0 and checkpoint is not None:
-            self.flush()
-            self.relay.send("checkpoint", step=step, metrics=row)
-        return result
-
-    def flush(self) -> None:
-        if self.rank == 0 and self.unsaved:
-            self.run_dir.write_metrics_segment(self.config.attempt, self.unsaved)
-        self.unsaved = []
-
-
-def user_step(metrics: Any, calls: int) -> int:
-    """The history key of a user loop's report: its ``step`` metric, else ``epoch + 1`` (epochs
-    done), else the report count in this attempt (which restarts after a resume)."""
-    if isinstance(metrics, dict):
-        if isinstance(metrics.get("step"), int | float):
-            return int(metrics["step"])
-        if isinstance(metrics.get("epoch"), int | float):
-            return int(metrics["epoch"]) + 1
-    return calls
-
-
-def user_train_loop(config: dict[str, Any]) -> None:
-    """Ray Train ``train_loop_per_worker`` that runs a user's own loop unchanged."""
-    worker_config: WorkerConfig = config["relaytrain"]
-    spec = RunSpec.model_validate(worker_config.spec)
-    assert spec.train_loop is not None
-    hook = ReportHook(worker_config, ray.train.report)
-    ray.train.report = hook  # the loop is imported below, so `from ray.train import report` works
-    try:
-        fn = workloads.resolve_train_loop(spec.train_loop)
-        resumed = ray.train.get_checkpoint()
-        hook.relay.send(
-            "resumed" if resumed else "fresh_start",
-            checkpoint_uri=resumed.path if resumed else None,
-            skipped=[],
-        )
-        try:
-            if _takes_config(fn):
-                fn(dict(spec.train_loop_config))
-            else:
-                fn()
-        except (RelaytrainError, InjectedFault) as e:
-            if isinstance(e, InjectedFault):
-                raise TrainingCodeError(
-                    str(e), error_type="InjectedFault", step=hook.calls, rank=hook.rank
-                ) from e
-            raise
-        except Exception as e:
-            raise TrainingCodeError(
-                f"{type(e).__name__}: {e}",
-                error_type=type(e).__name__,
-                step=hook.calls,
-                rank=hook.rank,
-                traceback="".join(traceback.format_exception(e)),
-            ) from e
-        hook.flush()
-        hook.relay.send("finished", step=hook.calls, metrics={})
-    finally:
-        ray.train.report = hook.original
-
-
-def _takes_config(fn: Callable[..., Any]) -> bool:
-    import inspect
-
-    return len(inspect.signature(fn).parameters) >= 1

@@ -171,8 +171,20 @@ class ReportSection(_Section):
 
 
 class RetriesSection(_Section):
+    #: Retries after a worker/node death, preemption or transient storage failure.
     infrastructure: NonNegativeInt = 3
+    #: Retries after the training code raised (the same error at the same step twice stops).
     code: NonNegativeInt = 1
+    #: Seconds before the first retry; each later one waits ``backoff`` times longer.
+    delay_s: Annotated[float, Field(ge=0)] = 10.0
+    backoff: Annotated[float, Field(ge=1)] = 2.0
+    #: Random extra delay, as a fraction of the delay (Prefect's retry_jitter_factor).
+    jitter: Annotated[float, Field(ge=0)] = 0.5
+
+    def delays(self) -> list[float]:
+        """The delay before each retry (Prefect's ``retry_delay_seconds``)."""
+        total = self.infrastructure + self.code
+        return [self.delay_s * self.backoff**i for i in range(total)]
 
 
 class FaultSection(_Section):

@@ -8,7 +8,7 @@ import torch
 from ray.train import ControllerError, WorkerGroupError
 
 from trainer_core import training_state, workloads
-from trainer_core.engine import classify
+from trainer_core.classify import classify
 from trainer_core.errors import (
     ClusterCapacityError,
     IncompatibleRunError,

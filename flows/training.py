@@ -1,0 +1,129 @@
+"""The training flow: setup -> train (retried, resuming) -> finalize; and its command line.
+
+    python -m flows.training --config examples/digits_cnn.yaml [--set key=value ...]
+        [--run-name NAME] [--result-json PATH]
+
+Runs under Prefect's embedded API, or against PREFECT_API_URL when set. Re-running with the
+same run name resumes from the newest committed checkpoint; a finished run returns its result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from datetime import datetime
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from tasks import Prepared, finalize, setup, train
+from trainer_core import engine
+from trainer_core.errors import SpecError
+from trainer_core.spec import RunSpec, load_spec
+from trainer_core.summary import TrainingResult
+
+
+def default_run_name(spec: RunSpec) -> str:
+    """The spec's name, else one derived from the workload and the flow run's scheduled time.
+
+    The scheduled time belongs to the flow run, so retrying the same flow run (or a scheduled
+    slot) names, and therefore resumes, the same run.
+    """
+    if spec.run.name:
+        return spec.run.name
+    scheduled = flow_run.scheduled_start_time
+    moment = scheduled if isinstance(scheduled, datetime) else datetime.now()
+    return spec.default_run_name(moment.strftime("%Y%m%d-%H%M%S"))
+
+
+def _flow_run_name() -> str:
+    spec = flow_run.parameters.get("spec")
+    if isinstance(spec, dict):
+        spec = RunSpec.model_validate(spec)
+    return default_run_name(spec) if isinstance(spec, RunSpec) else "training"
+
+
+@flow(name="training", flow_run_name=_flow_run_name, log_prints=True)
+def training(spec: RunSpec) -> TrainingResult:
+    """Train ``spec`` on Ray Train: setup, train (each failure a retry that resumes), finalize."""
+    spec = spec.with_run_name(default_run_name(spec))
+    with engine.ray_cluster():
+        prepared: Prepared = setup(spec, lease_owner=f"flow-run-{flow_run.id or 'local'}")
+        if prepared.stored_result is not None:
+            return prepared.stored_result
+        attempt = train.with_options(
+            retries=spec.retries.infrastructure + spec.retries.code,
+            retry_delay_seconds=spec.retries.delays() or 0,
+            retry_jitter_factor=spec.retries.jitter,
+        )
+        try:
+            attempt(spec, prepared)
+        except Exception:
+            finalize(spec, prepared, status="failed")  # show what happened, then fail
+            raise
+        return finalize(spec, prepared)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.training",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", required=True, help="a run spec YAML (see examples/)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec field, e.g. --set scaling.num_workers=2",
+    )
+    parser.add_argument("--run-name", help="the run's durable name (the same name resumes)")
+    parser.add_argument("--result-json", help="write the TrainingResult as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        spec = load_spec(args.config, args.set)
+        name = (
+            args.run_name or spec.run.name or spec.default_run_name(time.strftime("%Y%m%d-%H%M%S"))
+        )
+        spec = spec.with_run_name(name)
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    state = training(spec, return_state=True)
+    if not state.is_completed():
+        error = state.result(raise_on_failure=False)
+        kind = type(error).__name__ if isinstance(error, BaseException) else state.type.value
+        print(f"\nrun {name} did not complete ({kind}): {error}", file=sys.stderr)
+        return 2 if isinstance(error, SpecError) else 1
+    result: TrainingResult = state.result()
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            f.write(result.model_dump_json(indent=2))
+    print_summary(result)
+    return 0
+
+
+def print_summary(result: TrainingResult) -> None:
+    best = {
+        k: round(v, 4)
+        for k, v in result.best_metrics.items()
+        if isinstance(v, float) and (k.startswith("val_") or k == "loss")
+    }
+    retried = [a for a in result.attempts if a.status == "failed"]
+    print(
+        f"\nrun {result.run_name}: {result.status} after {len(result.attempts)} attempt(s)"
+        f"{f' ({len(retried)} failed and resumed)' if retried else ''}, "
+        f"{result.steps_completed} steps, {result.wall_time_s:.1f} s"
+    )
+    print(f"  best checkpoint:  {result.best_checkpoint_uri} {best}")
+    print(f"  run directory:    {result.run_uri}  (summary.json, loss_curve.png, metrics/)")
+    print(
+        "  Prefect UI:       `prefect server start`, then rerun with "
+        "PREFECT_API_URL=http://127.0.0.1:4200/api to see flow runs and artifacts there"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

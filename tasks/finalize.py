@@ -1,0 +1,88 @@
+"""finalize: best and latest checkpoints, retention, summary.json, artifacts, the result."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import get_run_logger, task
+from prefect.artifacts import (
+    create_image_artifact,
+    create_link_artifact,
+    create_markdown_artifact,
+    create_table_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+
+from tasks.naming import artifact_key
+from tasks.setup import Prepared
+from trainer_core import lease, plots, storage
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.spec import RunSpec
+from trainer_core.summary import (
+    TrainingResult,
+    epoch_table,
+    finalize_run,
+    render_markdown,
+)
+
+
+@task(name="finalize", cache_policy=NO_CACHE)
+def finalize(
+    spec: RunSpec, prepared: Prepared, status: Literal["completed", "failed"] = "completed"
+) -> TrainingResult:
+    """Write the run summary, publish the artifacts, release the run, return the result."""
+    logger = get_run_logger()
+    run_dir = RunDirectory(storage.resolve(prepared.storage_uri).child(prepared.run_name))
+    result = finalize_run(spec, run_dir, prepared.storage_uri, status)
+    history = run_dir.read_metrics_history()
+    publish(spec, prepared, result, history, run_dir)
+    lease.release(run_dir.location, lease.Lease(prepared.lease_owner, "", 0, 0, 0))
+    logger.info(
+        "run %s %s: %s steps, best %s",
+        result.run_name,
+        result.status,
+        result.steps_completed,
+        result.best_checkpoint_uri,
+    )
+    return result
+
+
+def publish(
+    spec: RunSpec, prepared: Prepared, result: TrainingResult, history: list, run_dir: RunDirectory
+) -> None:
+    """The UI's view of the run. The curve is a PNG saved beside the run and embedded as a
+    data: URL, which the UI's <img> renders without any file server."""
+    name = prepared.run_name
+    table = epoch_table(history)
+    if table:
+        create_table_artifact(
+            table=table,
+            key=artifact_key(name, "metrics"),
+            description=f"Metrics per epoch of {name}",
+        )
+    create_markdown_artifact(
+        markdown=render_markdown(spec, result, prepared.plan_reason),
+        key=artifact_key(name, "summary"),
+        description=f"Run summary of {name}",
+    )
+    if result.best_checkpoint_uri:
+        create_link_artifact(
+            link=_link(result.best_checkpoint_uri),
+            link_text=result.best_checkpoint_uri,
+            key=artifact_key(name, "best-checkpoint"),
+            description=f"Best checkpoint of {name} "
+            f"({spec.checkpoint.best_metric}, "
+            f"{spec.checkpoint.best_mode})",
+        )
+    if history:
+        png = plots.curve_png(history, f"{name}: loss and validation metrics")
+        run_dir.location.child("loss_curve.png").write_bytes(png)
+        create_image_artifact(
+            image_url=plots.data_uri(png),
+            key=artifact_key(name, "loss-curve"),
+            description=f"Loss curve of {name}",
+        )
+
+
+def _link(uri: str) -> str:
+    return uri if "://" in uri else f"file://{uri}"

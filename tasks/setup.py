@@ -1,0 +1,65 @@
+"""setup: validate, probe storage and Ray, take the run lease, decide fresh start or resume."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ConfigDict
+
+from trainer_core import engine, lease
+from trainer_core.spec import RunSpec
+from trainer_core.summary import TrainingResult, read_stored_result
+
+
+class Prepared(BaseModel):
+    """What setup hands to train and finalize (small and serializable)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_name: str
+    storage_uri: str
+    run_uri: str
+    lease_owner: str
+    plan_reason: str
+    resume_step: int | None
+    #: Set when the run already finished with at least the epochs asked for.
+    stored_result: TrainingResult | None = None
+
+
+def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
+    """A completed run is done unless the spec asks for more epochs than it trained."""
+    if stored is None or stored.status != "completed":
+        return False
+    if spec.schedule is None:  # a user's loop: its own config decides; completed is completed
+        return True
+    return stored.epochs_completed >= spec.schedule.epochs
+
+
+@task(name="setup", cache_policy=NO_CACHE)
+def setup(spec: RunSpec, lease_owner: str) -> Prepared:
+    """Refuse bad input before any worker starts; plan the attempt; hold the run."""
+    logger = get_run_logger()
+    engine.validate_workload(spec)
+    plan, run_dir = engine.plan_attempt(spec)
+    engine.check_capacity(spec)
+    lease.acquire(run_dir.location, owner=lease_owner)
+    stored = read_stored_result(run_dir)
+    if is_finished(spec, stored):
+        logger.info(
+            "run %s already finished (%s steps): returning its stored result",
+            plan.run_name,
+            stored.steps_completed if stored else "?",
+        )
+        lease.release(run_dir.location, lease.Lease(lease_owner, "", 0, 0, 0))
+    else:
+        logger.info("run %s at %s: %s", plan.run_name, plan.run_uri, plan.reason)
+        stored = None
+    return Prepared(
+        run_name=plan.run_name,
+        storage_uri=plan.storage_uri,
+        run_uri=plan.run_uri,
+        lease_owner=lease_owner,
+        plan_reason=plan.reason,
+        resume_step=plan.resume_step,
+        stored_result=stored,
+    )

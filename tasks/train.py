@@ -1,0 +1,143 @@
+"""train: one Ray Train attempt per Prefect task run; a failure becomes a retry that resumes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
+
+from tasks.naming import artifact_key
+from tasks.setup import Prepared
+from trainer_core import engine, lease, storage
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.errors import RelaytrainError
+from trainer_core.retry import RetryDecision, decide_retry
+from trainer_core.spec import RunSpec
+
+#: The progress artifact is updated at most this often (and at the end of training).
+PROGRESS_INTERVAL_S = 2.0
+
+
+def should_retry(task: Any, task_run: TaskRun, state: State) -> bool:
+    """Prefect's retry_condition_fn: follow the decision the failed attempt recorded."""
+    error = state.result(raise_on_failure=False)
+    decision = getattr(error, "retry_decision", None)
+    return isinstance(decision, RetryDecision) and decision.retry
+
+
+class ProgressRelay:
+    """Turns relayed training events into task logs and a live progress artifact."""
+
+    def __init__(self, spec: RunSpec, prepared: Prepared, total_steps: int | None):
+        self.logger = get_run_logger()
+        self.total_steps = total_steps
+        self.epochs = spec.schedule.epochs if spec.schedule else None
+        self.last_update = 0.0
+        self.step = prepared.resume_step or 0
+        self.artifact_id: Any = create_progress_artifact(
+            progress=self._percent(),
+            key=artifact_key(prepared.run_name, "progress"),
+            description=f"Training progress of {prepared.run_name}",
+        )
+
+    def _percent(self) -> float:
+        if not self.total_steps:
+            return 0.0
+        return round(min(100.0, 100.0 * self.step / self.total_steps), 1)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind = event["kind"]
+        if kind == "resumed":
+            skipped = event.get("skipped") or []
+            note = f" (skipped unusable {[s['step'] for s in skipped]})" if skipped else ""
+            self.logger.info("workers resumed from step %s%s", event.get("step", "?"), note)
+        elif kind == "fresh_start":
+            self.logger.info("workers started from scratch")
+        elif kind == "checkpoint":
+            self.logger.info(
+                "checkpoint committed at step %s: %s", event["step"], event.get("checkpoint_uri")
+            )
+        elif kind == "metrics":
+            for row in event["rows"]:
+                self.step = max(self.step, row["step"])
+                if any(k.startswith("val_") for k in row):
+                    self._log_epoch(row)
+        elif kind == "finished":
+            self.step = self.total_steps or self.step
+        now = time.monotonic()
+        if now - self.last_update >= PROGRESS_INTERVAL_S or kind == "finished":
+            update_progress_artifact(artifact_id=self.artifact_id, progress=self._percent())
+            self.last_update = now
+
+    def _log_epoch(self, row: dict[str, Any]) -> None:
+        shown = " ".join(
+            f"{k} {row[k]:.4f}" for k in sorted(row) if k == "loss" or k.startswith("val_")
+        )
+        of = f"/{self.epochs}" if self.epochs else ""
+        self.logger.info("epoch %s%s (step %s): %s", row["epoch"] + 1, of, row["step"], shown)
+
+
+def total_steps(spec: RunSpec) -> int | None:
+    if spec.data is None or spec.schedule is None:
+        return None
+    from trainer_core import data as data_mod
+
+    arrays = data_mod.load_arrays(spec.data)
+    train_rows = len(arrays) - round(len(arrays) * spec.data.validation_fraction)
+    per_epoch = data_mod.batches_per_epoch(
+        train_rows, spec.data.batch_size, spec.scaling.num_workers
+    )
+    return per_epoch * spec.schedule.epochs
+
+
+def _decide(spec: RunSpec, run_dir: RunDirectory, error: RelaytrainError) -> RetryDecision:
+    """Decide retry-or-stop from the attempt the engine just recorded; record the verdict."""
+    records = run_dir.read_attempts()
+    recorded = bool(records) and records[-1].get("status") == "failed"
+    failure: dict[str, Any] = (
+        dict(records[-1])
+        if recorded
+        else {
+            "error_budget": error.budget,
+            "error_class": type(error).__name__,
+            "error_message": str(error),
+        }
+    )
+    failure["deterministic"] = getattr(error, "deterministic", False)
+    failure["error_type"] = getattr(error, "error_type", None)
+    earlier = records[:-1] if recorded else records
+    decision = decide_retry(failure, earlier, spec.retries)
+    if recorded:
+        run_dir.record_attempt({**failure, "retry_decision": decision.reason})
+    return decision
+
+
+@task(name="train", cache_policy=NO_CACHE, retry_condition_fn=should_retry)
+def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
+    """Run one attempt (resuming from the newest committed checkpoint); classify a failure."""
+    logger = get_run_logger()
+    run_dir = RunDirectory(storage.resolve(prepared.storage_uri).child(prepared.run_name))
+    held = lease.acquire(run_dir.location, owner=prepared.lease_owner)
+    progress = ProgressRelay(spec, prepared, total_steps(spec))
+    with lease.LeaseKeeper(run_dir.location, held):
+        try:
+            result = engine.run_attempt(spec, on_event=progress)
+        except RelaytrainError as error:
+            decision = _decide(spec, run_dir, error)
+            error.retry_decision = decision  # type: ignore[attr-defined]
+            logger.error(
+                "attempt failed with %s: %s. %s", type(error).__name__, error, decision.reason
+            )
+            raise
+    logger.info(
+        "attempt %s completed at step %s in %.1f s",
+        result.attempt,
+        result.steps_completed,
+        result.wall_time_s,
+    )
+    return result.to_dict()

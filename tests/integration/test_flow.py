@@ -1,0 +1,238 @@
+"""The training flow under Prefect's test harness on the shared local Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
+
+from flows.pytest_plugin import tiny_spec_dict, with_fault
+from flows.training import training
+from tests.integration.test_engine import assert_same_tensors, final_state, losses
+from trainer_core import lease, storage
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.errors import SpecError
+from trainer_core.spec import build_spec
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+def task_runs(flow_run_id) -> dict:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    return {run.name.rsplit("-", 1)[0]: run for run in runs}
+
+
+def artifacts(flow_run_id) -> dict:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return {a.key: a for a in found}
+
+
+def run_dir_of(spec) -> RunDirectory:
+    return RunDirectory(storage.resolve(spec.run.storage).child(spec.run.name))
+
+
+@pytest.fixture(scope="module")
+def happy(relaytrain_ray, relaytrain_prefect, tmp_path_factory):
+    spec = build_spec(tiny_spec_dict(tmp_path_factory.mktemp("flow"), "flow-happy"))
+    state = training(spec, return_state=True)
+    assert state.is_completed(), state
+    # Captured now: a later test continues this run with more epochs.
+    reference = {"state": final_state(run_dir_of(spec)), "losses": losses(run_dir_of(spec))}
+    return spec, state, reference
+
+
+def test_happy_path_tasks_artifacts_and_result(happy):
+    spec, state, _ = happy
+    result = state.result()
+    flow_run_id = state.state_details.flow_run_id
+    assert result.status == "completed" and result.run_name == "flow-happy"
+    assert result.steps_completed == 39 and result.epochs_completed == 3
+    assert len(result.attempts) == 1 and result.attempts[0].status == "completed"
+    assert result.best_checkpoint_uri and result.latest_checkpoint_uri.endswith(
+        "checkpoint-000000039"
+    )
+    assert "val_loss" in result.final_metrics and result.storage_bytes > 0
+    runs = task_runs(flow_run_id)
+    assert set(runs) == {"setup", "train", "finalize"}
+    assert all(r.state.is_completed() for r in runs.values())
+    found = artifacts(flow_run_id)
+    assert {
+        "flow-happy-metrics",
+        "flow-happy-summary",
+        "flow-happy-best-checkpoint",
+        "flow-happy-loss-curve",
+        "flow-happy-progress",
+    } <= set(found)
+    table = json.loads(found["flow-happy-metrics"].data)
+    assert [row["epoch"] for row in table] == [0, 1, 2] and "val_loss" in table[-1]
+    assert found["flow-happy-progress"].data == 100
+    assert found["flow-happy-loss-curve"].data.startswith("data:image/png;base64,")
+    assert "Attempts" in found["flow-happy-summary"].data
+    run_dir = run_dir_of(spec)
+    assert run_dir.location.child("summary.json").read_json()["steps_completed"] == 39
+    assert run_dir.location.child("loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).name == "flow-happy"
+
+
+def test_finished_run_returns_stored_result_unless_more_epochs(happy):
+    spec, first, _ = happy
+    again = training(spec, return_state=True)
+    assert again.result().attempts == first.result().attempts
+    assert "train" not in task_runs(again.state_details.flow_run_id)
+    more = training(
+        spec.model_copy(update={"schedule": spec.schedule.model_copy(update={"epochs": 4})}),
+        return_state=True,
+    )
+    result = more.result()
+    assert result.steps_completed == 52 and len(result.attempts) == 2
+    assert result.attempts[1].resumed_from_step == 39
+
+
+def test_raise_fault_is_retried_and_resume_is_exact(happy, tmp_path):
+    _, _, reference = happy
+    spec = with_fault(build_spec(tiny_spec_dict(tmp_path, "flow-fault")), "raise", at_step=17)
+    state = training(spec, return_state=True)
+    assert state.is_completed()
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
+    result = state.result()
+    assert [a.status for a in result.attempts] == ["failed", "completed"]
+    assert result.attempts[0].error_class == "TrainingCodeError"
+    assert result.attempts[0].steps_lost == 7  # failed at 17, resumed from 10
+    assert_same_tensors(final_state(run_dir_of(spec)), reference["state"])
+    assert losses(run_dir_of(spec)) == reference["losses"]
+
+
+def test_spec_error_is_not_retried(relaytrain_ray, relaytrain_prefect, tmp_path):
+    spec = build_spec(tiny_spec_dict(tmp_path, "flow-bad", model={"name": "nowhere.nets:mlp"}))
+    state = training(spec, return_state=True)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, SpecError) and "model.name" in str(error)
+    runs = task_runs(state.state_details.flow_run_id)
+    assert runs["setup"].run_count == 1 and "train" not in runs
+
+
+def test_same_error_twice_stops_retrying(relaytrain_ray, relaytrain_prefect, tmp_path):
+    spec = build_spec(tiny_spec_dict(tmp_path, "flow-bug", retries={"code": 3}))
+    spec = with_fault(with_fault(spec, "raise", at_step=15), "raise", at_step=15, attempt=2)
+    state = training(spec, return_state=True)
+    assert state.is_failed()
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2  # not 4
+    attempts = run_dir_of(spec).read_attempts()
+    assert "twice in a row" in attempts[-1]["retry_decision"]
+    assert run_dir_of(spec).location.child("summary.json").read_json()["status"] == "failed"
+
+
+def test_a_run_held_by_a_live_flow_is_refused(relaytrain_ray, relaytrain_prefect, tmp_path):
+    spec = build_spec(tiny_spec_dict(tmp_path, "flow-held"))
+    lease.acquire(run_dir_of(spec).location, owner="another-live-flow")  # this pid: alive
+    state = training(spec, return_state=True)
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, lease.LeaseHeldError) and "another-live-flow" in str(error)
+    assert "train" not in task_runs(state.state_details.flow_run_id)
+
+
+# -- the flow as a separate process: SIGKILL, and cancellation by SIGTERM ------------------------
+
+
+def slow_spec_file(tmp_path: Path, name: str) -> Path:
+    raw = tiny_spec_dict(
+        tmp_path,
+        name,
+        model={"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16], "delay_s": 0.03}},
+        schedule={"epochs": 12},
+    )
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def start_cli(spec_file: Path, name: str, ray_address: str) -> subprocess.Popen:
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_ADDRESS": ray_address}
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.training", "--config", str(spec_file), "--run-name", name],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_commit(run_dir: RunDirectory, at_least: int, process, timeout_s: float = 120):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        newest = run_dir.scan().newest
+        if newest and newest.step >= at_least:
+            return newest.step
+        assert process.poll() is None, process.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint at step >= {at_least} within {timeout_s} s")
+
+
+def cpus_free(ray) -> float:
+    return ray.available_resources().get("CPU", 0.0)
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigterm"])
+def test_interrupted_flow_process_resumes_on_rerun(
+    relaytrain_ray, relaytrain_prefect, tmp_path, how
+):
+    ray = relaytrain_ray
+    name = f"flow-{how}"
+    spec_file = slow_spec_file(tmp_path, name)
+    run_dir = RunDirectory(storage.resolve(str(tmp_path)).child(name))
+    address = ray.get_runtime_context().gcs_address
+    free_before = cpus_free(ray)
+    process = start_cli(spec_file, name, address)
+    committed = wait_for_commit(run_dir, 20, process)
+    if how == "sigkill":
+        process.kill()
+    else:  # how Prefect cancels a flow run's process
+        process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+    deadline = time.time() + 30  # the worker group is gone within 30 s
+    while cpus_free(ray) < free_before and time.time() < deadline:
+        time.sleep(0.5)
+    assert cpus_free(ray) >= free_before
+    assert run_dir.scan().newest.step >= committed  # nothing committed was lost
+    rerun = start_cli(spec_file, name, address)
+    output, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, output
+    attempts = run_dir.read_attempts()
+    assert attempts[-1]["status"] == "completed" and attempts[-1]["resumed_from_step"] >= committed
+    steps = [row["step"] for row in run_dir.read_metrics_history()]
+    assert steps == list(range(1, steps[-1] + 1))  # one row per step: no gaps, no duplicates
+    assert steps[-1] == run_dir.scan().newest.step
+
+
+def test_cli_refuses_a_bad_spec_before_running(capsys):
+    from flows.training import main
+
+    assert main(["--config", "examples/digits_cnn.yaml", "--set", "scaling.num_workers=0"]) == 2
+    assert "scaling.num_workers" in capsys.readouterr().err
+    assert main(["--config", "examples/digits_cnn.yaml", "--run-name", "../up"]) == 2

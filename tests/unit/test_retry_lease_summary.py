@@ -1,0 +1,151 @@
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainer_core import lease, storage
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.retry import decide_retry
+from trainer_core.spec import RetriesSection
+from trainer_core.summary import attempt_summaries, epoch_table, render_markdown
+
+BUDGETS = RetriesSection(infrastructure=2, code=1)
+
+
+def failed(attempt, budget, step=5, message="boom", cls="TrainingCodeError", **extra):
+    return {
+        "attempt": attempt,
+        "status": "failed",
+        "error_budget": budget,
+        "error_class": cls,
+        "error_step": step,
+        "error_message": message,
+        **extra,
+    }
+
+
+def test_spec_errors_and_deterministic_failures_stop():
+    assert not decide_retry(failed(1, "none", cls="SpecError"), [], BUDGETS).retry
+    nan = failed(1, "code", deterministic=True, message="loss became nan")
+    decision = decide_retry(nan, [], BUDGETS)
+    assert not decision.retry and "will repeat" in decision.reason
+
+
+def test_budgets_are_separate():
+    history = [failed(1, "infrastructure"), failed(2, "infrastructure", step=9)]
+    assert not decide_retry(failed(3, "infrastructure", step=12), history, BUDGETS).retry
+    assert decide_retry(failed(3, "code", step=12), history, BUDGETS).retry
+    code_history = [failed(1, "code", step=3, message="a")]
+    assert not decide_retry(failed(2, "code", step=8, message="b"), code_history, BUDGETS).retry
+    assert decide_retry(failed(2, "infrastructure"), code_history, BUDGETS).retry
+
+
+def test_same_error_same_step_twice_stops_even_with_budget_left():
+    generous = RetriesSection(infrastructure=0, code=5)
+    history = [failed(1, "code", step=15)]
+    decision = decide_retry(failed(2, "code", step=15), history, generous)
+    assert not decision.retry and "twice in a row" in decision.reason
+    assert decide_retry(failed(2, "code", step=16), history, generous).retry
+
+
+def test_retry_delays_back_off():
+    assert RetriesSection(infrastructure=2, code=1, delay_s=5, backoff=2).delays() == [5, 10, 20]
+    assert RetriesSection(infrastructure=0, code=0).delays() == []
+
+
+@pytest.fixture
+def run_location(tmp_path):
+    return storage.resolve(str(tmp_path / "run"))
+
+
+def test_lease_is_exclusive_while_its_holder_lives(run_location):
+    held = lease.acquire(run_location, owner="a", settle_s=0)
+    assert lease.acquire(run_location, owner="a", settle_s=0).owner == "a"  # re-entrant
+    with pytest.raises(lease.LeaseHeldError, match="held by a"):
+        lease.acquire(run_location, owner="b", settle_s=0)
+    lease.release(run_location, held)
+    assert lease.acquire(run_location, owner="b", settle_s=0).owner == "b"
+
+
+def test_expired_or_dead_leases_are_taken_over(run_location):
+    lease.acquire(run_location, owner="a", ttl_s=0.01, settle_s=0)
+    time.sleep(0.05)
+    assert lease.acquire(run_location, owner="b", settle_s=0).owner == "b"
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    record = run_location.child("lock.json").read_json()
+    record.update(owner="gone", pid=int(dead.stdout), expires_at=time.time() + 3600)
+    run_location.child("lock.json").write_json(record)
+    assert lease.acquire(run_location, owner="c", settle_s=0).owner == "c"
+    assert os.getpid() == lease.acquire(run_location, owner="c", settle_s=0).pid
+
+
+def test_renew_refuses_a_lease_taken_over(run_location):
+    held = lease.acquire(run_location, owner="a", ttl_s=0.01, settle_s=0)
+    time.sleep(0.05)
+    lease.acquire(run_location, owner="b", settle_s=0)
+    with pytest.raises(lease.LeaseHeldError, match="taken over"):
+        lease.renew(run_location, held)
+
+
+def test_attempt_summaries_count_steps_lost():
+    records = [
+        {
+            "attempt": 1,
+            "status": "failed",
+            "last_step": 27,
+            "resumed_from_step": 0,
+            "started_at": 10.0,
+            "ended_at": 15.0,
+            "error_class": "InfrastructureError",
+        },
+        {"attempt": 2, "status": "completed", "last_step": 60, "resumed_from_step": 20},
+    ]
+    first, second = attempt_summaries(records)
+    assert first.steps_lost == 7 and first.duration_s == 5.0
+    assert second.steps_lost is None
+
+
+def test_epoch_table_and_markdown(tmp_path):
+    history = [
+        {"step": s, "epoch": (s - 1) // 2, "loss": float(s), "lr": 0.1} for s in (1, 2, 3, 4)
+    ]
+    history[1]["val_loss"] = 0.5
+    history[3].update(val_loss=0.25, val_accuracy=0.9)
+    table = epoch_table(history)
+    assert table == [
+        {"epoch": 0, "last_step": 2, "train_loss": 1.5, "val_loss": 0.5, "lr": 0.1},
+        {
+            "epoch": 1,
+            "last_step": 4,
+            "train_loss": 3.5,
+            "val_loss": 0.25,
+            "val_accuracy": 0.9,
+            "lr": 0.1,
+        },
+    ]
+    from flows.pytest_plugin import tiny_spec_dict
+    from trainer_core.spec import build_spec
+    from trainer_core.summary import build_result
+
+    spec = build_spec(tiny_spec_dict(tmp_path, "md"))
+    run_dir = RunDirectory(storage.resolve(str(tmp_path)).child("md"))
+    run_dir.record_attempt(
+        {
+            "attempt": 1,
+            "status": "failed",
+            "error_class": "X",
+            "error_message": "a | b\nc",
+            "started_at": 1.0,
+            "ended_at": 2.0,
+        }
+    )
+    result = build_result(spec, run_dir, str(tmp_path), "failed")
+    text = render_markdown(spec, result, "fresh start")
+    assert "| 1 | failed | X: a / b c |" in text and "fresh start" in text

@@ -1,0 +1,128 @@
+"""The run lease (``lock.json``): one live flow drives a run at a time.
+
+A lease names its holder (an owner id, host and pid) and expires unless renewed. Acquire takes a
+free, expired or stale lease (the holder's process is gone from this very host), or one the
+same owner already holds (a retried flow run). Object stores have no compare-and-swap here, so
+acquire writes, waits a moment, and reads back: the last writer wins and the loser sees it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from trainer_core.checkpoints import SCHEMA_VERSION
+from trainer_core.errors import SpecError
+from trainer_core.storage import Location
+
+LEASE_FILE = "lock.json"
+DEFAULT_TTL_S = 60.0
+
+
+class LeaseHeldError(SpecError):
+    """Another live flow holds the run. Not retried: a retry would find it held too."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    owner: str
+    host: str
+    pid: int
+    acquired_at: float
+    expires_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA_VERSION, **self.__dict__}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def holder_is_gone(lease: dict[str, Any], now: float, host: str) -> bool:
+    """True when ``lease`` no longer protects anything: expired, or its process is dead here."""
+    if lease.get("expires_at", 0) <= now:
+        return True
+    return lease.get("host") == host and not _pid_alive(int(lease.get("pid", -1)))
+
+
+def acquire(
+    run_location: Location,
+    owner: str | None = None,
+    ttl_s: float = DEFAULT_TTL_S,
+    settle_s: float = 0.2,
+) -> Lease:
+    """Take the run's lease or raise LeaseHeldError naming the holder."""
+    path = run_location.child(LEASE_FILE)
+    host = socket.gethostname()
+    owner = owner or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    now = time.time()
+    current = path.read_json() if path.exists() else None
+    if current and current.get("owner") != owner and not holder_is_gone(current, now, host):
+        raise LeaseHeldError(
+            f"run {run_location.uri} is held by {current.get('owner')} (pid {current.get('pid')} "
+            f"on {current.get('host')}) until {time.ctime(current['expires_at'])}: another flow "
+            "is driving it. Wait for it to finish or cancel it, or choose another run.name.",
+            field="run.name",
+        )
+    lease = Lease(owner, host, os.getpid(), now, now + ttl_s)
+    path.write_json(lease.to_json())
+    time.sleep(settle_s)
+    written = path.read_json()
+    if written.get("owner") != owner:
+        raise LeaseHeldError(
+            f"run {run_location.uri} was taken by {written.get('owner')} at the same moment",
+            field="run.name",
+        )
+    return lease
+
+
+def renew(run_location: Location, lease: Lease, ttl_s: float = DEFAULT_TTL_S) -> Lease:
+    path = run_location.child(LEASE_FILE)
+    current = path.read_json() if path.exists() else None
+    if current is not None and current.get("owner") != lease.owner:
+        raise LeaseHeldError(f"lease of {run_location.uri} was taken over by {current['owner']}")
+    renewed = Lease(lease.owner, lease.host, lease.pid, lease.acquired_at, time.time() + ttl_s)
+    path.write_json(renewed.to_json())
+    return renewed
+
+
+def release(run_location: Location, lease: Lease) -> None:
+    path = run_location.child(LEASE_FILE)
+    if path.exists() and path.read_json().get("owner") == lease.owner:
+        path.delete_file()
+
+
+class LeaseKeeper:
+    """Renews a lease in a background thread while a long task runs."""
+
+    def __init__(self, run_location: Location, lease: Lease, ttl_s: float = DEFAULT_TTL_S):
+        self.location, self.lease, self.ttl_s = run_location, lease, ttl_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="relaytrain-lease", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.lease = renew(self.location, self.lease, self.ttl_s)
+            except Exception:  # a missed renewal is retried; expiry is the backstop
+                continue
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)

@@ -1,0 +1,258 @@
+"""What a finished run amounts to: the typed result, the per-epoch table, the markdown summary.
+
+Pure functions of the run directory's records (no Prefect): finalize writes ``summary.json``
+from them and publishes them as artifacts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from trainer_core.checkpoints import SCHEMA_VERSION, CheckpointInfo, RunDirectory, plan_retention
+from trainer_core.spec import RunSpec
+from trainer_core.storage import walk_files
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class AttemptSummary(_Frozen):
+    attempt: int
+    status: str
+    error_class: str | None = None
+    error_message: str | None = None
+    error_step: int | None = None
+    resumed_from_step: int | None = None
+    last_step: int | None = None
+    steps_lost: int | None = None
+    duration_s: float | None = None
+    retry_decision: str | None = None
+
+
+class TrainingResult(_Frozen):
+    """The flow's result: JSON-serializable, also written as the run's ``summary.json``."""
+
+    run_name: str
+    storage_uri: str
+    run_uri: str
+    status: Literal["completed", "failed"]
+    attempts: list[AttemptSummary]
+    steps_completed: int
+    epochs_completed: int
+    final_metrics: dict[str, Any]
+    best_metrics: dict[str, Any]
+    best_checkpoint_uri: str | None
+    latest_checkpoint_uri: str | None
+    wall_time_s: float
+    storage_bytes: int
+    target_epochs: int | None = None
+
+
+def attempt_summaries(records: Sequence[dict[str, Any]]) -> list[AttemptSummary]:
+    """Attempt records with the steps each failure lost (last step minus the next resume)."""
+    summaries = []
+    for index, record in enumerate(records):
+        following = records[index + 1] if index + 1 < len(records) else None
+        lost = None
+        if record.get("status") == "failed" and following is not None:
+            resumed = following.get("resumed_from_step")
+            if resumed is not None and record.get("last_step") is not None:
+                lost = max(int(record["last_step"]) - int(resumed), 0)
+        started, ended = record.get("started_at"), record.get("ended_at")
+        summaries.append(
+            AttemptSummary(
+                attempt=record["attempt"],
+                status=record.get("status", "unknown"),
+                error_class=record.get("error_class"),
+                error_message=record.get("error_message"),
+                error_step=record.get("error_step"),
+                resumed_from_step=record.get("resumed_from_step"),
+                last_step=record.get("last_step"),
+                steps_lost=lost,
+                duration_s=(ended - started) if started and ended else None,
+                retry_decision=record.get("retry_decision"),
+            )
+        )
+    return summaries
+
+
+def best_checkpoint(
+    committed: Sequence[CheckpointInfo], metric: str, mode: str
+) -> CheckpointInfo | None:
+    scored = [c for c in committed if _finite(c.metrics.get(metric))]
+    if not scored:
+        return committed[-1] if committed else None
+    sign = 1.0 if mode == "min" else -1.0
+    return min(scored, key=lambda c: (sign * float(c.metrics[metric]), -c.step))
+
+
+def epoch_table(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per epoch: mean training loss, the epoch-end validation metrics, last lr."""
+    epochs: dict[int, list[dict[str, Any]]] = {}
+    for row in history:
+        epochs.setdefault(int(row.get("epoch", 0)), []).append(row)
+    table = []
+    for epoch in sorted(epochs):
+        rows = epochs[epoch]
+        losses = [r["loss"] for r in rows if _finite(r.get("loss"))]
+        entry: dict[str, Any] = {
+            "epoch": epoch,
+            "last_step": rows[-1]["step"],
+            "train_loss": round(sum(losses) / len(losses), 6) if losses else None,
+        }
+        for key, value in rows[-1].items():
+            if key.startswith("val_") and _finite(value):
+                entry[key] = round(float(value), 6)
+        if _finite(rows[-1].get("lr")):
+            entry["lr"] = float(rows[-1]["lr"])
+        table.append(entry)
+    return table
+
+
+def storage_bytes(run_dir: RunDirectory) -> int:
+    return sum(info.size or 0 for info in walk_files(run_dir.location))
+
+
+def build_result(
+    spec: RunSpec, run_dir: RunDirectory, storage_uri: str, status: Literal["completed", "failed"]
+) -> TrainingResult:
+    records = run_dir.read_attempts()
+    attempts = attempt_summaries(records)
+    scan = run_dir.scan()
+    newest = scan.newest
+    best = best_checkpoint(scan.committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
+    history = run_dir.read_metrics_history()
+    started = min((r["started_at"] for r in records if r.get("started_at")), default=time.time())
+    ended = max((r.get("ended_at") or 0 for r in records), default=0) or time.time()
+    final = newest.metrics if newest else (history[-1] if history else {})
+    epochs_done = int(newest.manifest.get("epoch", 0)) if newest else 0
+    return TrainingResult(
+        run_name=spec.run.name or run_dir.location.path.rsplit("/", 1)[-1],
+        storage_uri=storage_uri,
+        run_uri=run_dir.uri,
+        status=status,
+        attempts=attempts,
+        steps_completed=newest.step if newest else 0,
+        epochs_completed=epochs_done,
+        final_metrics=_clean(final),
+        best_metrics=_clean(best.metrics) if best else {},
+        best_checkpoint_uri=best.uri if best else None,
+        latest_checkpoint_uri=newest.uri if newest else None,
+        wall_time_s=round(ended - started, 3),
+        storage_bytes=storage_bytes(run_dir),
+        target_epochs=spec.schedule.epochs if spec.schedule else None,
+    )
+
+
+def finalize_run(
+    spec: RunSpec, run_dir: RunDirectory, storage_uri: str, status: Literal["completed", "failed"]
+) -> TrainingResult:
+    """Apply retention one last time, then write ``summary.json`` and return the result."""
+    scan = run_dir.scan()
+    policy = spec.checkpoint
+    plan = plan_retention(
+        scan.committed,
+        keep_last=policy.keep_last,
+        keep_best=policy.keep_best,
+        best_metric=policy.best_metric,
+        best_mode=policy.best_mode,
+        uncommitted=scan.uncommitted,
+    )
+    if plan.delete:
+        run_dir.delete_checkpoints(plan.delete)
+    result = build_result(spec, run_dir, storage_uri, status)
+    run_dir.location.child("summary.json").write_json(
+        {"schema": SCHEMA_VERSION, **result.model_dump(mode="json")}
+    )
+    return result
+
+
+def read_stored_result(run_dir: RunDirectory) -> TrainingResult | None:
+    path = run_dir.location.child("summary.json")
+    if not path.exists():
+        return None
+    data = path.read_json()
+    data.pop("schema", None)
+    return TrainingResult.model_validate(data)
+
+
+def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | None = None) -> str:
+    """The run summary a person reads in the UI."""
+    workload = spec.train_loop or (
+        f"{spec.model.name} on {spec.data.dataset}" if spec.model and spec.data else "?"
+    )
+    lines = [
+        f"# Run `{result.run_name}`: {result.status}",
+        "",
+        f"- workload: `{workload}`, {spec.scaling.num_workers} DDP worker(s)"
+        + (f", {spec.schedule.epochs} epochs" if spec.schedule else ""),
+    ]
+    if spec.data and spec.schedule:
+        lines.append(
+            f"- batch {spec.data.batch_size} per worker, {spec.optimizer.name} "
+            f"lr {spec.optimizer.lr}, schedule {spec.schedule.lr_schedule}"
+        )
+    lines += [
+        f"- checkpoints every {spec.checkpoint.every} steps; keep last "
+        f"{spec.checkpoint.keep_last}, best {spec.checkpoint.keep_best} by "
+        f"`{spec.checkpoint.best_metric}` ({spec.checkpoint.best_mode})",
+        f"- steps completed: {result.steps_completed}; epochs: {result.epochs_completed}",
+        f"- run directory: `{result.run_uri}` ({result.storage_bytes / 1e6:.2f} MB)",
+        f"- wall time: {result.wall_time_s:.1f} s",
+    ]
+    if plan_reason:
+        lines.append(f"- plan: {plan_reason}")
+    lines += [
+        "",
+        "## Attempts",
+        "",
+        "| # | status | error | resumed from step | last step | steps lost | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a in result.attempts:
+        error = f"{a.error_class}: {_one_line(a.error_message)}" if a.error_class else ""
+        if a.retry_decision:
+            error += f" ({a.retry_decision})"
+        lines.append(
+            f"| {a.attempt} | {a.status} | {error} | {_dash(a.resumed_from_step)} | "
+            f"{_dash(a.last_step)} | {_dash(a.steps_lost)} | "
+            f"{'' if a.duration_s is None else f'{a.duration_s:.1f}'} |"
+        )
+    lines += [
+        "",
+        "## Checkpoints",
+        "",
+        f"- best: `{result.best_checkpoint_uri}` {_metrics(result.best_metrics)}",
+        f"- latest: `{result.latest_checkpoint_uri}` {_metrics(result.final_metrics)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _metrics(metrics: dict[str, Any]) -> str:
+    shown = {
+        k: round(v, 4) for k, v in metrics.items() if k in ("step", "loss") or k.startswith("val_")
+    }
+    return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def _one_line(text: str | None, limit: int = 160) -> str:
+    flat = " ".join((text or "").split()).replace("|", "/")
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _clean(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metrics.items() if isinstance(v, int | float | str) and k != "time"}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

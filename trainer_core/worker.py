@@ -1,0 +1,116 @@
+"""Plumbing every training worker shares: its config, fault injection, the relay to the driver,
+and how to tell a lost peer from a bug."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer_core.errors import InjectedFault
+from trainer_core.spec import FaultSection
+
+logger = logging.getLogger("relaytrain.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    spec: dict[str, Any]
+    storage_uri: str
+    run_name: str
+    attempt: int
+    #: Committed checkpoint steps, newest first, as the driver's scan found them.
+    candidates: list[int]
+    relay: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"relaytrain": self}
+
+
+@dataclass
+class Faults:
+    faults: list[FaultSection]
+    attempt: int
+    rank: int
+
+    def check(self, step: int) -> None:
+        for fault in self.faults:
+            if (fault.attempt, fault.rank, fault.at_step) != (self.attempt, self.rank, step):
+                continue
+            if fault.kind == "kill":
+                logger.warning("fault: SIGKILL of rank %d at step %d", self.rank, step)
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise InjectedFault(f"injected fault at step {step} on rank {self.rank}")
+
+
+class Relay:
+    """Rank 0's non-blocking channel to the driver (fire-and-forget actor calls).
+
+    Metric rows are batched and pushed at most every ``interval_s`` (an actor call costs about
+    half a millisecond on a busy machine); any other event flushes them first, in order.
+    """
+
+    def __init__(self, handle: Any, rank: int, interval_s: float = 1.0):
+        self.handle = handle if rank == 0 else None
+        self.interval_s = interval_s
+        self.rows: list[dict[str, Any]] = []
+        self.last_push = 0.0
+
+    def send(self, kind: str, **payload: Any) -> None:
+        if self.handle is None:
+            return
+        now = time.time()
+        if kind == "metrics":
+            self.rows.extend(payload["rows"])
+            if now - self.last_push < self.interval_s:
+                return
+        self._flush_rows(now)
+        if kind != "metrics":
+            self.handle.push.remote({"kind": kind, "time": now, **payload})
+
+    def flush(self) -> None:
+        """Push buffered rows now (before an error ends the worker)."""
+        if self.handle is not None:
+            self._flush_rows(time.time())
+
+    def _flush_rows(self, now: float) -> None:
+        if self.rows and self.handle is not None:
+            self.handle.push.remote({"kind": "metrics", "time": now, "rows": self.rows})
+            self.rows = []
+        self.last_push = now
+
+
+def all_reduce(values: list[float], op: Any = None) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def all_ok(ok: bool) -> bool:
+    return all_reduce([1.0 if ok else 0.0], dist.ReduceOp.MIN)[0] == 1.0
+
+
+#: What a collective says when a peer process vanished (gloo over TCP, NCCL): the peer died,
+#: this rank did nothing wrong.
+PEER_FAILURE_SIGNS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Read error",
+    "Write error",
+    "NCCL communicator was aborted",
+)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """True when ``error`` is a collective failing because another rank went away."""
+    if isinstance(error, dist.DistBackendError | dist.DistNetworkError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(sign in text for sign in PEER_FAILURE_SIGNS)
