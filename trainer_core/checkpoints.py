@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
-from trainer_core.errors import CheckpointCorruptError, IncompatibleRunError
+from trainer_core import storage
+from trainer_core.errors import CheckpointCorruptError, IncompatibleRunError, SpecError
 from trainer_core.storage import Location
 
 SCHEMA_VERSION = 1
@@ -294,6 +295,26 @@ class RunDirectory:
             location = self.location.child(name)
             location.child(MARKER_FILE).delete_file()
             location.delete_dir()
+
+
+def open_checkpoint(uri: str) -> tuple[RunDirectory, CheckpointInfo]:
+    """The committed checkpoint at ``uri`` (a ``.../checkpoint-NNNNNNNNN`` directory)."""
+    run_location, name = storage.parent(storage.resolve(uri))
+    match = CHECKPOINT_PATTERN.fullmatch(name)
+    if not match:
+        raise SpecError(
+            f"{uri!r} is not a checkpoint directory (checkpoint-NNNNNNNNN)", field="run.init_from"
+        )
+    run_dir = RunDirectory(run_location)
+    try:
+        info = run_dir.read_committed(int(match.group(1)))
+    except CheckpointCorruptError as e:
+        raise SpecError(f"checkpoint {uri} is damaged: {e}", field="run.init_from") from e
+    if info is None:
+        raise SpecError(
+            f"checkpoint {uri} is not committed (no valid marker)", field="run.init_from"
+        )
+    return run_dir, info
 
 
 def _check_schema(data: dict[str, Any], where: str) -> None:

@@ -28,7 +28,13 @@ import torch.distributed as dist
 
 from trainer_core import data as data_mod
 from trainer_core import storage, training_state, workloads
-from trainer_core.checkpoints import CheckpointInfo, FileEntry, RunDirectory, plan_retention
+from trainer_core.checkpoints import (
+    CheckpointInfo,
+    FileEntry,
+    RunDirectory,
+    open_checkpoint,
+    plan_retention,
+)
 from trainer_core.errors import (
     CheckpointCorruptError,
     InfrastructureError,
@@ -166,7 +172,14 @@ class BuiltinLoop:
             self.last_checkpoint_step = step
             self.relay.send("resumed", step=step, checkpoint_uri=checkpoint.uri, skipped=skipped)
             return
-        self.relay.send("fresh_start", skipped=skipped)
+        warm_start = self.spec.run.init_from
+        if warm_start:
+            source_dir, source = open_checkpoint(warm_start)
+            name = "model.pt" if "model.pt" in source.files else "model-rank0.pt"
+            self.model.load_state_dict(
+                training_state.from_bytes(source_dir.read_verified(source, name))
+            )
+        self.relay.send("fresh_start", skipped=skipped, warm_start=warm_start)
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -57,6 +57,9 @@ class RunSection(_Section):
     name: str | None = None
     storage: str = "./runs"
     seed: int = 0
+    #: A committed checkpoint URI whose model weights start a fresh run (warm start). Ignored
+    #: once the run has checkpoints of its own.
+    init_from: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -258,6 +261,32 @@ class RunSpec(_Section):
         """This spec with ``run.name`` set (validated)."""
         validate_run_name(name)
         return self.model_copy(update={"run": self.run.model_copy(update={"name": name})})
+
+    def for_slot(self, when: Any) -> RunSpec:
+        """This spec with ``data.dataset`` templates filled from a schedule slot's time.
+
+        Placeholders: ``{date}`` (YYYY-MM-DD), ``{year}``, ``{month}``, ``{day}``, ``{hour}``,
+        ``{datetime}`` (YYYYMMDDTHHMM); e.g. ``s3://lake/digits/date={date}/``.
+        """
+        if self.data is None or "{" not in self.data.dataset:
+            return self
+        values = {
+            "date": when.strftime("%Y-%m-%d"),
+            "year": when.strftime("%Y"),
+            "month": when.strftime("%m"),
+            "day": when.strftime("%d"),
+            "hour": when.strftime("%H"),
+            "datetime": when.strftime("%Y%m%dT%H%M"),
+        }
+        try:
+            dataset = self.data.dataset.format(**values)
+        except (KeyError, IndexError, ValueError) as e:
+            raise SpecError(
+                f"data.dataset {self.data.dataset!r} has an unknown placeholder {e}: use "
+                f"{sorted('{' + k + '}' for k in values)}",
+                field="data.dataset",
+            ) from e
+        return self.model_copy(update={"data": self.data.model_copy(update={"dataset": dataset})})
 
     def default_run_name(self, now: str) -> str:
         """A unique-enough default name from the workload and a timestamp string."""

@@ -214,6 +214,23 @@ def _fsspec_location(protocol: str, path: str, options: dict[str, Any], display:
     return Location(filesystem, stripped.rstrip("/") or "/", display.rstrip("/"))
 
 
+def join_uri(uri: str, *parts: str) -> str:
+    """``uri`` with ``parts`` appended to its path, keeping any query (e.g. endpoint_override)."""
+    base, sep, query = uri.partition("?")
+    joined = posixpath.join(base.rstrip("/") or "/", *parts)
+    return f"{joined}{sep}{query}"
+
+
+def parent(location: Location) -> tuple[Location, str]:
+    """The location one level up, and the last path component."""
+    path = location.path.rstrip("/")
+    uri = location.uri.split("?", 1)[0].rstrip("/")
+    return (
+        Location(location.filesystem, posixpath.dirname(path), posixpath.dirname(uri)),
+        posixpath.basename(path),
+    )
+
+
 def probe_writable(location: Location) -> None:
     """Prove ``location`` is writable: create it, write, read back and delete a probe file."""
     probe = location.child(f".relaytrain-probe-{uuid.uuid4().hex}")

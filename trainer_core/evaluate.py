@@ -1,0 +1,70 @@
+"""Evaluate committed checkpoints on a holdout, on the driver (no Ray: small models, one process).
+
+Used by retraining to compare a challenger with the champion on the same rows, and to check
+that a champion's weights fit the challenger's model before warm-starting from them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer_core import data as data_mod
+from trainer_core import training_state, workloads
+from trainer_core.checkpoints import open_checkpoint
+from trainer_core.errors import SpecError
+from trainer_core.spec import RunSpec
+
+
+def holdout(spec: RunSpec) -> data_mod.Arrays:
+    """The validation split of the spec's data: the same rows for every model evaluated."""
+    assert spec.data is not None
+    arrays = data_mod.load_arrays(spec.data)
+    _, validation = data_mod.split(arrays, max(spec.data.validation_fraction, 0.1), spec.run.seed)
+    return validation
+
+
+def load_model(spec: RunSpec, checkpoint_uri: str, num_inputs: int, num_outputs: int) -> nn.Module:
+    """The spec's model with the weights of ``checkpoint_uri`` (SpecError if they do not fit)."""
+    assert spec.model is not None
+    model = workloads.build_model(spec.model, num_inputs, num_outputs)
+    run_dir, checkpoint = open_checkpoint(checkpoint_uri)
+    name = "model.pt" if "model.pt" in checkpoint.files else "model-rank0.pt"
+    state = training_state.from_bytes(run_dir.read_verified(checkpoint, name))
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise SpecError(
+            f"checkpoint {checkpoint_uri} does not fit model {spec.model.name} "
+            f"{spec.model.kwargs}: {str(e).splitlines()[0]}",
+            field="model",
+        ) from e
+    return model.eval()
+
+
+def compatible(spec: RunSpec, checkpoint_uri: str) -> tuple[bool, str]:
+    """Whether ``checkpoint_uri``'s weights load into the spec's model, and why not."""
+    assert spec.data is not None
+    info = data_mod.describe(spec.data)
+    try:
+        load_model(spec, checkpoint_uri, info.num_features, info.num_outputs)
+    except SpecError as e:
+        return False, str(e)
+    return True, "weights fit the model"
+
+
+@torch.no_grad()
+def evaluate(spec: RunSpec, checkpoint_uri: str, rows: data_mod.Arrays) -> dict[str, float]:
+    """val_loss (and val_accuracy for classification) of a checkpoint on ``rows``."""
+    assert spec.data is not None
+    task = spec.data.resolved().task or "classification"
+    outputs = int(rows.labels.max()) + 1 if task == "classification" else 1
+    info = data_mod.describe(spec.data)
+    model = load_model(spec, checkpoint_uri, rows.features.shape[1], max(outputs, info.num_outputs))
+    features = torch.from_numpy(rows.features)
+    labels = torch.from_numpy(rows.labels)
+    output = model(features)
+    metrics = {"val_loss": float(workloads.loss_function(task)(output, labels))}
+    if task == "classification":
+        metrics["val_accuracy"] = float((output.argmax(dim=1) == labels).float().mean())
+    return metrics
