@@ -7,7 +7,13 @@ STAMP := $(VENV)/.installed
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install test lint run clean
+PREFECT_HOST ?= 127.0.0.1
+PREFECT_PORT ?= 4200
+API_URL := http://$(PREFECT_HOST):$(PREFECT_PORT)/api
+# Deployment runs start here (the pull step of deployments/prefect.yaml).
+export RELAYTRAIN_HOME := $(CURDIR)
+
+.PHONY: install test lint run clean server worker deploy serve
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +35,24 @@ test: $(STAMP) lint
 
 run: $(STAMP)
 	$(PY) -m flows.training --config examples/digits_cnn.yaml
+
+# A Prefect server with its UI on http://127.0.0.1:4200 (SQLite under ~/.prefect by default;
+# PostgreSQL with PREFECT_SERVER_DATABASE_CONNECTION_URL=postgresql+asyncpg://user:pw@host/db).
+server: $(STAMP)
+	$(VENV)/bin/prefect server start --host $(PREFECT_HOST) --port $(PREFECT_PORT)
+
+# Register the deployments of deployments/prefect.yaml on the server.
+deploy: $(STAMP)
+	PREFECT_API_URL=$(API_URL) $(VENV)/bin/prefect work-pool create relaytrain-process --type process --overwrite
+	PREFECT_API_URL=$(API_URL) $(VENV)/bin/prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml
+
+# A process worker that runs them.
+worker: $(STAMP)
+	PREFECT_API_URL=$(API_URL) $(VENV)/bin/prefect worker start --pool relaytrain-process --type process
+
+# Or serve both deployments from one process, with no work pool.
+serve: $(STAMP)
+	PREFECT_API_URL=$(API_URL) $(PY) -m deployments.serve
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

@@ -69,10 +69,13 @@ class ProgressRelay:
                     self._log_epoch(row)
         elif kind == "finished":
             self.step = self.total_steps or self.step
-        now = time.monotonic()
-        if now - self.last_update >= PROGRESS_INTERVAL_S or kind == "finished":
-            update_progress_artifact(artifact_id=self.artifact_id, progress=self._percent())
-            self.last_update = now
+        if time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S or kind == "finished":
+            self.publish()
+
+    def publish(self) -> None:
+        """Push the progress known now (also when an attempt ends early: where it got to)."""
+        update_progress_artifact(artifact_id=self.artifact_id, progress=self._percent())
+        self.last_update = time.monotonic()
 
     def _log_epoch(self, row: dict[str, Any]) -> None:
         shown = " ".join(
@@ -127,8 +130,10 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
     with lease.LeaseKeeper(run_dir.location, held):
         try:
             result = engine.run_attempt(spec, on_event=progress)
+            progress.publish()
         except RelaytrainError as error:
             decision = _decide(spec, run_dir, error)
+            progress.publish()
             error.retry_decision = decision  # type: ignore[attr-defined]
             logger.error(
                 "attempt failed with %s: %s. %s", type(error).__name__, error, decision.reason

@@ -212,16 +212,14 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         "",
         "## Attempts",
         "",
-        "| # | status | error | resumed from step | last step | steps lost | seconds |",
-        "|---|---|---|---|---|---|---|",
+        "| # | status | error | decision | resumed from | last step | steps lost | seconds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for a in result.attempts:
-        error = f"{a.error_class}: {_one_line(a.error_message)}" if a.error_class else ""
-        if a.retry_decision:
-            error += f" ({a.retry_decision})"
+        error = f"{a.error_class}: {_one_line(a.error_message, 70)}" if a.error_class else ""
         lines.append(
-            f"| {a.attempt} | {a.status} | {error} | {_dash(a.resumed_from_step)} | "
-            f"{_dash(a.last_step)} | {_dash(a.steps_lost)} | "
+            f"| {a.attempt} | {a.status} | {error} | {_one_line(a.retry_decision, 60)} | "
+            f"{_dash(a.resumed_from_step)} | {_dash(a.last_step)} | {_dash(a.steps_lost)} | "
             f"{'' if a.duration_s is None else f'{a.duration_s:.1f}'} |"
         )
     lines += [

@@ -1,0 +1,366 @@
+"""End to end: a real `prefect server start`, deployments on a process worker, the UI in chromium.
+
+Flow runs connect to the session's local Ray cluster (RAY_ADDRESS), so they start no Ray of
+their own. Screenshots land in runs/e2e-screenshots/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.pytest_plugin import tiny_spec_dict
+from trainer_core import storage
+from trainer_core.checkpoints import RunDirectory
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SCREENSHOTS = REPO / "runs" / "e2e-screenshots"
+#: The Prefect 3.8 UI asks for an icon named "undefined" for each progress artifact in the run
+#: graph (a UI bug, not our data); every other failed request or console error fails the test.
+KNOWN_UI_NOISE = ("/ico/undefined.svg",)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path, ray_address: str):
+    """A real Prefect server (SQLite in a fresh PREFECT_HOME) and the env to reach it."""
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": api,
+        "PREFECT_UI_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "RAY_ADDRESS": ray_address,
+        "RELAYTRAIN_HOME": str(REPO),
+    }
+    log = open(home / "server.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{api}/health", timeout=2)
+                break
+            except OSError:
+                assert process.poll() is None, (home / "server.log").read_text()
+                assert time.time() < deadline, "prefect server did not start in 120 s"
+                time.sleep(1)
+        yield {"api": api, "ui": f"http://127.0.0.1:{port}", "env": env, "home": home}
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, relaytrain_ray):
+    address = relaytrain_ray.get_runtime_context().gcs_address
+    with prefect_server(tmp_path_factory.mktemp("prefect-home"), address) as running:
+        yield running
+
+
+def prefect(server, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "prefect"), *args],
+        env=server["env"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def worker(server):
+    for args in (
+        ("work-pool", "create", "relaytrain-process", "--type", "process", "--overwrite"),
+        ("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"),
+    ):
+        done = prefect(server, *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+    log = open(server["home"] / "worker.log", "w")  # noqa: SIM115 - closed at teardown
+    process = subprocess.Popen(
+        [
+            str(BIN / "prefect"),
+            "worker",
+            "start",
+            "--pool",
+            "relaytrain-process",
+            "--type",
+            "process",
+        ],
+        env=server["env"],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    yield process
+    process.terminate()
+    process.wait(30)
+    log.close()
+
+
+def client_for(server):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    class Client:
+        def __enter__(self):
+            self.settings = temporary_settings({PREFECT_API_URL: server["api"]})
+            self.settings.__enter__()
+            self.client = get_client(sync_client=True).__enter__()
+            return self.client
+
+        def __exit__(self, *exc):
+            self.client.__exit__(*exc)
+            self.settings.__exit__(*exc)
+
+    return Client()
+
+
+def flow_run_named(server, name: str):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with client_for(server) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]))
+        )
+    assert runs, f"no flow run named {name}"
+    return runs[0]
+
+
+def browse(server, flow_run, artifacts, shots: Path) -> dict:
+    """Visit the flow run, its train task run and every artifact; return what was seen."""
+    from playwright.sync_api import sync_playwright
+
+    shots.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    seen: dict = {"artifacts": []}
+    args = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=args)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on(
+            "console",
+            lambda m: (
+                problems.append(f"console: {m.text}")
+                if m.type == "error" and "Failed to load resource" not in m.text
+                else None
+            ),
+        )
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        noise: list[str] = []
+        page.on(
+            "response",
+            lambda r: (
+                (noise if any(k in r.url for k in KNOWN_UI_NOISE) else problems).append(
+                    f"{r.status} {r.url}"
+                )
+                if r.status >= 400
+                else None
+            ),
+        )
+        page.goto(f"{server['ui']}/runs/flow-run/{flow_run.id}", wait_until="networkidle")
+        page.get_by_text("finalize", exact=False).first.wait_for(timeout=30000)
+        seen["run_page"] = page.inner_text("body")
+        page.screenshot(path=str(shots / "flow-run.png"), full_page=True)
+        page.get_by_text("Task Runs", exact=True).first.click()
+        page.wait_for_timeout(1500)
+        seen["task_runs_tab"] = page.inner_text("body")
+        page.screenshot(path=str(shots / "task-runs.png"), full_page=True)
+        seen["known_noise"] = list(noise)
+        for artifact in artifacts:
+            page.goto(f"{server['ui']}/artifacts/artifact/{artifact.id}", wait_until="networkidle")
+            page.get_by_text(artifact.key).first.wait_for(timeout=30000)
+            page.wait_for_timeout(500)
+            images = page.eval_on_selector_all(
+                "img[src^='data:image/png']", "els => els.map(e => e.complete && e.naturalWidth)"
+            )
+            links = page.eval_on_selector_all(
+                "a[href^='file://'], a[href^='s3://']",
+                "els => els.map(e => e.getAttribute('href'))",
+            )
+            seen["artifacts"].append(
+                {
+                    "key": artifact.key,
+                    "text": page.inner_text("body"),
+                    "images": images,
+                    "links": links,
+                }
+            )
+            page.screenshot(
+                path=str(shots / f"{artifact.key}-{artifact.id.hex[:6]}.png"), full_page=True
+            )
+        browser.close()
+    seen["problems"] = problems
+    return seen
+
+
+def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, tmp_path):
+    name = "e2e-deployed"
+    raw = tiny_spec_dict(tmp_path, name, faults=[{"kind": "raise", "at_step": 17}])
+    started = time.time()
+    done = prefect(
+        server,
+        "deployment",
+        "run",
+        "training/default",
+        "--param",
+        f"spec={json.dumps(raw)}",
+        "--watch",
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = RunDirectory(storage.resolve(str(tmp_path)).child(name))
+    first_row = run_dir.read_metrics_history()[0]
+    print(
+        f"deployment run -> first training step (window published): "
+        f"{first_row['time'] - started:.1f} s"
+    )
+
+    summary = run_dir.location.child("summary.json").read_json()
+    assert summary["status"] == "completed" and summary["steps_completed"] == 39
+    assert [a["status"] for a in summary["attempts"]] == ["failed", "completed"]
+
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
+
+    flow_run = flow_run_named(server, name)
+    assert flow_run.state.is_completed() and flow_run.deployment_id is not None
+    with client_for(server) as client:
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
+        )
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+        )
+    by_task = {t.name.rsplit("-", 1)[0]: t for t in task_runs}
+    assert set(by_task) == {"setup", "train", "finalize"} and by_task["train"].run_count == 2
+    keys = {a.key for a in artifacts}
+    assert keys == {
+        f"{name}-{k}" for k in ("progress", "metrics", "summary", "best-checkpoint", "loss-curve")
+    }
+
+    seen = browse(server, flow_run, artifacts, SCREENSHOTS)
+    assert not seen["problems"], seen["problems"]
+    progress_artifacts = [a for a in artifacts if a.type == "progress"]
+    assert len(seen["known_noise"]) <= len(progress_artifacts)  # only the progress-icon bug
+    for task in ("setup", "train", "finalize"):
+        assert task in seen["run_page"]
+    assert "Retry" in seen["run_page"] and "InjectedFault" in seen["run_page"]  # the retry log
+    pages = {page["key"]: page for page in seen["artifacts"]}
+    assert "val_loss" in pages[f"{name}-metrics"]["text"]
+    assert "Attempts" in pages[f"{name}-summary"]["text"]
+    assert "steps lost" in pages[f"{name}-summary"]["text"]
+    progress = [p["text"] for p in seen["artifacts"] if p["key"] == f"{name}-progress"]
+    assert len(progress) == 2 and any("Progress: 100%" in text for text in progress)
+    assert not any("Progress: 0%" in text for text in progress)  # the failed attempt got somewhere
+    assert pages[f"{name}-best-checkpoint"]["links"] == [f"file://{summary['best_checkpoint_uri']}"]
+    assert pages[f"{name}-loss-curve"]["images"] and all(pages[f"{name}-loss-curve"]["images"])
+
+
+@pytest.fixture
+def fresh_server(tmp_path, relaytrain_ray):
+    """Served deployments reuse the names of deployments/prefect.yaml: a server of their own."""
+    address = relaytrain_ray.get_runtime_context().gcs_address
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    with prefect_server(home, address) as running:
+        yield running
+
+
+def test_a_served_schedule_produces_a_completed_run(fresh_server, tmp_path):
+    server = fresh_server
+    raw = tiny_spec_dict(tmp_path, None)
+    raw["run"].pop("name")
+    spec_file = tmp_path / "nightly.yaml"
+    spec_file.write_text(yaml.safe_dump(raw))
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deployments.serve",
+            "--spec",
+            str(spec_file),
+            "--model-name",
+            "e2e-nightly",
+            "--nightly-every",
+            "20",
+        ],
+        env=server["env"],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    try:
+        deadline = time.time() + 360
+        completed = []
+        while time.time() < deadline and not completed:
+            assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            with client_for(server) as client:
+                completed = client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["nightly"])),
+                    flow_run_filter=FlowRunFilter(
+                        state=FlowRunFilterState(
+                            type=FlowRunFilterStateType(any_=[StateType.COMPLETED])
+                        )
+                    ),
+                )
+            time.sleep(3)
+        assert completed, (tmp_path / "serve.log").read_text()[-3000:]
+        run = completed[0]
+        assert run.auto_scheduled and run.name.startswith("e2e-nightly-")
+    finally:
+        serve.terminate()
+        serve.wait(60)
+        log.close()
+    champion = storage.resolve(str(tmp_path)).child("registry", "e2e-nightly", "champion.json")
+    assert champion.exists()
