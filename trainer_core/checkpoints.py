@@ -28,6 +28,7 @@ import pyarrow.fs as pafs
 
 from trainer_core import storage
 from trainer_core.errors import CheckpointCorruptError, IncompatibleRunError, SpecError
+from trainer_core.spec import CheckpointSection
 from trainer_core.storage import Location
 
 SCHEMA_VERSION = 1
@@ -286,6 +287,29 @@ class RunDirectory:
         return merge_metrics(segments, self.read_attempts())
 
     # -- retention ----------------------------------------------------------------------------
+
+    def apply_retention(
+        self,
+        policy: CheckpointSection,
+        *,
+        protected_steps: Iterable[int] = (),
+        in_flight_from_step: int | None = None,
+    ) -> RetentionPlan:
+        """Plan retention under ``policy`` (see ``plan_retention``) and delete what it drops."""
+        scan = self.scan()
+        plan = plan_retention(
+            scan.committed,
+            keep_last=policy.keep_last,
+            keep_best=policy.keep_best,
+            best_metric=policy.best_metric,
+            best_mode=policy.best_mode,
+            protected_steps=protected_steps,
+            uncommitted=scan.uncommitted,
+            in_flight_from_step=in_flight_from_step,
+        )
+        if plan.delete:
+            self.delete_checkpoints(plan.delete)
+        return plan
 
     def delete_checkpoints(self, names: Iterable[str]) -> None:
         for name in names:

@@ -33,7 +33,6 @@ from trainer_core.checkpoints import (
     FileEntry,
     RunDirectory,
     open_checkpoint,
-    plan_retention,
 )
 from trainer_core.errors import (
     CheckpointCorruptError,
@@ -378,20 +377,11 @@ class BuiltinLoop:
         self.timings.num_checkpoints += 1
 
     def _apply_retention(self, step: int) -> None:
-        policy = self.spec.checkpoint
-        scan = self.run_dir.scan()
-        plan = plan_retention(
-            scan.committed,
-            keep_last=policy.keep_last,
-            keep_best=policy.keep_best,
-            best_metric=policy.best_metric,
-            best_mode=policy.best_mode,
+        self.run_dir.apply_retention(
+            self.spec.checkpoint,
             protected_steps={self.progress.resumed_from or 0},
-            uncommitted=scan.uncommitted,
             in_flight_from_step=step + 1,
         )
-        if plan.delete:
-            self.run_dir.delete_checkpoints(plan.delete)
 
 
 def builtin_train_loop(config: dict[str, Any]) -> None:

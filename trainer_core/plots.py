@@ -25,36 +25,28 @@ def curve_png(history: Sequence[dict[str, Any]], title: str) -> bytes:
     )
     ax = axes[0][0]
     ax.plot(steps, losses, lw=1, alpha=0.6, label="train loss (per step)")
-    if any("val_loss" in r for r in evals):
-        ax.plot(
-            [r["step"] for r in evals if "val_loss" in r],
-            [r["val_loss"] for r in evals if "val_loss" in r],
-            "o-",
-            label="val loss",
-        )
-    ax.set_xlabel("step")
+    _plot_eval(ax, evals, "val_loss", label="val loss")
     ax.set_ylabel("loss")
     if losses and min(losses) > 0:
         ax.set_yscale("log")
     ax.legend(loc="upper right", fontsize=8)
-    ax.grid(alpha=0.3)
     if has_accuracy:
-        acc = axes[0][1]
-        acc.plot(
-            [r["step"] for r in evals if "val_accuracy" in r],
-            [r["val_accuracy"] for r in evals if "val_accuracy" in r],
-            "o-",
-            color="C2",
-        )
-        acc.set_xlabel("step")
-        acc.set_ylabel("val accuracy")
-        acc.grid(alpha=0.3)
+        _plot_eval(axes[0][1], evals, "val_accuracy", color="C2")
+        axes[0][1].set_ylabel("val accuracy")
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     plt.close(figure)
     return buffer.getvalue()
+
+
+def _plot_eval(ax: Any, evals: Sequence[dict[str, Any]], key: str, **style: Any) -> None:
+    rows = [r for r in evals if key in r]
+    if rows:
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], "o-", **style)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
 
 
 def data_uri(png: bytes) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from trainer_core.checkpoints import SCHEMA_VERSION, CheckpointInfo, RunDirectory, plan_retention
+from trainer_core.checkpoints import SCHEMA_VERSION, CheckpointInfo, RunDirectory
 from trainer_core.spec import RunSpec
 from trainer_core.storage import walk_files
 
@@ -154,18 +154,7 @@ def finalize_run(
     spec: RunSpec, run_dir: RunDirectory, storage_uri: str, status: Literal["completed", "failed"]
 ) -> TrainingResult:
     """Apply retention one last time, then write ``summary.json`` and return the result."""
-    scan = run_dir.scan()
-    policy = spec.checkpoint
-    plan = plan_retention(
-        scan.committed,
-        keep_last=policy.keep_last,
-        keep_best=policy.keep_best,
-        best_metric=policy.best_metric,
-        best_mode=policy.best_mode,
-        uncommitted=scan.uncommitted,
-    )
-    if plan.delete:
-        run_dir.delete_checkpoints(plan.delete)
+    run_dir.apply_retention(spec.checkpoint)
     result = build_result(spec, run_dir, storage_uri, status)
     run_dir.location.child("summary.json").write_json(
         {"schema": SCHEMA_VERSION, **result.model_dump(mode="json")}
