@@ -201,15 +201,19 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         "",
         "## Attempts",
         "",
-        "| # | status | error | decision | resumed from | last step | steps lost | seconds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| # | status | resumed from | last step | steps lost | seconds | error: decision |",
+        "|---|---|---|---|---|---|---|",
     ]
     for a in result.attempts:
-        error = f"{a.error_class}: {_one_line(a.error_message, 70)}" if a.error_class else ""
+        error = ""
+        if a.error_class:
+            error = f"{a.error_class}: {_one_line(a.error_message, 70)}"
+            if a.retry_decision:
+                error += f": {_one_line(a.retry_decision, 60)}"
+        seconds = "" if a.duration_s is None else f"{a.duration_s:.1f}"
         lines.append(
-            f"| {a.attempt} | {a.status} | {error} | {_one_line(a.retry_decision, 60)} | "
-            f"{_dash(a.resumed_from_step)} | {_dash(a.last_step)} | {_dash(a.steps_lost)} | "
-            f"{'' if a.duration_s is None else f'{a.duration_s:.1f}'} |"
+            f"| {a.attempt} | {a.status} | {_dash(a.resumed_from_step)} | {_dash(a.last_step)} | "
+            f"{_dash(a.steps_lost)} | {seconds} | {error} |"
         )
     lines += [
         "",

@@ -148,4 +148,4 @@ def test_epoch_table_and_markdown(tmp_path):
     )
     result = build_result(spec, run_dir, str(tmp_path), "failed")
     text = render_markdown(spec, result, "fresh start")
-    assert "| 1 | failed | X: a / b c |  | - |" in text and "fresh start" in text
+    assert "| 1 | failed | - | - | - | 1.0 | X: a / b c |" in text and "fresh start" in text
