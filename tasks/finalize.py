@@ -36,7 +36,7 @@ def finalize(
     result = finalize_run(spec, run_dir, prepared.storage_uri, status)
     history = run_dir.read_metrics_history()
     publish(spec, prepared, result, history, run_dir)
-    lease.release(run_dir.location, lease.Lease(prepared.lease_owner, "", 0, 0, 0))
+    lease.release(run_dir.location, prepared.lease_owner)
     logger.info(
         "run %s %s: %s steps, best %s",
         result.run_name,
@@ -76,7 +76,7 @@ def publish(
         )
     if history:
         png = plots.curve_png(history, f"{name}: loss and validation metrics")
-        run_dir.location.child("loss_curve.png").write_bytes(png)
+        run_dir.curve_file.write_bytes(png)
         create_image_artifact(
             image_url=plots.data_uri(png),
             key=artifact_key(name, "loss-curve"),

@@ -50,7 +50,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
             plan.run_name,
             stored.steps_completed if stored else "?",
         )
-        lease.release(run_dir.location, lease.Lease(lease_owner, "", 0, 0, 0))
+        lease.release(run_dir.location, lease_owner)
     else:
         logger.info("run %s at %s: %s", plan.run_name, plan.run_uri, plan.reason)
         stored = None

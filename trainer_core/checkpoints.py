@@ -7,7 +7,8 @@ Nobody else builds these paths. Layout::
       attempts.jsonl                    one record per attempt
       metrics/segment-a{A}-{first}-{last}.jsonl   per-step rows, merged by step
       checkpoint-{step:09d}/            files, manifest.json, then COMMITTED (last)
-      summary.json                      written by finalize
+      summary.json, loss_curve.png      written by finalize
+      lock.json                         the lease of the flow driving the run
       (Ray's own snapshot and marker files sit beside these)
 
 Durable order: checkpoint files, metrics segment, manifest, commit marker; deletion last and
@@ -35,6 +36,8 @@ SCHEMA_VERSION = 1
 RUN_FILE = "run.json"
 ATTEMPTS_FILE = "attempts.jsonl"
 SUMMARY_FILE = "summary.json"
+CURVE_FILE = "loss_curve.png"
+LEASE_FILE = "lock.json"
 METRICS_DIR = "metrics"
 MANIFEST_FILE = "manifest.json"
 MARKER_FILE = "COMMITTED"
@@ -106,6 +109,18 @@ class RunDirectory:
     @property
     def uri(self) -> str:
         return self.location.uri
+
+    @property
+    def summary_file(self) -> Location:
+        return self.location.child(SUMMARY_FILE)
+
+    @property
+    def curve_file(self) -> Location:
+        return self.location.child(CURVE_FILE)
+
+    @property
+    def lease_file(self) -> Location:
+        return self.location.child(LEASE_FILE)
 
     # -- run.json ---------------------------------------------------------------------------
 

@@ -16,11 +16,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_core.checkpoints import SCHEMA_VERSION
+from trainer_core.checkpoints import SCHEMA_VERSION, RunDirectory
 from trainer_core.errors import SpecError
 from trainer_core.storage import Location
 
-LEASE_FILE = "lock.json"
 DEFAULT_TTL_S = 60.0
 
 
@@ -64,7 +63,7 @@ def acquire(
     settle_s: float = 0.2,
 ) -> Lease:
     """Take the run's lease or raise LeaseHeldError naming the holder."""
-    path = run_location.child(LEASE_FILE)
+    path = RunDirectory(run_location).lease_file
     host = socket.gethostname()
     owner = owner or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     now = time.time()
@@ -89,7 +88,7 @@ def acquire(
 
 
 def renew(run_location: Location, lease: Lease, ttl_s: float = DEFAULT_TTL_S) -> Lease:
-    path = run_location.child(LEASE_FILE)
+    path = RunDirectory(run_location).lease_file
     current = path.read_json() if path.exists() else None
     if current is not None and current.get("owner") != lease.owner:
         raise LeaseHeldError(f"lease of {run_location.uri} was taken over by {current['owner']}")
@@ -98,9 +97,10 @@ def renew(run_location: Location, lease: Lease, ttl_s: float = DEFAULT_TTL_S) ->
     return renewed
 
 
-def release(run_location: Location, lease: Lease) -> None:
-    path = run_location.child(LEASE_FILE)
-    if path.exists() and path.read_json().get("owner") == lease.owner:
+def release(run_location: Location, owner: str) -> None:
+    """Give the run back, if ``owner`` still holds it."""
+    path = RunDirectory(run_location).lease_file
+    if path.exists() and path.read_json().get("owner") == owner:
         path.delete_file()
 
 

@@ -156,14 +156,12 @@ def finalize_run(
     """Apply retention one last time, then write ``summary.json`` and return the result."""
     run_dir.apply_retention(spec.checkpoint)
     result = build_result(spec, run_dir, storage_uri, status)
-    run_dir.location.child("summary.json").write_json(
-        {"schema": SCHEMA_VERSION, **result.model_dump(mode="json")}
-    )
+    run_dir.summary_file.write_json({"schema": SCHEMA_VERSION, **result.model_dump(mode="json")})
     return result
 
 
 def read_stored_result(run_dir: RunDirectory) -> TrainingResult | None:
-    path = run_dir.location.child("summary.json")
+    path = run_dir.summary_file
     if not path.exists():
         return None
     data = path.read_json()

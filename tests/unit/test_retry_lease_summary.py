@@ -65,7 +65,7 @@ def test_lease_is_exclusive_while_its_holder_lives(run_location):
     assert lease.acquire(run_location, owner="a", settle_s=0).owner == "a"  # re-entrant
     with pytest.raises(lease.LeaseHeldError, match="held by a"):
         lease.acquire(run_location, owner="b", settle_s=0)
-    lease.release(run_location, held)
+    lease.release(run_location, held.owner)
     assert lease.acquire(run_location, owner="b", settle_s=0).owner == "b"
 
 
