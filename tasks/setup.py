@@ -21,6 +21,8 @@ class Prepared(BaseModel):
     run_uri: str
     lease_owner: str
     plan_reason: str
+    #: Optimizer steps of the whole run (None for a user's own loop): the progress denominator.
+    total_steps: int | None
     resume_step: int | None
     #: Set when the run already finished with at least the epochs asked for.
     stored_result: TrainingResult | None = None
@@ -39,7 +41,7 @@ def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
 def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     """Refuse bad input before any worker starts; plan the attempt; hold the run."""
     logger = get_run_logger()
-    engine.validate_workload(spec)
+    total_steps = engine.validate_workload(spec)
     plan, run_dir = engine.plan_attempt(spec)
     engine.check_capacity(spec)
     lease.acquire(run_dir.location, owner=lease_owner)
@@ -60,6 +62,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
         run_uri=plan.run_uri,
         lease_owner=lease_owner,
         plan_reason=plan.reason,
+        total_steps=total_steps,
         resume_step=plan.resume_step,
         stored_result=stored,
     )

@@ -33,9 +33,9 @@ def should_retry(task: Any, task_run: TaskRun, state: State) -> bool:
 class ProgressRelay:
     """Turns relayed training events into task logs and a live progress artifact."""
 
-    def __init__(self, spec: RunSpec, prepared: Prepared, total_steps: int | None):
+    def __init__(self, spec: RunSpec, prepared: Prepared):
         self.logger = get_run_logger()
-        self.total_steps = total_steps
+        self.total_steps = prepared.total_steps
         self.epochs = spec.schedule.epochs if spec.schedule else None
         self.last_update = 0.0
         self.step = prepared.resume_step or 0
@@ -85,38 +85,18 @@ class ProgressRelay:
         self.logger.info("epoch %s%s (step %s): %s", row["epoch"] + 1, of, row["step"], shown)
 
 
-def total_steps(spec: RunSpec) -> int | None:
-    if spec.data is None or spec.schedule is None:
-        return None
-    from trainer_core import data as data_mod
-
-    arrays = data_mod.load_arrays(spec.data)
-    train_rows = len(arrays) - round(len(arrays) * spec.data.validation_fraction)
-    per_epoch = data_mod.batches_per_epoch(
-        train_rows, spec.data.batch_size, spec.scaling.num_workers
-    )
-    return per_epoch * spec.schedule.epochs
-
-
 def _decide(spec: RunSpec, run_dir: RunDirectory, error: RelaytrainError) -> RetryDecision:
     """Decide retry-or-stop from the attempt the engine just recorded; record the verdict."""
     records = run_dir.read_attempts()
-    recorded = bool(records) and records[-1].get("status") == "failed"
-    failure: dict[str, Any] = (
-        dict(records[-1])
-        if recorded
-        else {
+    if not records or records[-1].get("status") != "failed":  # failed before it was recorded
+        failure = {
             "error_budget": error.budget,
             "error_class": type(error).__name__,
             "error_message": str(error),
         }
-    )
-    failure["deterministic"] = getattr(error, "deterministic", False)
-    failure["error_type"] = getattr(error, "error_type", None)
-    earlier = records[:-1] if recorded else records
-    decision = decide_retry(failure, earlier, spec.retries)
-    if recorded:
-        run_dir.record_attempt({**failure, "retry_decision": decision.reason})
+        return decide_retry(failure, records, spec.retries)
+    decision = decide_retry(records[-1], records[:-1], spec.retries)
+    run_dir.record_attempt({**records[-1], "retry_decision": decision.reason})
     return decision
 
 
@@ -126,7 +106,7 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
     logger = get_run_logger()
     run_dir = RunDirectory(storage.resolve(prepared.storage_uri).child(prepared.run_name))
     held = lease.acquire(run_dir.location, owner=prepared.lease_owner)
-    progress = ProgressRelay(spec, prepared, total_steps(spec))
+    progress = ProgressRelay(spec, prepared)
     with lease.LeaseKeeper(run_dir.location, held):
         try:
             result = engine.run_attempt(spec, on_event=progress)

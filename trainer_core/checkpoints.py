@@ -132,13 +132,19 @@ class RunDirectory:
         _check_schema(data, record.uri)
         return data
 
-    def write_run_record(self, spec_json: dict[str, Any], fingerprint: str, versions: dict) -> None:
+    def write_run_record(
+        self,
+        spec_json: dict[str, Any],
+        identity: dict[str, Any],
+        fingerprint: str,
+        versions: dict[str, str],
+    ) -> None:
         self.location.child(RUN_FILE).write_json(
             {
                 "schema": SCHEMA_VERSION,
                 "spec": spec_json,
                 "fingerprint": fingerprint,
-                "identity": spec_json.get("_identity"),
+                "identity": identity,
                 "versions": versions,
                 "created_at": time.time(),
             }

@@ -25,7 +25,7 @@ import torch
 
 from trainer_core import __version__, storage, workloads
 from trainer_core import data as data_mod
-from trainer_core.checkpoints import RunDirectory, plan_retention
+from trainer_core.checkpoints import RunDirectory
 from trainer_core.classify import classify
 from trainer_core.errors import (
     ClusterCapacityError,
@@ -143,17 +143,22 @@ def canonical_storage_uri(uri: str) -> str:
     return location.path if location.is_local else uri
 
 
-def validate_workload(spec: RunSpec) -> None:
-    """Import what the spec names and read the dataset's schema: SpecError before any worker."""
+def validate_workload(spec: RunSpec) -> int | None:
+    """Import what the spec names, read the dataset and build the model: SpecError before any
+    worker starts. Returns the run's total optimizer steps (None for a user's own loop)."""
     if spec.train_loop is not None:
         workloads.resolve_train_loop(spec.train_loop)
-        return
-    assert spec.model is not None and spec.data is not None
+        return None
+    assert spec.model is not None and spec.data is not None and spec.schedule is not None
     arrays = data_mod.load_arrays(spec.data)
     info = data_mod.describe(spec.data, arrays)
     train, _ = data_mod.split(arrays, spec.data.validation_fraction, spec.run.seed)
     data_mod.epoch_batches(len(train), spec.data.batch_size, 0, 0, 0, spec.scaling.num_workers)
     workloads.build_model(spec.model, info.num_features, info.num_outputs)
+    per_epoch = data_mod.batches_per_epoch(
+        len(train), spec.data.batch_size, spec.scaling.num_workers
+    )
+    return per_epoch * spec.schedule.epochs
 
 
 def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDirectory]:
@@ -222,12 +227,11 @@ class AttemptResult:
     latest_checkpoint_uri: str | None
     wall_time_s: float
     plan_reason: str
-    #: Seconds rank 0 spent stepping, aggregating metrics, writing checkpoints, reporting to Ray.
+    #: Seconds rank 0 spent stepping, aggregating metrics and writing checkpoints.
     timings: dict[str, float] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "events"}
+        return asdict(self)
 
 
 @dataclass
@@ -239,10 +243,8 @@ class LiveState:
     metrics: dict[str, Any] = field(default_factory=dict)
     checkpoint_uri: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list)
 
     def apply(self, event: dict[str, Any]) -> None:
-        self.events.append(event)
         kind = event["kind"]
         if kind == "metrics" and event["rows"]:
             self.step = max(self.step, event["rows"][-1]["step"])
@@ -272,9 +274,7 @@ def run_attempt(
         check_capacity(spec)
         if run_dir.read_run_record() is None:
             run_dir.write_run_record(
-                {**spec.model_dump(mode="json"), "_identity": spec.identity()},
-                spec.fingerprint(),
-                versions(),
+                spec.model_dump(mode="json"), spec.identity(), spec.fingerprint(), versions()
             )
         record = {
             "attempt": plan.attempt,
@@ -284,7 +284,7 @@ def run_attempt(
             "plan": plan.reason,
         }
         run_dir.record_attempt(record)
-        _clean_orphans(spec, run_dir)
+        _clean_orphans(run_dir)
         live = LiveState(step=plan.resume_step or 0, resumed_from=plan.resume_step)
 
         def handle(event: dict[str, Any]) -> None:
@@ -307,6 +307,8 @@ def run_attempt(
                     "error_budget": getattr(classified, "budget", "none"),
                     "error_message": str(classified)[:2000],
                     "error_step": getattr(classified, "step", None),
+                    "error_type": getattr(classified, "error_type", None),
+                    "deterministic": getattr(classified, "deterministic", False),
                 }
             )
             if classified is error:
@@ -325,7 +327,6 @@ def run_attempt(
             wall_time_s=time.time() - started,
             plan_reason=plan.reason,
             timings=live.timings,
-            events=live.events,
         )
         run_dir.record_attempt(
             {
@@ -339,20 +340,12 @@ def run_attempt(
         return result
 
 
-def _clean_orphans(spec: RunSpec, run_dir: RunDirectory) -> None:
+def _clean_orphans(run_dir: RunDirectory) -> None:
     """Before workers start nothing is in flight: drop uncommitted checkpoint directories."""
-    scan = run_dir.scan()
-    plan = plan_retention(
-        scan.committed,
-        keep_last=None,
-        keep_best=0,
-        best_metric=spec.checkpoint.best_metric,
-        best_mode=spec.checkpoint.best_mode,
-        uncommitted=scan.uncommitted,
-    )
-    if plan.delete:
-        logger.info("removing uncommitted checkpoint directories: %s", plan.delete)
-        run_dir.delete_checkpoints(plan.delete)
+    uncommitted = run_dir.scan().uncommitted
+    if uncommitted:
+        logger.info("removing uncommitted checkpoint directories: %s", uncommitted)
+        run_dir.delete_checkpoints(uncommitted)
 
 
 def _abortable_trainer_class() -> type:

@@ -90,7 +90,7 @@ def test_newer_schema_is_refused(run_dir):
 
 
 def test_changed_identity_is_refused(run_dir):
-    run_dir.write_run_record({"_identity": {"model": "a"}}, "f1", {})
+    run_dir.write_run_record({}, {"model": "a"}, "f1", {})
     run_dir.check_compatible({"model": "a"}, "f1")
     with pytest.raises(IncompatibleRunError, match="changed: model"):
         run_dir.check_compatible({"model": "b"}, "f2")

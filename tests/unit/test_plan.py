@@ -31,7 +31,7 @@ def test_fresh_then_resume_plan(tmp_path):
 def test_run_written_by_another_ray_version_is_refused(tmp_path):
     spec = make(tmp_path)
     run_dir = RunDirectory(storage.resolve(str(tmp_path)).child("planned"))
-    run_dir.write_run_record({"_identity": spec.identity()}, spec.fingerprint(), {"ray": "2.40.0"})
+    run_dir.write_run_record({}, spec.identity(), spec.fingerprint(), {"ray": "2.40.0"})
     with pytest.raises(IncompatibleRunError, match=r"Ray 2\.40\.0"):
         plan_attempt(spec)
 
@@ -41,9 +41,7 @@ def test_changed_model_shape_is_refused(tmp_path):
     _, run_dir = plan_attempt(spec)
     import ray
 
-    run_dir.write_run_record(
-        {"_identity": spec.identity()}, spec.fingerprint(), {"ray": ray.__version__}
-    )
+    run_dir.write_run_record({}, spec.identity(), spec.fingerprint(), {"ray": ray.__version__})
     plan_attempt(make(tmp_path, "schedule.epochs=7"))  # more epochs: same run
     with pytest.raises(IncompatibleRunError, match="changed: model"):
         plan_attempt(make(tmp_path, "model.kwargs.hidden=[64]"))
