@@ -41,6 +41,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def background(command: list[str], env: dict[str, str], log_path: Path):
+    """A process running beside the test, its output in ``log_path``; terminated afterwards."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield process
+        finally:
+            process.terminate()
+            process.wait(60)
+
+
+@contextlib.contextmanager
 def prefect_server(home: Path, ray_address: str):
     """A real Prefect server (SQLite in a fresh PREFECT_HOME) and the env to reach it."""
     port = free_port()
@@ -54,14 +66,8 @@ def prefect_server(home: Path, ray_address: str):
         "RAY_ADDRESS": ray_address,
         "RELAYTRAIN_HOME": str(REPO),
     }
-    log = open(home / "server.log", "w")  # noqa: SIM115 - closed below
-    process = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+    command = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with background(command, env, home / "server.log") as process:
         deadline = time.time() + 120
         while True:
             try:
@@ -72,10 +78,6 @@ def prefect_server(home: Path, ray_address: str):
                 assert time.time() < deadline, "prefect server did not start in 120 s"
                 time.sleep(1)
         yield {"api": api, "ui": f"http://127.0.0.1:{port}", "env": env, "home": home}
-    finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -104,44 +106,27 @@ def worker(server):
     ):
         done = prefect(server, *args)
         assert done.returncode == 0, done.stdout + done.stderr
-    log = open(server["home"] / "worker.log", "w")  # noqa: SIM115 - closed at teardown
-    process = subprocess.Popen(
-        [
-            str(BIN / "prefect"),
-            "worker",
-            "start",
-            "--pool",
-            "relaytrain-process",
-            "--type",
-            "process",
-        ],
-        env=server["env"],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    yield process
-    process.terminate()
-    process.wait(30)
-    log.close()
+    command = [
+        str(BIN / "prefect"),
+        "worker",
+        "start",
+        "--pool",
+        "relaytrain-process",
+        "--type",
+        "process",
+    ]
+    with background(command, server["env"], server["home"] / "worker.log") as process:
+        yield process
 
 
+@contextlib.contextmanager
 def client_for(server):
+    """A sync Prefect client of the e2e server (the session's test harness stays untouched)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    class Client:
-        def __enter__(self):
-            self.settings = temporary_settings({PREFECT_API_URL: server["api"]})
-            self.settings.__enter__()
-            self.client = get_client(sync_client=True).__enter__()
-            return self.client
-
-        def __exit__(self, *exc):
-            self.client.__exit__(*exc)
-            self.settings.__exit__(*exc)
-
-    return Client()
+    with temporary_settings({PREFECT_API_URL: server["api"]}), get_client(sync_client=True) as c:
+        yield c
 
 
 def flow_run_named(server, name: str):
@@ -313,24 +298,17 @@ def test_a_served_schedule_produces_a_completed_run(fresh_server, tmp_path):
     raw["run"].pop("name")
     spec_file = tmp_path / "nightly.yaml"
     spec_file.write_text(yaml.safe_dump(raw))
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deployments.serve",
-            "--spec",
-            str(spec_file),
-            "--model-name",
-            "e2e-nightly",
-            "--nightly-every",
-            "20",
-        ],
-        env=server["env"],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    command = [
+        sys.executable,
+        "-m",
+        "deployments.serve",
+        "--spec",
+        str(spec_file),
+        "--model-name",
+        "e2e-nightly",
+        "--nightly-every",
+        "20",
+    ]
     from prefect.client.schemas.filters import (
         DeploymentFilter,
         DeploymentFilterName,
@@ -340,7 +318,7 @@ def test_a_served_schedule_produces_a_completed_run(fresh_server, tmp_path):
     )
     from prefect.client.schemas.objects import StateType
 
-    try:
+    with background(command, server["env"], tmp_path / "serve.log") as serve:
         deadline = time.time() + 360
         completed = []
         while time.time() < deadline and not completed:
@@ -358,9 +336,5 @@ def test_a_served_schedule_produces_a_completed_run(fresh_server, tmp_path):
         assert completed, (tmp_path / "serve.log").read_text()[-3000:]
         run = completed[0]
         assert run.auto_scheduled and run.name.startswith("e2e-nightly-")
-    finally:
-        serve.terminate()
-        serve.wait(60)
-        log.close()
     champion = storage.resolve(str(tmp_path)).child("registry", "e2e-nightly", "champion.json")
     assert champion.exists()
