@@ -17,3 +17,20 @@ __all__ = ["tiny_raw"]
 @pytest.fixture(scope="session")
 def ray_cluster(relaytrain_ray):
     return relaytrain_ray
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(relaytrain_ray, tmp_path_factory):
+    """The uninterrupted tiny run every recovery test must reproduce bit for bit: its result,
+    final parameters and optimizer state, and per-step losses."""
+    from tests.recovery import final_state, losses, run_dir_of
+    from trainer_core.engine import run_attempt
+    from trainer_core.spec import build_spec
+
+    spec = build_spec(tiny_raw(tmp_path_factory.mktemp("reference"), "reference"))
+    events: list = []
+    result = run_attempt(spec, on_event=events.append)
+    assert result.status == "completed"
+    assert any(e["kind"] == "metrics" for e in events)  # streamed while fit() ran
+    run_dir = run_dir_of(spec)
+    return {"result": result, "state": final_state(run_dir), "losses": losses(run_dir)}

@@ -240,6 +240,8 @@ class LiveState:
 
     step: int = 0
     resumed_from: int | None = None
+    #: When the workers had loaded their start point (worker clock): training resumes here.
+    resumed_at: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     checkpoint_uri: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -251,8 +253,10 @@ class LiveState:
             self.metrics = {**self.metrics, **event["rows"][-1]}
         elif kind == "resumed":
             self.resumed_from = event.get("step")
+            self.resumed_at = event.get("time")
         elif kind == "fresh_start":
             self.resumed_from = 0  # known: from the beginning (None means unknown)
+            self.resumed_at = event.get("time")
         elif kind == "checkpoint":
             self.checkpoint_uri = event.get("checkpoint_uri")
         elif kind == "finished":
@@ -302,6 +306,7 @@ def run_attempt(
                     "status": "failed",
                     "ended_at": time.time(),
                     "resumed_from_step": live.resumed_from,
+                    "resumed_at": live.resumed_at,
                     "last_step": max(live.step, getattr(classified, "step", None) or 0),
                     "error_class": type(classified).__name__,
                     "error_budget": getattr(classified, "budget", "none"),
@@ -334,6 +339,7 @@ def run_attempt(
                 "status": "completed",
                 "ended_at": time.time(),
                 "resumed_from_step": live.resumed_from,
+                "resumed_at": live.resumed_at,
                 "last_step": result.steps_completed,
             }
         )

@@ -60,6 +60,10 @@ class RunSection(_Section):
     #: A committed checkpoint URI whose model weights start a fresh run (warm start). Ignored
     #: once the run has checkpoints of its own.
     init_from: str | None = None
+    #: A Prefect block holding the storage credentials, as ``<block-type-slug>/<block-name>``
+    #: (e.g. ``aws-credentials/lake``, ``minio-credentials/dev``, ``secret/lake-keys``). Only
+    #: the block's name travels in the spec; without it, credentials come from the environment.
+    credentials: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -153,6 +157,13 @@ class ScalingSection(_Section):
     num_workers: PositiveInt
     use_gpu: bool = False
     resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] | None = None
+    #: Ray's placement of the worker group: "PACK" fills nodes in turn, "SPREAD" puts the
+    #: workers on as many nodes as it can.
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    #: The job server of a remote Ray cluster (e.g. ``http://head:8265``): the train task then
+    #: submits each attempt as a Ray job. ``RELAYTRAIN_RAY_JOB_ADDRESS`` sets it from the
+    #: environment; unset, the attempt is driven in-process (local Ray or ``RAY_ADDRESS``).
+    job_address: str | None = None
 
 
 class CheckpointSection(_Section):

@@ -31,6 +31,8 @@ class AttemptSummary(_Frozen):
     resumed_from_step: int | None = None
     last_step: int | None = None
     steps_lost: int | None = None
+    #: Seconds from this attempt's failure to the next attempt's workers resuming.
+    recovery_s: float | None = None
     duration_s: float | None = None
     retry_decision: str | None = None
 
@@ -59,11 +61,13 @@ def attempt_summaries(records: Sequence[dict[str, Any]]) -> list[AttemptSummary]
     summaries = []
     for index, record in enumerate(records):
         following = records[index + 1] if index + 1 < len(records) else None
-        lost = None
+        lost = recovery = None
         if record.get("status") == "failed" and following is not None:
             resumed = following.get("resumed_from_step")
             if resumed is not None and record.get("last_step") is not None:
                 lost = max(int(record["last_step"]) - int(resumed), 0)
+            if following.get("resumed_at") and record.get("ended_at"):
+                recovery = following["resumed_at"] - record["ended_at"]
         started, ended = record.get("started_at"), record.get("ended_at")
         summaries.append(
             AttemptSummary(
@@ -75,6 +79,7 @@ def attempt_summaries(records: Sequence[dict[str, Any]]) -> list[AttemptSummary]
                 resumed_from_step=record.get("resumed_from_step"),
                 last_step=record.get("last_step"),
                 steps_lost=lost,
+                recovery_s=recovery,
                 duration_s=(ended - started) if started and ended else None,
                 retry_decision=record.get("retry_decision"),
             )

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.conftest import tiny_raw
-from trainer_core import storage, training_state
-from trainer_core.checkpoints import RunDirectory
+from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
 from trainer_core.engine import run_attempt
 from trainer_core.errors import (
     ClusterCapacityError,
@@ -20,52 +18,9 @@ from trainer_core.spec import build_spec
 pytestmark = pytest.mark.integration
 
 
-def final_state(run_dir: RunDirectory, suffix: str = "") -> dict:
-    newest = run_dir.scan().newest
-    assert newest is not None
-    return {
-        "step": newest.step,
-        "model": training_state.from_bytes(run_dir.read_verified(newest, f"model{suffix}.pt")),
-        "optimizer": training_state.from_bytes(
-            run_dir.read_verified(newest, f"optimizer{suffix}.pt")
-        ),
-    }
-
-
-def assert_same_tensors(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_same_tensors(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same_tensors(x, y)
-    else:
-        assert a == b
-
-
-def losses(run_dir: RunDirectory) -> list[tuple[int, float]]:
-    return [(row["step"], row["loss"]) for row in run_dir.read_metrics_history()]
-
-
-def run_dir_of(spec) -> RunDirectory:
-    return RunDirectory(storage.resolve(spec.run.storage).child(spec.run.name))
-
-
-@pytest.fixture(scope="module")
-def reference(ray_cluster, tmp_path_factory):
-    """The uninterrupted run every recovery test must reproduce bit for bit."""
-    root = tmp_path_factory.mktemp("reference")
-    spec = build_spec(tiny_raw(root, "reference"))
-    events = []
-    result = run_attempt(spec, on_event=events.append)
-    assert result.status == "completed"
-    assert any(e["kind"] == "metrics" for e in events)  # streamed while fit() ran
-    run_dir = run_dir_of(spec)
-    return {"result": result, "state": final_state(run_dir), "losses": losses(run_dir)}
+@pytest.fixture
+def reference(uninterrupted):
+    return uninterrupted
 
 
 def test_reference_run_is_complete(reference):

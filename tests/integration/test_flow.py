@@ -22,7 +22,7 @@ from prefect.client.schemas.filters import (
 
 from flows.pytest_plugin import tiny_spec_dict, with_fault
 from flows.training import training
-from tests.integration.test_engine import assert_same_tensors, final_state, losses
+from tests.recovery import assert_same_tensors, final_state, losses
 from trainer_core import lease, storage
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import SpecError

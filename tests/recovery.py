@@ -1,0 +1,101 @@
+"""What every recovery test checks: the run a fault interrupted ends exactly where an
+uninterrupted one does, and the fault matrix row it adds (runs/fault-matrix.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer_core import storage, training_state
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.summary import attempt_summaries
+
+REPO = Path(__file__).resolve().parents[1]
+MATRIX_FILE = REPO / "runs" / "fault-matrix.jsonl"
+
+
+def run_dir_of(spec: Any) -> RunDirectory:
+    return RunDirectory(storage.resolve(spec.run.storage).child(spec.run.name))
+
+
+def final_state(run_dir: RunDirectory, suffix: str = "") -> dict:
+    newest = run_dir.scan().newest
+    assert newest is not None
+    return {
+        "step": newest.step,
+        "model": training_state.from_bytes(run_dir.read_verified(newest, f"model{suffix}.pt")),
+        "optimizer": training_state.from_bytes(
+            run_dir.read_verified(newest, f"optimizer{suffix}.pt")
+        ),
+    }
+
+
+def assert_same_tensors(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same_tensors(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_tensors(x, y)
+    else:
+        assert a == b
+
+
+def losses(run_dir: RunDirectory) -> list[tuple[int, float]]:
+    return [(row["step"], row["loss"]) for row in run_dir.read_metrics_history()]
+
+
+def assert_recovered(
+    run_dir: RunDirectory,
+    reference: dict[str, Any],
+    *,
+    interval: int,
+    committed_before: int | None = None,
+) -> list[dict[str, Any]]:
+    """The fault-matrix invariants; returns the attempt records.
+
+    - the run completed, and its final parameters and optimizer state are bit-identical to the
+      uninterrupted run's;
+    - the metrics history is complete, one row per step, each loss identical (no duplicates);
+    - no committed checkpoint was lost: the first resume came from ``committed_before`` (the
+      newest commit seen before the fault) or later;
+    - each failure lost at most one checkpoint interval of steps.
+    """
+    attempts = run_dir.read_attempts()
+    assert attempts and attempts[-1]["status"] == "completed", attempts
+    assert_same_tensors(final_state(run_dir), reference["state"])
+    assert losses(run_dir) == reference["losses"]
+    resumed = [a.get("resumed_from_step") for a in attempts[1:]]
+    if committed_before is not None and resumed:
+        assert (resumed[0] or 0) >= committed_before, (resumed, committed_before)
+    for summary in attempt_summaries(attempts):
+        if summary.steps_lost is not None:
+            assert summary.steps_lost <= interval, summary
+    return attempts
+
+
+def record_matrix_row(case: str, run_dir: RunDirectory, **extra: Any) -> dict[str, Any]:
+    """Append this fault's row (attempts, recovery seconds, steps lost) to the matrix file."""
+    summaries = attempt_summaries(run_dir.read_attempts())
+    row = {
+        "case": case,
+        "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "attempts": len(summaries),
+        "statuses": [s.status for s in summaries],
+        "errors": [s.error_class for s in summaries if s.error_class],
+        "recovery_s": [round(s.recovery_s, 1) for s in summaries if s.recovery_s is not None],
+        "steps_lost": [s.steps_lost for s in summaries if s.steps_lost is not None],
+        **extra,
+    }
+    MATRIX_FILE.parent.mkdir(parents=True, exist_ok=True)
+    with MATRIX_FILE.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
