@@ -156,11 +156,13 @@ class RunDirectory:
         if record is None or record.get("fingerprint") == fingerprint:
             return
         stored = record.get("identity") or {}
-        changed = sorted(k for k in set(stored) | set(identity) if stored.get(k) != identity.get(k))
+        changed = identity_changes(stored, identity)
+        shown = "; ".join(f"{path}: {old!r} -> {new!r}" for path, old, new in changed[:5])
         raise IncompatibleRunError(
             f"run {self.uri} was started with another model/data/scaling identity "
-            f"(changed: {', '.join(changed) or 'fingerprint'}); its checkpoints cannot be "
-            "resumed with this spec. Choose a new run.name, or restore the original values."
+            f"(changed: {shown or 'fingerprint'}); its checkpoints cannot be resumed with this "
+            "spec. Choose a new run.name, or restore the original values.",
+            field=changed[0][0] if changed else "run.name",
         )
 
     # -- attempts.jsonl -----------------------------------------------------------------------
@@ -348,26 +350,55 @@ def open_checkpoint(uri: str) -> tuple[RunDirectory, CheckpointInfo]:
     match = CHECKPOINT_PATTERN.fullmatch(name)
     if not match:
         raise SpecError(
-            f"{uri!r} is not a checkpoint directory (checkpoint-NNNNNNNNN)", field="run.init_from"
+            f"run.init_from {uri!r} is not a checkpoint directory: point it at a committed "
+            "{run}/checkpoint-NNNNNNNNN directory",
+            field="run.init_from",
         )
     run_dir = RunDirectory(run_location)
     try:
         info = run_dir.read_committed(int(match.group(1)))
     except CheckpointCorruptError as e:
-        raise SpecError(f"checkpoint {uri} is damaged: {e}", field="run.init_from") from e
+        raise SpecError(
+            f"run.init_from checkpoint {uri} is damaged: {e}. Point it at another committed "
+            "checkpoint.",
+            field="run.init_from",
+        ) from e
     if info is None:
         raise SpecError(
-            f"checkpoint {uri} is not committed (no valid marker)", field="run.init_from"
+            f"run.init_from checkpoint {uri} does not exist or is not committed (no valid "
+            "marker): point it at a committed {run}/checkpoint-NNNNNNNNN directory",
+            field="run.init_from",
         )
     return run_dir, info
 
 
+#: Where each part of a spec's identity lives in the spec (for messages that name the field).
+_IDENTITY_FIELDS = {"num_workers": "scaling.num_workers", "seed": "run.seed"}
+
+
+def identity_changes(
+    stored: dict[str, Any], current: dict[str, Any], prefix: str = ""
+) -> list[tuple[str, Any, Any]]:
+    """The leaves where two spec identities differ: (dotted spec field, stored, current)."""
+    changes: list[tuple[str, Any, Any]] = []
+    for key in sorted(set(stored) | set(current)):
+        old, new = stored.get(key), current.get(key)
+        path = f"{prefix}{key}" if prefix else _IDENTITY_FIELDS.get(key, key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += identity_changes(old, new, f"{path}.")
+        elif old != new:
+            changes.append((path, old, new))
+    return changes
+
+
 def _check_schema(data: dict[str, Any], where: str) -> None:
     schema = data.get("schema")
-    if not isinstance(schema, int) or schema > SCHEMA_VERSION:
+    if not isinstance(schema, int) or not 1 <= schema <= SCHEMA_VERSION:
+        readable = "1" if SCHEMA_VERSION == 1 else f"1 to {SCHEMA_VERSION}"
         raise IncompatibleRunError(
-            f"{where} has schema {schema!r}, this relaytrain reads schema <= {SCHEMA_VERSION}: "
-            "upgrade relaytrain, or start a new run.name"
+            f"{where} has schema {schema!r}, this relaytrain reads schema {readable}: upgrade "
+            "relaytrain (a newer release wrote it), or start a new run.name",
+            field="run.name",
         )
 
 

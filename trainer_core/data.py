@@ -82,11 +82,13 @@ def _read_table(data: DataSection) -> pa.Table:
         names = dataset.schema.names
         missing = [c for c in columns if c not in names]
         if missing:
+            field = "data.label" if data.label in missing else "data.features"
             raise SpecError(
-                f"dataset {location.uri} has no column(s) {missing}; it has {names}. "
-                "Fix data.features / data.label.",
-                field="data.label" if data.label in missing else "data.features",
+                f"dataset {location.uri} has no column(s) {missing}, named by {field}; it has "
+                f"{names}. Fix data.features / data.label.",
+                field=field,
             )
+        _check_column_types(dataset.schema, data, location.uri)  # before reading any rows
         return dataset.read(columns=columns)
     except FileNotFoundError as e:
         raise SpecError(
@@ -99,6 +101,43 @@ def _read_table(data: DataSection) -> pa.Table:
             f"dataset {location.uri} could not be read as Parquet: {e}. Fix data.dataset.",
             field="data.dataset",
         ) from e
+
+
+def _is_number(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind)
+
+
+def _check_column_types(schema: pa.Schema, data: DataSection, uri: str) -> None:
+    """Refuse label and feature columns of the wrong type from the schema alone (no rows read)."""
+    assert data.label is not None and data.features is not None
+    label = schema.field(data.label).type
+    if data.task == "classification" and not pa.types.is_integer(label):
+        raise SpecError(
+            f"data.label column {data.label!r} of {uri} has type {label}, but data.task is "
+            "'classification': labels must be integers 0..K-1. Fix data.label, or set "
+            "data.task: regression",
+            field="data.label",
+        )
+    if data.task == "regression" and not _is_number(label):
+        raise SpecError(
+            f"data.label column {data.label!r} of {uri} has type {label}: a regression label "
+            "must be numeric. Fix data.label (a numeric column), or set data.task: "
+            "classification for integer classes",
+            field="data.label",
+        )
+    names = [data.features] if isinstance(data.features, str) else data.features
+    for name in names:
+        kind = schema.field(name).type
+        is_list = pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind)
+        if isinstance(data.features, str) and is_list:
+            kind = kind.value_type
+        if not _is_number(kind):
+            raise SpecError(
+                f"data.features column {name!r} of {uri} has type {schema.field(name).type}: "
+                "features must be numeric (one list column of numbers, or numeric scalar "
+                "columns). Fix data.features.",
+                field="data.features",
+            )
 
 
 def _features_matrix(table: pa.Table, features: str | list[str]) -> np.ndarray:

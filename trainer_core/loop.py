@@ -320,6 +320,7 @@ class BuiltinLoop:
 
     def _checkpoint(self, step: int, cursor: data_mod.Cursor) -> None:
         started = time.perf_counter()
+        self._check_finite_parameters(step)
         sharded = self.spec.checkpoint.sharded
         if self.rank == 0:
             self.run_dir.prepare_checkpoint_dir(step)
@@ -375,6 +376,21 @@ class BuiltinLoop:
         # (RunConfig(storage_path, name) is the same place), so nothing is uploaded again.
         self.timings.checkpoint_s += time.perf_counter() - started
         self.timings.num_checkpoints += 1
+
+    def _check_finite_parameters(self, step: int) -> None:
+        """Never commit NaN/inf weights: the loss of step N is computed before step N's update,
+        so a finite loss does not prove the weights a checkpoint would save are finite."""
+        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:
+            raise TrainingCodeError(
+                f"parameters {bad[:3]} became non-finite in the update of step {step} on rank "
+                f"{self.rank} (no checkpoint written at step {step}): lower optimizer.lr, or add "
+                "gradient clipping in your model",
+                error_type="NonFiniteParameters",
+                step=step,
+                rank=self.rank,
+                deterministic=True,
+            )
 
     def _apply_retention(self, step: int) -> None:
         self.run_dir.apply_retention(

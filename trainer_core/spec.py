@@ -7,6 +7,7 @@ user's own Ray Train loop is named with ``train_loop``, and required otherwise.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -39,6 +40,22 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        """Refuse an unknown key (a typo like ``schedul``) naming the closest known one."""
+        if isinstance(value, dict):
+            known = list(cls.model_fields)
+            for key in value:
+                if key not in cls.model_fields:
+                    close = difflib.get_close_matches(str(key), known, n=1)
+                    hint = f"did you mean {close[0]!r}? " if close else ""
+                    raise SpecError(
+                        f"unknown key {key!r}: {hint}the keys here are {known}",
+                        field=str(key),
+                    )
+        return value
 
 
 def validate_run_name(name: str) -> str:
@@ -252,11 +269,22 @@ class RunSpec(_Section):
                     UserWarning,
                     stacklevel=2,
                 )
-        for fault in self.faults:
-            if fault.rank >= self.scaling.num_workers:
-                raise ValueError(
-                    f"faults: rank {fault.rank} does not exist with scaling.num_workers="
-                    f"{self.scaling.num_workers}: use a rank below {self.scaling.num_workers}"
+        workers = self.scaling.num_workers
+        for i, fault in enumerate(self.faults):
+            if fault.rank >= workers:
+                raise SpecError(
+                    f"faults.{i}.rank={fault.rank} does not exist with scaling.num_workers="
+                    f"{workers}: use a rank below {workers}",
+                    field=f"faults.{i}.rank",
+                )
+        if self.train_loop is None:
+            metrics = self.builtin_metrics()
+            if self.checkpoint.best_metric not in metrics:
+                raise SpecError(
+                    f"checkpoint.best_metric {self.checkpoint.best_metric!r} is never recorded "
+                    f"by the built-in loop for this spec (val_* need data.validation_fraction "
+                    f"> 0, val_accuracy needs data.task classification): use one of {metrics}",
+                    field="checkpoint.best_metric",
                 )
         if self.scaling.use_gpu:
             warnings.warn(
@@ -267,6 +295,14 @@ class RunSpec(_Section):
         return self
 
     # -- derived values --------------------------------------------------------------------
+
+    def builtin_metrics(self) -> list[str]:
+        """The metrics the built-in loop records with every checkpoint (best_metric candidates)."""
+        assert self.data is not None
+        data = self.data.resolved()
+        if data.validation_fraction == 0:
+            return ["loss"]
+        return ["loss", "val_loss", *(["val_accuracy"] if data.task == "classification" else [])]
 
     def with_run_name(self, name: str) -> RunSpec:
         """This spec with ``run.name`` set (validated)."""
@@ -337,7 +373,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise SpecError(
-            f"override {text!r} is not of the form dotted.key=value (e.g. scaling.num_workers=2)",
+            f"--set {text!r} is not of the form dotted.key=value (e.g. scaling.num_workers=2)",
             field="--set",
         )
     try:
@@ -356,7 +392,8 @@ def apply_override(raw: dict[str, Any], path: list[str], value: Any) -> None:
             if not part.isdigit() or int(part) >= len(node):
                 raise SpecError(
                     f"override {'.'.join(path)}: {part!r} is not an index of a list of "
-                    f"{len(node)} item(s)",
+                    f"{len(node)} item(s): use an index below {len(node)}, or set the whole "
+                    f"list (e.g. --set {'.'.join(path[:i])}='[...]')",
                     field=".".join(path),
                 )
             if last:
@@ -366,13 +403,21 @@ def apply_override(raw: dict[str, Any], path: list[str], value: Any) -> None:
             continue
         if not isinstance(node, dict):
             raise SpecError(
-                f"override {'.'.join(path)}: {'.'.join(path[:i])} is not a section",
+                f"override {'.'.join(path)}: {'.'.join(path[:i])} is not a section (it holds "
+                f"{node!r}): set it whole, e.g. --set {'.'.join(path[:i])}=VALUE",
                 field=".".join(path),
             )
         if last:
             node[part] = value
         else:
             if node.get(part) is None:
+                if path[i + 1].isdigit():
+                    where = ".".join(path[: i + 1])
+                    raise SpecError(
+                        f"override {'.'.join(path)}: {where} is not set, so it has no item "
+                        f"{path[i + 1]}: set the whole list, e.g. --set {where}='[...]'",
+                        field=".".join(path),
+                    )
                 node[part] = {}
             node = node[part]
 
@@ -380,11 +425,22 @@ def apply_override(raw: dict[str, Any], path: list[str], value: Any) -> None:
 def format_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
-        loc = ".".join(str(p) for p in item["loc"]) or "spec"
+        loc = _error_field(item) or "spec"
         given = item.get("input")
         shown = "" if isinstance(given, dict) else f" (got {given!r})"
-        lines.append(f"  {loc}: {item['msg']}{shown}")
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc}: {message}{shown}")
     return "invalid run spec:\n" + "\n".join(lines)
+
+
+def _error_field(item: Any) -> str | None:
+    """The dotted field a pydantic error is about (a SpecError raised inside names its own)."""
+    loc = ".".join(str(p) for p in item["loc"])
+    raised = (item.get("ctx") or {}).get("error")
+    named = raised.field if isinstance(raised, SpecError) else None
+    if named and loc and named != loc and not named.startswith(f"{loc}."):
+        return f"{loc}.{named}"
+    return named or loc or None
 
 
 def build_spec(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> RunSpec:
@@ -398,10 +454,8 @@ def build_spec(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     try:
         return RunSpec.model_validate(raw)
     except ValidationError as e:
-        first = e.errors()[0]["loc"] if e.errors() else ()
-        raise SpecError(
-            format_validation_error(e), field=".".join(str(p) for p in first) or None
-        ) from e
+        field = _error_field(e.errors()[0]) if e.errors() else None
+        raise SpecError(format_validation_error(e), field=field) from e
 
 
 def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunSpec:

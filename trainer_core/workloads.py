@@ -34,18 +34,30 @@ def import_object(path: str, field: str) -> Any:
         ) from e
     except Exception as e:  # the module itself raised while importing
         raise SpecError(
-            f"{field} {path!r}: importing {module_name!r} raised {type(e).__name__}: {e}",
+            f"{field} {path!r}: importing {module_name!r} raised {type(e).__name__}: {e}. Fix "
+            f"that module (the driver and every Ray worker import it), or point {field} "
+            "elsewhere.",
             field=field,
         ) from e
     try:
         target = getattr(module, attribute)
     except AttributeError as e:
+        found = sorted(
+            name
+            for name, value in vars(module).items()
+            if callable(value) and not name.startswith("_")
+        )[:20]
         raise SpecError(
-            f"{field} {path!r}: module {module_name!r} has no attribute {attribute!r}",
+            f"{field} {path!r}: module {module_name!r} has no attribute {attribute!r}: fix the "
+            f"name after ':' (callables there: {found})",
             field=field,
         ) from e
     if not callable(target):
-        raise SpecError(f"{field} {path!r} is not callable", field=field)
+        raise SpecError(
+            f"{field} {path!r} is not callable (it is of type {type(target).__name__}): point "
+            f"{field} at a function",
+            field=field,
+        )
     return target
 
 
@@ -144,17 +156,35 @@ def build_model(model: ModelSection, num_inputs: int, num_outputs: int) -> nn.Mo
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in model.kwargs.items()}
     try:
         module = builder(num_inputs, num_outputs, **kwargs)
+    except (SpecError, OSError):  # an OSError (a download, a file) may be transient
+        raise
     except TypeError as e:
         raise SpecError(
-            f"model {model.name!r} rejected model.kwargs {model.kwargs}: {e}",
+            f"model {model.name!r} rejected model.kwargs {model.kwargs}: {e}. Fix model.kwargs "
+            f"to fit the builder's parameters {_parameters(builder)}",
             field="model.kwargs",
+        ) from e
+    except Exception as e:
+        raise SpecError(
+            f"model.name {model.name!r} raised {type(e).__name__} while building with "
+            f"num_inputs={num_inputs}, num_outputs={num_outputs}, model.kwargs={model.kwargs}: "
+            f"{e}. Fix the builder, or model.kwargs.",
+            field="model.name",
         ) from e
     if not isinstance(module, nn.Module):
         raise SpecError(
-            f"model.name {model.name!r} returned {type(module).__name__}, not a torch.nn.Module",
+            f"model.name {model.name!r} returned {type(module).__name__}, not a torch.nn.Module: "
+            "make the builder return the model",
             field="model.name",
         )
     return module
+
+
+def _parameters(builder: Callable[..., Any]) -> list[str]:
+    try:
+        return list(inspect.signature(builder).parameters)[2:]
+    except (TypeError, ValueError):
+        return []
 
 
 def loss_function(task: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
