@@ -14,6 +14,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from flows.training import training
+from tasks import credentials
 from tasks.retraining import Comparison, compare_and_promote, load_champion
 from trainer_core.spec import RunSpec
 from trainer_core.summary import TrainingResult
@@ -52,14 +53,16 @@ def retraining(
     """
     when = slot or slot_time()
     spec = spec.for_slot(when).with_run_name(slot_run_name(model_name, when))
-    champion, fits = load_champion(spec, model_name)
-    warm_start = champion.checkpoint_uri if champion is not None and fits else None
-    if warm_start:
-        spec = spec.model_copy(
-            update={"run": spec.run.model_copy(update={"init_from": warm_start})}
-        )
-    challenger = training(spec)
-    comparison = compare_and_promote(spec, model_name, challenger, champion, promote_margin)
+    # The champion registry lives on run.storage too: its credentials hold for the whole flow.
+    with credentials.using(spec.run.credentials):
+        champion, fits = load_champion(spec, model_name)
+        warm_start = champion.checkpoint_uri if champion is not None and fits else None
+        if warm_start:
+            spec = spec.model_copy(
+                update={"run": spec.run.model_copy(update={"init_from": warm_start})}
+            )
+        challenger = training(spec)
+        comparison = compare_and_promote(spec, model_name, challenger, champion, promote_margin)
     return RetrainingResult(
         training=challenger, comparison=comparison, warm_started_from=warm_start
     )

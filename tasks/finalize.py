@@ -33,10 +33,12 @@ def finalize(
     """Write the run summary, publish the artifacts, release the run, return the result."""
     logger = get_run_logger()
     run_dir = RunDirectory(storage.resolve(prepared.storage_uri).child(prepared.run_name))
-    result = finalize_run(spec, run_dir, prepared.storage_uri, status)
-    history = run_dir.read_metrics_history()
-    publish(spec, prepared, result, history, run_dir)
-    lease.release(run_dir.location, prepared.lease_owner)
+    try:
+        result = finalize_run(spec, run_dir, prepared.storage_uri, status)
+        history = run_dir.read_metrics_history()
+        publish(spec, prepared, result, history, run_dir)
+    finally:  # a summary that cannot be written (e.g. a full disk) must not hold the run
+        lease.release(run_dir.location, prepared.lease_owner)
     logger.info(
         "run %s %s: %s steps, best %s",
         result.run_name,

@@ -34,3 +34,13 @@ def uninterrupted(relaytrain_ray, tmp_path_factory):
     assert any(e["kind"] == "metrics" for e in events)  # streamed while fit() ran
     run_dir = run_dir_of(spec)
     return {"result": result, "state": final_state(run_dir), "losses": losses(run_dir)}
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (moto, IAM auth enforced) on loopback for the session, with
+    a bucket and a trainer user whose generated key pair the tests use (tests/s3.py)."""
+    from tests.s3 import moto_s3
+
+    with moto_s3(tmp_path_factory.mktemp("moto")) as server:
+        yield server

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import io
 import math
+import pickle
 import random
 from typing import Any
 
 import numpy as np
 import torch
 
+from trainer_core.errors import CheckpointCorruptError
 from trainer_core.spec import OptimizerSection, ScheduleSection
 
 
@@ -24,7 +26,14 @@ def to_bytes(value: Any) -> bytes:
 
 
 def from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    """Tensors and plain containers only: a pickle that would build any other object (run
+    code) is refused as a corrupt checkpoint, and resume falls back to an older one."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        raise CheckpointCorruptError(
+            f"checkpoint file refused: it is not plain tensor data ({str(e).splitlines()[0]})"
+        ) from e
 
 
 def capture_rng() -> dict[str, Any]:

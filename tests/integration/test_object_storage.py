@@ -1,0 +1,472 @@
+"""The training flow on a real S3-compatible server (moto over HTTP, IAM auth enforced):
+runs through pyarrow's S3FileSystem and through s3fs, bad storage inputs rejected in setup,
+fault 5 (the server goes away during a checkpoint upload) and fault 7 (permission denied,
+storage full)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
+
+from flows.training import training
+from tests.conftest import tiny_raw
+from tests.recovery import (
+    REPO,
+    assert_recovered,
+    assert_same_tensors,
+    final_state,
+    losses,
+    record_matrix_row,
+    run_dir_of,
+)
+from tests.s3 import OutageProxy, free_port
+from trainer_core import storage
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.errors import (
+    SpecError,
+    StorageAccessError,
+    StorageError,
+    StorageFullError,
+    StorageUnavailableError,
+)
+from trainer_core.spec import build_spec
+
+pytestmark = pytest.mark.integration
+TIMINGS_FILE = REPO / "runs" / "object-storage-timings.jsonl"
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The S3 server, with the trainer's credentials in this process's environment."""
+    for key, value in s3_server.credential_env().items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
+def task_runs(flow_run_id) -> dict:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    return {run.name.rsplit("-", 1)[0]: run for run in runs}
+
+
+def artifacts(flow_run_id) -> dict:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return {a.key: a for a in found}
+
+
+def record_timing(case: str, **figures) -> None:
+    TIMINGS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    with TIMINGS_FILE.open("a") as f:
+        f.write(json.dumps({"case": case, "at": time.strftime("%Y-%m-%dT%H:%M:%S"), **figures}))
+        f.write("\n")
+
+
+# -- runs on S3 ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3_runs(uninterrupted, relaytrain_prefect, s3_server):
+    """One flow run through pyarrow's S3FileSystem and one through s3fs (credentials from the
+    environment, which the shared Ray cluster was started without)."""
+    done = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in s3_server.credential_env().items():
+            patch.setenv(key, value)
+        for kind, via_fsspec in (("pyarrow", False), ("s3fs", True)):
+            uri = s3_server.uri(f"runs-{kind}", fsspec=via_fsspec)
+            spec = build_spec(tiny_raw(uri, f"s3-{kind}"))
+            started = time.monotonic()
+            state = training(spec, return_state=True)
+            done[kind] = (spec, state, time.monotonic() - started)
+    return done
+
+
+@pytest.mark.parametrize("kind", ["pyarrow", "s3fs"])
+def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, uninterrupted, s3, kind):
+    spec, state, wall_s = s3_runs[kind]
+    assert state.is_completed(), state
+    result = state.result()
+    record_timing(f"run on S3 via {kind}", wall_s=round(wall_s, 1))
+    assert result.status == "completed" and len(result.attempts) == 1
+    prefix = f"s3://{s3.bucket}/runs-{kind}/s3-{kind}"
+    assert result.run_uri == prefix and result.storage_uri == s3.uri(
+        f"runs-{kind}", fsspec=kind == "s3fs"
+    )
+    assert result.latest_checkpoint_uri == f"{prefix}/checkpoint-000000039"
+    assert result.best_checkpoint_uri.startswith(f"{prefix}/checkpoint-")
+    run_dir = run_dir_of(spec)
+    assert_same_tensors(final_state(run_dir), uninterrupted["state"])
+    assert losses(run_dir) == uninterrupted["losses"]
+    found = artifacts(state.state_details.flow_run_id)
+    link = found[f"s3-{kind}-best-checkpoint"].data  # markdown: [text](url)
+    assert link.endswith(f"({result.best_checkpoint_uri})")
+    # The run really lives on the server: read back as another user, over HTTP.
+    keys = s3.objects(f"runs-{kind}/s3-{kind}/")
+    assert f"runs-{kind}/s3-{kind}/checkpoint-000000039/COMMITTED" in keys
+    assert f"runs-{kind}/s3-{kind}/summary.json" in keys
+
+
+# -- bad inputs: rejected by setup, no retry, nothing written, fast ---------------------------
+
+
+def _snapshot(s3_server, prefix: str) -> dict[str, bytes]:
+    return s3_server.objects(prefix)
+
+
+def _wrong_secret(monkeypatch, s3_server) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-" + "x" * 24)
+
+
+def _unknown_key(monkeypatch, s3_server) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA" + "0" * 16)
+
+
+BAD_INPUTS = {
+    # case: (storage URI template, run.credentials, environment change, field, words)
+    "unreachable endpoint": (
+        "s3://{bucket}/runs-pyarrow?endpoint_override=127.0.0.1:{dead_port}&scheme=http",
+        None,
+        None,
+        "run.storage",
+        "could not be reached",
+    ),
+    "wrong secret key": (
+        "{uri}",
+        None,
+        _wrong_secret,
+        "run.credentials",
+        "Fix the credentials",
+    ),
+    "unknown access key": (
+        "{uri}",
+        None,
+        _unknown_key,
+        "run.credentials",
+        "Fix the credentials",
+    ),
+    "credentials in the URI query": (
+        "{uri}&secret_key=shh",
+        None,
+        None,
+        "run.storage",
+        "never put secrets in a URI",
+    ),
+    "credentials in the URI authority": (
+        "s3://AKIAEXAMPLE:shh@{bucket}/runs-pyarrow?endpoint_override={endpoint}&scheme=http",
+        None,
+        None,
+        "run.storage",
+        "never put secrets in a URI",
+    ),
+    "missing credentials block": (
+        "{uri}",
+        "secret/no-such-block",
+        None,
+        "run.credentials",
+        "does not exist",
+    ),
+    "unsupported block type": (
+        "{uri}",
+        "json/lake",
+        None,
+        "run.credentials",
+        "use one of",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_storage_input_is_rejected_in_setup(s3_runs, s3, monkeypatch, case):
+    template, block, change, field, words = BAD_INPUTS[case]
+    existing = "runs-pyarrow/s3-pyarrow/"  # a finished run: nothing may be written into it
+    before = _snapshot(s3, existing)
+    uri = template.format(
+        bucket=s3.bucket,
+        dead_port=free_port(),
+        endpoint=s3.endpoint,
+        uri=s3.uri("runs-pyarrow"),
+    )
+    if change is not None:
+        change(monkeypatch, s3)
+    spec = build_spec(tiny_raw(uri, "s3-pyarrow", run={"credentials": block}))
+    started = time.monotonic()
+    state = training(spec, return_state=True)
+    elapsed = time.monotonic() - started
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    runs = task_runs(state.state_details.flow_run_id)
+    assert runs["setup"].run_count == 1 and runs["setup"].state.is_failed()
+    assert "train" not in runs  # no retry burned: train never ran
+    assert isinstance(error, SpecError | StorageError), error
+    message = str(error)
+    assert field in message and words in message, message
+    assert "shh" not in message
+    monkeypatch.undo()
+    assert _snapshot(s3, existing) == before
+    record_timing(
+        f"bad input: {case}",
+        flow_s=round(elapsed, 2),
+        setup_task_s=round(runs["setup"].total_run_time.total_seconds(), 2),
+        error=type(error).__name__,
+    )
+
+
+# -- fault 5: the S3 server stops during a checkpoint upload, and comes back ------------------
+
+
+def test_fault5_s3_outage_during_checkpoint_upload(uninterrupted, relaytrain_prefect, s3):
+    # The proxy cuts every connection the moment rank 0 starts uploading step 20's model, and
+    # refuses connections for 8 s: longer than the storage layer rides out (5 s), shorter than
+    # that plus the driver's own patience, so the attempt fails and its record is still written.
+    cut_on = rb"PUT /[^ ]*/checkpoint-000000020/model\.pt"
+    with OutageProxy(s3.port, cut_on=cut_on, outage_s=8.0) as proxy:
+        uri = s3.uri("fault5", port=proxy.port)
+        spec = build_spec(tiny_raw(uri, "fault5", retries={"delay_s": 4}))
+        state = training(spec, return_state=True)
+    assert proxy.was_cut, "the outage never happened"
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    run_dir = RunDirectory(storage.resolve(s3.uri("fault5")).child("fault5"))
+    attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=10)
+    assert [a["status"] for a in attempts] == ["failed", "completed"]
+    failed = attempts[0]
+    assert failed["error_class"] == "StorageUnavailableError", failed
+    assert failed["error_budget"] == "infrastructure" and "resuming" in failed["retry_decision"]
+    assert attempts[1]["resumed_from_step"] == 10  # step 20 never committed in attempt 1
+    scan = run_dir.scan()  # nothing partial left, and every step >= 20 from attempt 2
+    assert not scan.uncommitted and not scan.damaged, scan
+    assert all(c.manifest["attempt"] == 2 for c in scan.committed if c.step >= 20), scan
+    runs = task_runs(state.state_details.flow_run_id)
+    assert runs["train"].run_count == 2
+    record_matrix_row(
+        "5 S3 outage during checkpoint upload",
+        run_dir,
+        outage_s=round(proxy.outage_seconds() or 0, 1),
+        storage="s3 (moto) via pyarrow",
+    )
+
+
+# -- fault 7: permission denied, storage full ---------------------------------------------------
+
+
+def _assert_nothing_lost(run_dir: RunDirectory, committed_steps: list[int]) -> None:
+    """Every committed checkpoint still verifies, and nothing newer is counted."""
+    scan = run_dir.scan()
+    assert [c.step for c in scan.committed] == committed_steps, scan
+    for checkpoint in scan.committed:
+        for name in checkpoint.files:
+            run_dir.read_verified(checkpoint, name)
+
+
+def test_fault7_s3_write_denied_mid_run(uninterrupted, relaytrain_prefect, s3):
+    """An IAM policy denies writing step 20's checkpoint: a clear, non-retried StorageError;
+    step 10 intact; once access is granted again, the same run resumes and ends exact."""
+    uri = s3.uri("fault7")
+    spec = build_spec(tiny_raw(uri, "f7-denied"))
+    run_dir = run_dir_of(spec)
+    denied = f"arn:aws:s3:::{s3.bucket}/fault7/f7-denied/checkpoint-000000020/*"
+    with s3.denied(["s3:PutObject"], denied):
+        state = training(spec, return_state=True)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, StorageAccessError), error
+    assert "checkpoint-000000020" in str(error) and "run.credentials" in str(error)
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 1  # not retried
+    attempts = run_dir.read_attempts()
+    assert attempts[-1]["error_class"] == "StorageAccessError"
+    assert "not retryable" in attempts[-1]["retry_decision"]
+    _assert_nothing_lost(run_dir, [10])
+    again = training(spec, return_state=True)  # access granted again: resume, exactly
+    assert again.is_completed(), again.result(raise_on_failure=False)
+    assert_recovered(run_dir, uninterrupted, interval=10, committed_before=10)
+    record_matrix_row(
+        "7 S3 permission denied mid-run (IAM Deny s3:PutObject on a checkpoint)",
+        run_dir,
+        first_flow="failed, not retried: StorageAccessError",
+        storage="s3 (moto) via pyarrow",
+    )
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A real small filesystem (tmpfs) at ``path`` (needs CAP_SYS_ADMIN: root here)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _fill(path: Path) -> Path:
+    """Fill the filesystem holding ``path`` to the last byte."""
+    filler = path / "filler.bin"
+    with contextlib.suppress(OSError), filler.open("wb", buffering=0) as f:
+        while True:
+            f.write(b"\0" * 4096)
+            f.flush()
+    return filler
+
+
+def _fill_after_commit(run_dir: RunDirectory, root: Path, step: int) -> threading.Thread:
+    def watch() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if run_dir.read_committed(step) is not None:
+                _fill(root)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_fault7_storage_full_mid_run(uninterrupted, relaytrain_prefect, tmp_path):
+    """The disk fills up after step 10 is committed: a clear, non-retried StorageFullError;
+    step 10 intact, no partial checkpoint counted; after freeing space the run resumes."""
+    with tmpfs(tmp_path / "small", "8m") as root:
+        slow = {"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16, 16], "dropout": 0.1}}
+        slow["kwargs"]["delay_s"] = 0.05  # ~1 s between commits: room to fill the disk
+        spec = build_spec(tiny_raw(root, "f7-full", model=slow))
+        run_dir = run_dir_of(spec)
+        watcher = _fill_after_commit(run_dir, root, 10)
+        state = training(spec, return_state=True)
+        watcher.join(5)
+        assert state.is_failed()
+        error = state.result(raise_on_failure=False)
+        assert isinstance(error, StorageFullError), error
+        assert str(root) in str(error) and "run.storage" in str(error)
+        assert task_runs(state.state_details.flow_run_id)["train"].run_count == 1
+        _assert_nothing_lost(run_dir, [10])
+        (root / "filler.bin").unlink()
+        again = training(spec, return_state=True)
+        assert again.is_completed(), again.result(raise_on_failure=False)
+        assert_recovered(run_dir, uninterrupted, interval=10, committed_before=10)
+        record_matrix_row(
+            "7 storage full mid-run (ENOSPC on an 8 MiB tmpfs)",
+            run_dir,
+            first_flow=f"failed, not retried: {type(error).__name__}",
+            storage="local tmpfs",
+        )
+
+
+def test_fault7_read_only_storage_is_refused_in_setup(relaytrain_prefect, tmp_path):
+    """Permission denied on a local disk, for root: a read-only filesystem (chmod does not stop
+    root). Refused by setup with the location and the fix; nothing written."""
+    with tmpfs(tmp_path / "ro", "1m") as root:
+        (root / "existing").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+        spec = build_spec(tiny_raw(root / "existing", "f7-readonly"))
+        state = training(spec, return_state=True)
+        error = state.result(raise_on_failure=False)
+        assert isinstance(error, StorageAccessError), error
+        assert "read-only" in str(error) and "run.storage" in str(error)
+        assert "train" not in task_runs(state.state_details.flow_run_id)
+        assert list((root / "existing").iterdir()) == []
+
+
+# -- credentials blocks and error classification (no training) ---------------------------------
+
+
+def test_prefect_aws_blocks_reach_the_real_server(relaytrain_prefect, s3_server, monkeypatch):
+    from prefect_aws import AwsCredentials, MinIOCredentials
+
+    from tasks import credentials
+
+    for name in storage.CREDENTIAL_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    tag = uuid.uuid4().hex[:8]
+    AwsCredentials(
+        aws_access_key_id=s3_server.access_key_id,
+        aws_secret_access_key=s3_server.secret_access_key,
+        region_name="us-east-1",
+    ).save(f"lake-{tag}")
+    MinIOCredentials(
+        minio_root_user=s3_server.access_key_id,
+        minio_root_password=s3_server.secret_access_key,
+        region_name="us-east-1",
+    ).save(f"dev-{tag}")
+    for ref in (f"aws-credentials/lake-{tag}", f"minio-credentials/dev-{tag}"):
+        with credentials.using(ref) as names:
+            assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(names)
+            storage.probe_writable(storage.resolve(s3_server.uri("blocks"), fail_fast=True))
+        assert not storage.credential_env()  # restored: nothing left behind
+    # Without credentials moto answers 500 (real S3: 403); the message says what is missing.
+    with pytest.raises(StorageError, match="No storage credentials are set"):
+        storage.probe_writable(storage.resolve(s3_server.uri("blocks"), fail_fast=True))
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ({"PATH": "/tmp"}, "not storage credential variables"),
+        ("not json", "JSON object"),
+        ({"AWS_ACCESS_KEY_ID": 3}, "JSON object"),
+    ],
+)
+def test_secret_block_with_unusable_values_is_a_spec_error(relaytrain_prefect, value, words):
+    from prefect.blocks.system import Secret
+
+    from tasks import credentials
+
+    name = f"bad-{uuid.uuid4().hex[:8]}"
+    Secret(value=value).save(name)
+    with pytest.raises(SpecError, match=words) as raised:
+        credentials.block_env(f"secret/{name}")
+    assert raised.value.field == "run.credentials"
+    with pytest.raises(SpecError, match="block-type-slug"):
+        credentials.block_env("lake-keys")
+
+
+@pytest.mark.parametrize(
+    "error, expected",
+    [
+        (PermissionError(13, "Permission denied"), StorageAccessError),
+        (OSError(28, "No space left on device"), StorageFullError),
+        (OSError(30, "Read-only file system"), StorageAccessError),
+        (OSError("AWS Error ACCESS_DENIED during HeadBucket operation"), StorageAccessError),
+        (OSError("AWS Error INVALID_ACCESS_KEY_ID during ListObjectsV2"), StorageAccessError),
+        (OSError("AWS Error NO_SUCH_BUCKET during HeadBucket operation"), StorageAccessError),
+        (OSError("AWS Error NETWORK_CONNECTION during PutObject"), StorageUnavailableError),
+        (ValueError("not a storage failure"), type(None)),
+    ],
+)
+def test_storage_failures_are_classified_by_what_fixes_them(error, expected):
+    classified = storage.storage_error("s3://bucket/run", "write", error)
+    assert type(classified) is expected
+    if classified is not None and expected is not StorageUnavailableError:
+        assert classified.budget == "none" and "run." in str(classified)
+    if classified is not None:
+        assert "s3://bucket/run" in str(classified)
+
+
+def test_transport_errors_of_s3fs_are_transient():
+    from botocore.exceptions import EndpointConnectionError
+
+    error = EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+    assert isinstance(storage.storage_error("s3://b/r", "list", error), StorageUnavailableError)
