@@ -67,7 +67,8 @@ def relaytrain_ray() -> Iterator[Any]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        # address="local": always a new cluster, never one `ray start` left on this machine.
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     if started:
         ray.shutdown()

@@ -17,8 +17,8 @@ from datetime import datetime
 from prefect import flow
 from prefect.runtime import flow_run
 
-from tasks import Prepared, finalize, setup, train
-from trainer_core import engine
+from tasks import Prepared, credentials, finalize, setup, train
+from trainer_core import jobs
 from trainer_core.errors import SpecError
 from trainer_core.spec import RunSpec, load_spec
 from trainer_core.summary import TrainingResult
@@ -48,7 +48,8 @@ def _flow_run_name() -> str:
 def training(spec: RunSpec) -> TrainingResult:
     """Train ``spec`` on Ray Train: setup, train (each failure a retry that resumes), finalize."""
     spec = spec.with_run_name(default_run_name(spec))
-    with engine.ray_cluster():
+    # setup applies run.credentials' block to the environment; restored when the flow ends.
+    with jobs.driver_cluster(spec), credentials.restored():
         prepared: Prepared = setup(spec, lease_owner=f"flow-run-{flow_run.id or 'local'}")
         if prepared.stored_result is not None:
             return prepared.stored_result

@@ -6,7 +6,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
 
-from trainer_core import engine, lease
+from tasks import credentials
+from trainer_core import engine, jobs, lease
 from trainer_core.spec import RunSpec
 from trainer_core.summary import TrainingResult, read_stored_result
 
@@ -41,9 +42,18 @@ def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
 def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     """Refuse bad input before any worker starts; plan the attempt; hold the run."""
     logger = get_run_logger()
+    # Storage credentials from run.credentials' block, for this process and (through
+    # storage.credential_env) Ray's workers; the flow restores the environment when it ends.
+    names = credentials.apply(spec.run.credentials)
+    if names:
+        logger.info("storage credentials from block %s: %s", spec.run.credentials, names)
     total_steps = engine.validate_workload(spec)
     plan, run_dir = engine.plan_attempt(spec)
-    engine.check_capacity(spec)
+    address = jobs.job_address(spec)
+    if address:  # the job checks the remote cluster's capacity; here, that it answers
+        jobs.client(address)
+    else:
+        engine.check_capacity(spec)
     lease.acquire(run_dir.location, owner=lease_owner)
     stored = read_stored_result(run_dir)
     if is_finished(spec, stored):

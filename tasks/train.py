@@ -13,7 +13,7 @@ from prefect.states import State
 
 from tasks.naming import artifact_key
 from tasks.setup import Prepared
-from trainer_core import engine, lease, storage
+from trainer_core import engine, jobs, lease, storage
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import RelaytrainError
 from trainer_core.retry import RetryDecision, decide_retry
@@ -109,7 +109,10 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
     progress = ProgressRelay(spec, prepared)
     with lease.LeaseKeeper(run_dir.location, held):
         try:
-            result = engine.run_attempt(spec, on_event=progress)
+            if jobs.job_address(spec):  # a remote cluster: the attempt runs as a Ray job
+                result = jobs.run_attempt(spec, on_event=progress, on_log=logger.info)
+            else:
+                result = engine.run_attempt(spec, on_event=progress)
             progress.publish()
         except RelaytrainError as error:
             decision = _decide(spec, run_dir, error)

@@ -31,6 +31,14 @@ def _unwrap(error: BaseException) -> BaseException:
     return error
 
 
+def _was_preempted(error: BaseException) -> bool:
+    """True when ``error`` (or what it wraps) is an actor death caused by node preemption."""
+    for candidate in (error, _unwrap(error)):
+        if isinstance(candidate, ray.exceptions.RayActorError) and candidate.preempted:
+            return True
+    return False
+
+
 def classify(error: BaseException) -> BaseException:
     """Map what fit() raised to a RelaytrainError that says what the orchestrator must do.
 
@@ -56,6 +64,15 @@ def classify(error: BaseException) -> BaseException:
         return InfrastructureError(f"preempted: {error}")
     if isinstance(error, WorkerGroupError):
         raw = dict(sorted(error.worker_failures.items()))
+        # A rank lost to a preempted node explains its peers' collateral errors too (Ray's own
+        # failure policy makes the same call).
+        preempted = [r for r, e in raw.items() if _was_preempted(e)]
+        if preempted:
+            return InfrastructureError(
+                f"preempted: the node of rank(s) {preempted} was reclaimed ({raw[preempted[0]]})"[
+                    :4000
+                ]
+            )
         if any(isinstance(e, unhealthy) for e in raw.values()) and not any(
             isinstance(_unwrap(e), SpecError | TrainingCodeError) for e in raw.values()
         ):

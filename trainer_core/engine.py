@@ -22,10 +22,11 @@ from typing import Any
 import pyarrow
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainer_core import __version__, storage, workloads
 from trainer_core import data as data_mod
-from trainer_core.checkpoints import RunDirectory
+from trainer_core.checkpoints import RunDirectory, open_checkpoint
 from trainer_core.classify import classify
 from trainer_core.errors import (
     ClusterCapacityError,
@@ -72,7 +73,8 @@ def ray_cluster(num_cpus: int | None = None) -> Iterator[bool]:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+        # "local": a new cluster of our own, not whatever `ray start` left on this machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
     try:
         yield True
     finally:
@@ -174,7 +176,7 @@ def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDi
             "path shared by every node, or object storage.",
             field="run.storage",
         )
-    storage.probe_writable(root)
+    storage.probe_writable(storage.resolve(storage_uri, fail_fast=True))
     run_dir = RunDirectory(root.child(name))
     record = run_dir.read_run_record()
     if record is not None:
@@ -183,7 +185,8 @@ def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDi
             raise IncompatibleRunError(
                 f"run {run_dir.uri} was written by Ray {stored_ray}; this is Ray "
                 f"{ray.__version__}, which cannot read its run snapshot. Resume it with Ray "
-                f"{stored_ray}, or start a new run.name."
+                f"{stored_ray}, or start a new run.name.",
+                field="run.name",
             )
         run_dir.check_compatible(spec.identity(), spec.fingerprint())
     attempts = run_dir.read_attempts()
@@ -200,6 +203,9 @@ def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDi
             reason += f"; skipping damaged {', '.join(scan.damaged)}"
     else:
         reason = "fresh start: no committed checkpoint in the run directory"
+        if spec.run.init_from:  # the workers would fail on it only after they start
+            open_checkpoint(spec.run.init_from)
+            reason += f"; warm start from {spec.run.init_from}"
     plan = Plan(
         name,
         storage_uri,
@@ -287,6 +293,7 @@ def run_attempt(
             "resumed_from_step": plan.resume_step,
             "plan": plan.reason,
         }
+        _close_abandoned(run_dir, plan.attempt)
         run_dir.record_attempt(record)
         _clean_orphans(run_dir)
         live = LiveState(step=plan.resume_step or 0, resumed_from=plan.resume_step)
@@ -346,6 +353,26 @@ def run_attempt(
         return result
 
 
+def _close_abandoned(run_dir: RunDirectory, attempt: int) -> None:
+    """Mark earlier attempts still "running" as failed: they ended without a word.
+
+    Only the lease holder starts attempts, so a running record of another attempt belongs to a
+    driver whose flow process was killed or lost (its lease expired or was taken over).
+    """
+    for record in run_dir.read_attempts():
+        if record.get("status") == "running" and record["attempt"] != attempt:
+            run_dir.record_attempt(
+                {
+                    **record,
+                    "status": "failed",
+                    "error_class": "DriverLost",
+                    "error_budget": "infrastructure",
+                    "error_message": "this attempt ended without recording how: its driver died "
+                    "(flow process killed, machine lost) or storage refused the record",
+                }
+            )
+
+
 def _clean_orphans(run_dir: RunDirectory) -> None:
     """Before workers start nothing is in flight: drop uncommitted checkpoint directories."""
     uncommitted = run_dir.scan().uncommitted
@@ -369,8 +396,18 @@ def _abortable_trainer_class() -> type:
     )
     from ray.train.v2._internal.execution.controller import TrainController
 
+    class CredentialedController(TrainController):
+        """Ray Train's controller, with the storage credentials set before it touches storage
+        (its constructor already reads the run directory)."""
+
+        def __init__(self, *, storage_credentials: list[Any], **kwargs: Any) -> None:
+            _apply_credentials(storage_credentials)
+            super().__init__(**kwargs)
+
     class AbortableTorchTrainer(TorchTrainer):
         controller: Any = None
+        #: The storage credentials as a Ray object, nested so Ray passes it by reference.
+        storage_credentials: list[Any] = []
 
         def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
             env_vars = get_env_vars_to_propagate()
@@ -384,8 +421,10 @@ def _abortable_trainer_class() -> type:
                     ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()  # type: ignore[attr-defined]
                 },
                 runtime_env={"env_vars": env_vars},
-            )(TrainController)
-            self.controller = controller_class.remote(**controller_init_kwargs)
+            )(CredentialedController)
+            self.controller = controller_class.remote(
+                storage_credentials=self.storage_credentials, **controller_init_kwargs
+            )
             ray.get(self.controller.run.remote())
             return ray.get(self.controller.get_result.remote())
 
@@ -401,9 +440,28 @@ def _abortable_trainer_class() -> type:
     return AbortableTorchTrainer
 
 
+def _apply_credentials(credentials: list[Any]) -> None:
+    """Set the storage credentials shared by ``_trainer`` in this (controller or worker)
+    process's environment."""
+    if credentials:
+        os.environ.update(ray.get(credentials[0]))
+
+
+def _with_credentials(train_loop: Callable[[Any], None], credentials: list[Any]) -> Any:
+    """``train_loop`` that first sets the storage credentials in the worker's environment."""
+
+    def train_loop_with_credentials(config: Any) -> None:
+        _apply_credentials(credentials)
+        train_loop(config)
+
+    return train_loop_with_credentials
+
+
 def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
+
+    # Train V2's config classes (what ray.train exports at run time; type checkers see V1's).
+    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     apply_ray_env_defaults()
     root = storage.resolve(plan.storage_uri)
@@ -416,20 +474,30 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
         relay=relay,
     )
     user_loop = spec.train_loop is not None
-    return _abortable_trainer_class()(
-        train_loop_per_worker=user_train_loop if user_loop else builtin_train_loop,
+    # A running Ray cluster does not see this process's environment, so the controller and
+    # workers get the storage credentials (environment or run.credentials' block) explicitly:
+    # as a Ray object in memory, not a runtime_env, because Ray's runtime env agent logs every
+    # runtime env it creates, values included (logs/runtime_env_agent.log), and Ray Train keeps
+    # the worker runtime env in its run state (dashboard, export events).
+    credentials = [ray.put(storage.credential_env())]
+    loop = user_train_loop if user_loop else builtin_train_loop
+    trainer = _abortable_trainer_class()(
+        train_loop_per_worker=_with_credentials(loop, credentials),
         train_loop_config=worker_config.to_dict(),
         torch_config=TorchConfig(backend="nccl" if spec.scaling.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=spec.scaling.num_workers,
             use_gpu=spec.scaling.use_gpu,
             resources_per_worker=spec.scaling.resources_per_worker,
+            placement_strategy=spec.scaling.placement_strategy,
         ),
         run_config=RunConfig(
             name=plan.run_name,
             storage_path=root.path,
             storage_filesystem=root.filesystem,
-            failure_config=FailureConfig(max_failures=0),
+            # Every failure, preemption included, ends the attempt: Prefect's retry resumes it
+            # from relaytrain's newest committed checkpoint, on the infrastructure budget.
+            failure_config=FailureConfig(max_failures=0, max_preemption_failures=0),
             # relaytrain applies retention itself (keep last + best, never the resume point);
             # a user's own loop relies on Ray's checkpoint manager.
             checkpoint_config=CheckpointConfig(
@@ -437,6 +505,8 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
             ),
         ),
     )
+    trainer.storage_credentials = credentials
+    return trainer
 
 
 def _fit(spec: RunSpec, plan: Plan, handle: EventHandler, poll_interval_s: float) -> None:
@@ -445,7 +515,10 @@ def _fit(spec: RunSpec, plan: Plan, handle: EventHandler, poll_interval_s: float
     Cancellation (Prefect's TerminationSignal, KeyboardInterrupt) arrives in this thread as a
     BaseException: the ``finally`` aborts Ray Train's controller, which stops every worker.
     """
-    relay = MetricsRelay.remote()  # type: ignore[attr-defined]
+    # The relay is the driver's mailbox: it lives on the driver's node, never on a worker node
+    # that may be the one being lost (a retry right after a node death could land there).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    relay = MetricsRelay.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
     trainer = _trainer(spec, plan, relay)
     outcome: dict[str, Any] = {}
 

@@ -59,6 +59,23 @@ class CheckpointCorruptError(StorageError):
     """A checkpoint's files do not match its manifest (or it has no valid commit marker)."""
 
 
+class StorageAccessError(StorageError):
+    """Storage refused the credentials or the operation (access denied, unknown or expired key,
+    read-only store, missing bucket). Not retried: fix the credentials, permissions or URI."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class StorageFullError(StorageError):
+    """Storage has no space left (or a quota was hit). Not retried: free space, then resume."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 class InfrastructureError(RelaytrainError):
     """A worker or node died, or was preempted. Retried from the newest committed checkpoint."""
 
@@ -104,3 +121,28 @@ class TrainingCodeError(RelaytrainError):
 
 class InjectedFault(RuntimeError):
     """Raised inside training code by a ``raise`` fault from the spec (tests and demos)."""
+
+
+def to_json(error: RelaytrainError) -> dict:
+    """A relaytrain error as plain JSON (it crosses a Ray job's log): class, message, fields."""
+    state = {
+        k: v for k, v in error.__dict__.items() if isinstance(v, str | int | float | bool | None)
+    }
+    return {"class": type(error).__name__, "message": str(error), "state": state}
+
+
+def from_json(data: dict) -> RelaytrainError:
+    """Rebuild what ``to_json`` wrote; an unknown class becomes an InfrastructureError."""
+
+    def subclasses(cls: type) -> list[type]:
+        found = [cls]
+        direct: list[type] = cls.__subclasses__()
+        for sub in direct:
+            found.extend(subclasses(sub))
+        return found
+
+    known = {cls.__name__: cls for cls in subclasses(RelaytrainError)}
+    cls = known.get(data.get("class", ""))
+    if cls is None:
+        return InfrastructureError(f"{data.get('class')}: {data.get('message')}")
+    return _rebuild(cls, (data.get("message", ""),), dict(data.get("state") or {}))

@@ -87,6 +87,19 @@ def server(tmp_path_factory, relaytrain_ray):
         yield running
 
 
+def test_prefect_server_listens_on_loopback_only(server):
+    """`make server` and these tests start it with --host 127.0.0.1: nothing else can reach it."""
+    import psutil
+
+    port = int(server["ui"].rsplit(":", 1)[1])
+    listening = {
+        c.laddr.ip
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
+    assert listening == {"127.0.0.1"}
+
+
 def prefect(server, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / "prefect"), *args],

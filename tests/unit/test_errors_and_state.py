@@ -55,6 +55,19 @@ def test_classify_worker_group_failures():
     assert isinstance(plain, TrainingCodeError) and plain.error_type == "ZeroDivisionError"
 
 
+def test_a_preempted_rank_makes_the_attempt_an_infrastructure_failure():
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    reclaimed = ray.exceptions.RayActorError(preempted=True)
+    health = WorkerHealthCheckFailedError("health check failed", reclaimed)
+    collateral = RuntimeError("Connection reset by peer")  # the surviving rank's collective
+    error = classify(WorkerGroupError("x", {0: collateral, 1: health}))
+    assert isinstance(error, InfrastructureError) and "preempted" in str(error)
+    assert "[1]" in str(error) and error.budget == "infrastructure"
+    not_preempted = classify(WorkerGroupError("x", {1: ray.exceptions.RayActorError()}))
+    assert "preempted" not in str(not_preempted)
+
+
 def test_classify_controller_death_as_incompatible_run():
     error = classify(ControllerError(ray.exceptions.ActorDiedError()))
     assert isinstance(error, IncompatibleRunError) and "run.name" in str(error)
