@@ -81,7 +81,8 @@ def acquire(
     written = path.read_json()
     if written.get("owner") != owner:
         raise LeaseHeldError(
-            f"run {run_location.uri} was taken by {written.get('owner')} at the same moment",
+            f"run {run_location.uri} was taken by {written.get('owner')} at the same moment: "
+            "another flow is driving it. Wait for it to finish, or choose another run.name.",
             field="run.name",
         )
     return lease

@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 import yaml
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (
-    ArtifactFilter,
-    ArtifactFilterFlowRunId,
-    FlowRunFilter,
-    FlowRunFilterId,
-)
 
 from flows.pytest_plugin import tiny_spec_dict, with_fault
 from flows.training import training
-from tests.recovery import assert_same_tensors, final_state, losses
+from tests.prefect_api import artifacts, task_runs
+from tests.recovery import (
+    assert_recovered,
+    assert_same_tensors,
+    final_state,
+    losses,
+    record_matrix_row,
+)
 from trainer_core import lease, storage
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import SpecError
@@ -30,22 +31,6 @@ from trainer_core.spec import build_spec
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-
-
-def task_runs(flow_run_id) -> dict:
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        )
-    return {run.name.rsplit("-", 1)[0]: run for run in runs}
-
-
-def artifacts(flow_run_id) -> dict:
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
-        )
-    return {a.key: a for a in found}
 
 
 def run_dir_of(spec) -> RunDirectory:
@@ -161,8 +146,11 @@ def slow_spec_file(tmp_path: Path, name: str) -> Path:
     raw = tiny_spec_dict(
         tmp_path,
         name,
-        model={"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16], "delay_s": 0.03}},
-        schedule={"epochs": 12},
+        # The uninterrupted reference's MLP, slowed down so the kill lands mid-run.
+        model={
+            "name": "tests.helpers:slow_mlp",
+            "kwargs": {"hidden": [16, 16], "dropout": 0.1, "delay_s": 0.25},
+        },
     )
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -200,7 +188,7 @@ def cpus_free(ray) -> float:
 
 @pytest.mark.parametrize("how", ["sigkill", "sigterm"])
 def test_interrupted_flow_process_resumes_on_rerun(
-    relaytrain_ray, relaytrain_prefect, tmp_path, how
+    relaytrain_ray, relaytrain_prefect, uninterrupted, tmp_path, how
 ):
     ray = relaytrain_ray
     name = f"flow-{how}"
@@ -220,14 +208,19 @@ def test_interrupted_flow_process_resumes_on_rerun(
         time.sleep(0.5)
     assert cpus_free(ray) >= free_before
     assert run_dir.scan().newest.step >= committed  # nothing committed was lost
+    rerun_at = time.time()
     rerun = start_cli(spec_file, name, address)
     output, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, output
-    attempts = run_dir.read_attempts()
+    attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=committed)
     assert attempts[-1]["status"] == "completed" and attempts[-1]["resumed_from_step"] >= committed
-    steps = [row["step"] for row in run_dir.read_metrics_history()]
-    assert steps == list(range(1, steps[-1] + 1))  # one row per step: no gaps, no duplicates
-    assert steps[-1] == run_dir.scan().newest.step
+    case = "4 flow process SIGKILLed, re-run" if how == "sigkill" else "4b flow cancelled (SIGTERM)"
+    record_matrix_row(
+        case,
+        run_dir,
+        committed_before=committed,
+        rerun_to_resume_s=round(attempts[-1]["resumed_at"] - rerun_at, 1),
+    )
 
 
 def test_cli_refuses_a_bad_spec_before_running(capsys):

@@ -14,16 +14,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (
-    ArtifactFilter,
-    ArtifactFilterFlowRunId,
-    FlowRunFilter,
-    FlowRunFilterId,
-)
 
 from flows.training import training
 from tests.conftest import tiny_raw
+from tests.prefect_api import artifacts, task_runs
 from tests.recovery import (
     REPO,
     assert_recovered,
@@ -55,22 +49,6 @@ def s3(s3_server, monkeypatch):
     for key, value in s3_server.credential_env().items():
         monkeypatch.setenv(key, value)
     return s3_server
-
-
-def task_runs(flow_run_id) -> dict:
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        )
-    return {run.name.rsplit("-", 1)[0]: run for run in runs}
-
-
-def artifacts(flow_run_id) -> dict:
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
-        )
-    return {a.key: a for a in found}
 
 
 def record_timing(case: str, **figures) -> None:
