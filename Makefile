@@ -13,7 +13,7 @@ API_URL := http://$(PREFECT_HOST):$(PREFECT_PORT)/api
 # Deployment runs start here (the pull step of deployments/prefect.yaml).
 export RELAYTRAIN_HOME := $(CURDIR)
 
-.PHONY: install test lint run clean server worker deploy serve
+.PHONY: install test lint run clean server worker deploy serve bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,15 @@ test: $(STAMP) lint
 
 run: $(STAMP)
 	$(PY) -m flows.training --config examples/digits_cnn.yaml
+
+# Every benchmark in full, one process tree each (bench/README.md; about 1 h on 2 cores: run it
+# on a quiet machine), then the tables of bench/README.md. BENCH_ARGS goes to each benchmark.
+BENCHMARKS := overhead recovery checkpoints reporting scaling memory
+bench: $(STAMP)
+	status=0; for name in $(BENCHMARKS); do \
+		$(PY) -m bench.$$name $(BENCH_ARGS) || status=1; \
+	done; \
+	$(PY) -m bench && exit $$status
 
 # A Prefect server with its UI on http://127.0.0.1:4200 (SQLite under ~/.prefect by default;
 # PostgreSQL with PREFECT_SERVER_DATABASE_CONNECTION_URL=postgresql+asyncpg://user:pw@host/db).

@@ -49,7 +49,11 @@ def background(command: list[str], env: dict[str, str], log_path: Path):
             yield process
         finally:
             process.terminate()
-            process.wait(60)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:  # a worker may wait on its runs: stop it hard
+                process.kill()
+                process.wait(30)
 
 
 @contextlib.contextmanager

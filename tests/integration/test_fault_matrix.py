@@ -49,7 +49,7 @@ def test_worker_fault_is_retried_and_exact(
     assert [a["status"] for a in attempts] == ["failed", "completed"]
     assert attempts[0]["error_budget"] == ("code" if kind == "raise" else "infrastructure")
     assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
-    record_matrix_row(case, run_dir, committed_before=committed)
+    record_matrix_row(case, run_dir, committed_before=committed, fault_step=at_step)
 
 
 def corrupt(run_dir: RunDirectory, step: int, how: str) -> None:
