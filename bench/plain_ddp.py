@@ -1,0 +1,100 @@
+"""The plain PyTorch reference: ``torch.multiprocessing`` + gloo DDP, no Ray, no Prefect.
+
+Each process trains the same model on the same batches as relaytrain's loop (``Workload``),
+with the same cadence of extra work: a synchronous all-reduce of the window's losses every
+``report.every`` steps, a validation pass at the end of every epoch, and every
+``checkpoint.every`` steps (and at the end) a checkpoint: rank 0 ``torch.save`` s model,
+optimizer and schedule, every rank its RNG states, to a local directory, then a barrier. No
+manifest, hashes, commit marker, metrics history or retention beyond keeping the newest.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from bench.probe import StepProbe
+from bench.workload import Workload
+from trainer_core.spec import RunSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_plain_ddp(spec: RunSpec, checkpoint_dir: Path) -> float:
+    """Train ``spec`` with ``scaling.num_workers`` processes; returns the process-tree start
+    time (``time.time()``), from which time to first step is counted."""
+    assert spec.run.name is not None
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    mp.spawn(
+        _worker,
+        args=(spec.model_dump(mode="json"), free_port(), str(checkpoint_dir)),
+        nprocs=spec.scaling.num_workers,
+        join=True,
+    )
+    return started
+
+
+def _worker(rank: int, spec_json: dict[str, Any], port: int, checkpoint_dir: str) -> None:
+    spec = RunSpec.model_validate(spec_json)
+    world_size = spec.scaling.num_workers
+    torch.set_num_threads(1)  # as Ray gives a 1-CPU worker (OMP_NUM_THREADS=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        _train(spec, rank, world_size, Path(checkpoint_dir))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(spec: RunSpec, rank: int, world_size: int, checkpoint_dir: Path) -> None:
+    assert spec.schedule is not None and spec.run.name is not None
+    work = Workload(spec, rank, world_size)
+    model: torch.nn.Module = work.model
+    if world_size > 1:  # as Ray's prepare_model: DDP only with more than one worker
+        model = DistributedDataParallel(work.model)
+    probe = StepProbe(spec.run.name, rank)
+    pending: list[float] = []
+    step, step_s = 0, 0.0
+    for epoch in range(spec.schedule.epochs):
+        batches = work.batches(epoch)
+        model.train()
+        for index, batch in enumerate(batches):
+            step += 1
+            started = time.perf_counter()
+            pending.append(work.step(model, batch))
+            step_s += time.perf_counter() - started
+            probe.stepped(step)
+            end_of_epoch = index == len(batches) - 1
+            if end_of_epoch:
+                work.evaluate()
+            last = end_of_epoch and epoch == spec.schedule.epochs - 1
+            if step % spec.report.every == 0 or end_of_epoch:
+                losses = torch.tensor(pending, dtype=torch.float64)
+                dist.all_reduce(losses)
+                pending = []
+            if step % spec.checkpoint.every == 0 or last:
+                _checkpoint(work, step, rank, checkpoint_dir)
+    probe.done(timings={"step_s": step_s})
+
+
+def _checkpoint(work: Workload, step: int, rank: int, directory: Path) -> None:
+    state = work.state(step)
+    torch.save(state, directory / f"step-{step:09d}-rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:  # keep the newest only
+        for old in directory.glob("step-*.pt"):
+            if not old.name.startswith(f"step-{step:09d}-"):
+                old.unlink(missing_ok=True)

@@ -1,0 +1,193 @@
+"""Scaling: throughput with 1 and 2 workers for a compute-bound model, and how checkpoint time
+grows with state size.
+
+Variants, alternated in one process (one local Ray cluster):
+- ``relaytrain_<n>w``: one engine attempt of the synthetic MLP with n workers (per-worker batch
+  fixed, so the same epochs mean the same samples; 2 workers take half the steps).
+- ``plain_<n>w``: the same in plain PyTorch (``torch.multiprocessing`` + gloo): what the
+  machine itself gives, the reference for a target out of physical reach.
+- ``checkpoint/<size>MB``: relaytrain's checkpoint path (``bench.checkpoints``), local disk.
+
+Figures: steps/s over rank 0's first to last step, ``samples_per_s`` = steps/s x workers x
+batch, ``compute_samples_per_s`` from the optimizer-step time alone. Target: relaytrain
+samples/s with 2 workers / 1 worker >= 1.6. Checkpoint growth: a least-squares line of blocked
+seconds against MB.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import common, harness
+from bench.checkpoints import relaytrain_checkpoint
+from bench.common import Result, Sample, Target, Variant
+from bench.plain_ddp import run_plain_ddp
+from bench.probe import read_probe, span
+from bench.workload import mlp_spec, random_state
+from trainer_core import storage
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.spec import RunSpec
+
+NAME = "scaling"
+SPEEDUP_TARGET = Target(
+    "2w/1w samples/s", "relaytrain samples/s with 2 workers / with 1 worker", ">=", 1.6
+)
+COLUMNS = ["samples_per_s", "steps_per_s", "compute_samples_per_s", "wall_s", "blocked_s"]
+
+
+def make_spec(root: Path, name: str, workers: int, epochs: int, quick: bool) -> RunSpec:
+    if quick:
+        return mlp_spec(
+            root, name, epochs=epochs, num_workers=workers, num_samples=2048, hidden=(64, 64)
+        )
+    return mlp_spec(root, name, epochs=epochs, num_workers=workers)
+
+
+def throughput(spec: RunSpec, wall: float, step_s: float | None = None) -> Sample:
+    assert spec.run.name is not None and spec.data is not None
+    events = read_probe(spec.run.name)
+    measured = span(events)
+    per_step = spec.scaling.num_workers * spec.data.batch_size
+    sample = {
+        "samples_per_s": measured["steps_per_s"] * per_step,
+        "steps_per_s": measured["steps_per_s"],
+        "wall_s": wall,
+        "num_steps": measured["num_steps"],
+    }
+    if step_s:
+        sample["compute_samples_per_s"] = measured["num_steps"] * per_step / step_s
+    shutil.rmtree(harness.run_dir_path(spec), ignore_errors=True)
+    return sample
+
+
+def measure_relaytrain(spec: RunSpec) -> Sample:
+    started = time.time()
+    _, events = harness.run_engine(spec)
+    timings = harness.finished_timings(events)
+    return throughput(spec, time.time() - started, timings.get("step_s"))
+
+
+def measure_plain(spec: RunSpec, root: Path) -> Sample:
+    assert spec.run.name is not None
+    started = run_plain_ddp(spec, root / spec.run.name)
+    done = [e for e in read_probe(spec.run.name) if e["event"] == "done"]
+    step_s = done[-1]["timings"]["step_s"] if done else None
+    return throughput(spec, time.time() - started, step_s)
+
+
+def worker_variants(root: Path, epochs: int, quick: bool) -> list[Variant]:
+    def spec(prefix: str, rep: int, workers: int) -> RunSpec:
+        return make_spec(root, f"{prefix}{workers}w-{rep}", workers, epochs, quick)
+
+    def relaytrain(workers: int) -> Callable[[int], Sample]:
+        return lambda rep: measure_relaytrain(spec("rt", rep, workers))
+
+    def plain(workers: int) -> Callable[[int], Sample]:
+        return lambda rep: measure_plain(spec("plain", rep, workers), root)
+
+    found = []
+    for workers in (1, 2):
+        found += [
+            Variant(
+                f"relaytrain_{workers}w",
+                f"engine attempt, {workers} worker(s)",
+                relaytrain(workers),
+            ),
+            Variant(
+                f"plain_{workers}w",
+                f"torch.multiprocessing + gloo, {workers} process(es)",
+                plain(workers),
+            ),
+        ]
+    return found
+
+
+def checkpoint_variant(root: Path, megabytes: float) -> Variant:
+    """relaytrain's checkpoint path for a state of ``megabytes``, on local disk."""
+    state = random_state(megabytes)
+    run_dir = RunDirectory(storage.resolve(str(root / f"ckpt-{megabytes:g}mb")))
+    steps = iter(range(1, 10**6))
+    return Variant(
+        f"checkpoint/{megabytes:g}MB",
+        "relaytrain checkpoint path on local disk (blocked seconds)",
+        lambda rep: relaytrain_checkpoint(run_dir, next(steps), state),
+    )
+
+
+def fit_line(points: list[tuple[float, float]]) -> dict[str, float] | None:
+    """Least squares ``seconds = intercept + slope * MB``."""
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    if var == 0:
+        return None
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var
+    return {
+        "intercept_s": mean_y - slope * mean_x,
+        "s_per_100mb": 100 * slope,
+        "mb_per_s": 1 / slope if slope > 0 else float("nan"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = common.parser(NAME, __doc__ or "", repetitions=3)
+    cli.add_argument("--epochs", type=int, default=None, help="epochs per run (default 10)")
+    cli.add_argument("--sizes", default=None, help="checkpoint sizes in MB (1,10,50,100,200)")
+    args = cli.parse_args(argv)
+    epochs = args.epochs or (2 if args.quick else 10)
+    sizes = [
+        float(s) for s in (args.sizes or ("1,4" if args.quick else "1,10,50,100,200")).split(",")
+    ]
+    result = Result(NAME, args.quick, columns=COLUMNS)
+    repetitions = common.repetitions_of(args)
+    with (
+        harness.local_ray() as ray_info,
+        tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp,
+    ):
+        root = Path(tmp)
+        result.settings.update(
+            ray_info,
+            workload="synthetic MLP" + (" 64-64-64-1 (quick)" if args.quick else " 64-512x3-1"),
+            epochs=epochs,
+            batch_size_per_worker=make_spec(root, "x", 1, epochs, args.quick).data.batch_size,  # type: ignore[union-attr]
+            checkpoint_sizes_mb=sizes,
+        )
+        result.variants = common.alternate(worker_variants(root, epochs, args.quick), repetitions)
+        result.variants.update(
+            common.alternate([checkpoint_variant(root, mb) for mb in sizes], repetitions)
+        )
+    summarize(result, sizes)
+    return common.finish(result, args)
+
+
+def summarize(result: Result, sizes: list[float]) -> None:
+    records = result.variants
+    speedup = common.ratio(records, "relaytrain_2w", "relaytrain_1w", "samples_per_s")
+    plain = common.ratio(records, "plain_2w", "plain_1w", "samples_per_s")
+    note = f"plain PyTorch on this machine: {plain:.2f}" if plain is not None else ""
+    result.targets.append(SPEEDUP_TARGET.check(speedup, note))
+    figures: dict[str, Any] = {
+        "plain 2w/1w samples/s": plain,
+        "relaytrain 2w/1w compute samples/s": common.ratio(
+            records, "relaytrain_2w", "relaytrain_1w", "compute_samples_per_s"
+        ),
+    }
+    points = [
+        (mb, value)
+        for mb in sizes
+        if (value := records[f"checkpoint/{mb:g}MB"].median("blocked_s")) is not None
+    ]
+    figures["checkpoint_growth"] = fit_line(points)
+    result.figures.update(figures)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The benchmark harness works end to end: one cheap benchmark in ``--quick`` mode (its own
+local Ray cluster, a real 1-worker run) writes a result of the documented shape into a temporary
+directory, and the README tables render from it. No figure is asserted: timings belong in the
+benchmarks, not in tests."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import common
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_quick(name: str, results_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop(common.RESULTS_ENV, None)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            f"bench.{name}",
+            "--quick",
+            "--results-dir",
+            str(results_dir),
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_quick_checkpoints_benchmark_writes_its_result(tmp_path):
+    official = set(common.RESULTS_DIR.glob("*.json"))
+    done = run_quick("checkpoints", tmp_path, "--stores", "local", "--sizes", "1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    path = tmp_path / f"{dt.date.today().isoformat()}-checkpoints.json"
+    assert [p.name for p in tmp_path.glob("*.json")] == [path.name]
+    assert set(common.RESULTS_DIR.glob("*.json")) == official  # quick runs stay out
+    data = json.loads(path.read_text())
+    assert data["schema"] == common.SCHEMA_VERSION
+    assert data["benchmark"] == "checkpoints" and data["quick"] is True
+    assert {"cpu_model", "logical_cores", "ram_gb", "os", "load_average"} <= set(data["machine"])
+    assert {"python", "torch", "ray", "prefect", "pyarrow", "relaytrain"} <= set(data["versions"])
+    assert "commit" in data["git"]
+    expected = {
+        f"local/1MB/{v}"
+        for v in ("relaytrain", "relaytrain_loop", "raw_stream", "raw_copy_files", "torch_save")
+    }
+    assert set(data["variants"]) == expected
+    for name, variant in data["variants"].items():
+        assert variant["available"] and not variant["errors"], name
+        assert len(variant["samples"]) == 1, name
+        blocked = variant["summary"]["blocked_s"]
+        assert blocked["n"] == 1 and blocked["min"] <= blocked["median"] <= blocked["max"]
+    targets = {t["name"]: t for t in data["targets"]}
+    assert set(targets) == {"local: blocked/sync", "local: throughput/raw"}
+    for target in targets.values():
+        assert isinstance(target["value"], float)
+        assert target["met"] == (
+            target["value"] <= target["threshold"]
+            if target["op"] == "<="
+            else target["value"] >= target["threshold"]
+        )
+
+    # The README renderer shows full results only: promote this one and render a copy.
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / path.name).write_text(json.dumps({**data, "quick": False}))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{common.TABLES_START}\nstale tables\n{common.TABLES_END}\n")
+    common.update_readme(common.render_tables(common.newest_results(tmp_path)), readme)
+    assert "No full benchmark results yet" in readme.read_text()
+    common.update_readme(common.render_tables(common.newest_results(full)), readme)
+    text = readme.read_text()
+    assert "### checkpoints" in text and "| local/1MB/relaytrain |" in text
+    assert "local: blocked/sync" in text and "stale tables" not in text
