@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: $(STAMP) lint
-	$(VENV)/bin/pytest tests
+	$(VENV)/bin/pytest tests --durations=30
 
 run: $(STAMP)
 	$(PY) -m flows.training --config examples/digits_cnn.yaml

@@ -31,6 +31,7 @@ from trainer_core.classify import classify
 from trainer_core.errors import (
     ClusterCapacityError,
     IncompatibleRunError,
+    InfrastructureError,
     SpecError,
 )
 from trainer_core.loop import builtin_train_loop
@@ -282,6 +283,7 @@ def run_attempt(
     plan, run_dir = plan_attempt(spec, attempt)
     with ray_cluster() as _:
         check_capacity(spec)
+        reclaimed_before = preempted_nodes()
         if run_dir.read_run_record() is None:
             run_dir.write_run_record(
                 spec.model_dump(mode="json"), spec.identity(), spec.fingerprint(), versions()
@@ -306,7 +308,7 @@ def run_attempt(
         try:
             _fit(spec, plan, handle, poll_interval_s)
         except BaseException as error:
-            classified = classify(error)
+            classified = _name_preemption(classify(error), reclaimed_before)
             run_dir.record_attempt(
                 {
                     **record,
@@ -351,6 +353,45 @@ def run_attempt(
             }
         )
         return result
+
+
+def preempted_nodes() -> set[str]:
+    """Ids of the dead nodes Ray records as reclaimed after a drain for preemption."""
+    from ray.core.generated.common_pb2 import NodeDeathInfo  # type: ignore[attr-defined]
+
+    return {
+        node["NodeID"]
+        for node in ray.nodes()
+        if not node.get("Alive")
+        and node.get("DeathReason") == NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED
+    }
+
+
+def _name_preemption(
+    error: BaseException, reclaimed_before: set[str], wait_s: float = 1.0
+) -> BaseException:
+    """An infrastructure failure during which a node was reclaimed for preemption says so.
+
+    The surviving ranks often fail first (a collective loses its peer), before Ray Train sees
+    the preempted rank; Ray's node table still tells. Its verdict can lag the failure by a
+    moment, hence the short wait.
+    """
+    if not isinstance(error, InfrastructureError) or str(error).startswith("preempted"):
+        return error
+    deadline = time.monotonic() + wait_s
+    while True:
+        reclaimed = preempted_nodes() - reclaimed_before
+        if reclaimed or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if not reclaimed:
+        return error
+    named = InfrastructureError(
+        f"preempted: node(s) {sorted(reclaimed)} were reclaimed during the attempt ({error})",
+        step=getattr(error, "step", None),
+    )
+    named.__cause__ = error
+    return named
 
 
 def _close_abandoned(run_dir: RunDirectory, attempt: int) -> None:
