@@ -178,7 +178,7 @@ def _bootstrap(port: int, bucket: str) -> dict[str, Any]:
     trainer_key = iam.create_access_key(UserName="relaytrain-trainer")["AccessKey"]
     client("s3", *admin).create_bucket(Bucket=bucket)
     try:  # the server really enforces credentials now
-        client("s3", "AKIAWRONGWRONGWRONG0", "not-a-secret").list_objects_v2(Bucket=bucket)
+        client("s3", "unknown-access-key", "not-a-secret").list_objects_v2(Bucket=bucket)
     except ClientError as e:
         assert e.response["ResponseMetadata"]["HTTPStatusCode"] == 403, e.response
     else:
