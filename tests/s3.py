@@ -33,6 +33,8 @@ from typing import Any
 
 import requests
 
+from tests.net import free_port
+
 REGION = "us-east-1"
 #: Bootstrap actions moto lets through unsigned: create the admin user, its policy, its key.
 BOOTSTRAP_ACTIONS = 3
@@ -40,13 +42,6 @@ ALLOW_ALL = {
     "Version": "2012-10-17",
     "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
 }
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (now)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

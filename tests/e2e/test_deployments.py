@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from flows.pytest_plugin import tiny_spec_dict
+from tests.net import free_port
 from trainer_core import storage
 from trainer_core.checkpoints import RunDirectory
 
@@ -32,12 +32,6 @@ SCREENSHOTS = REPO / "runs" / "e2e-screenshots"
 #: The Prefect 3.8 UI asks for an icon named "undefined" for each progress artifact in the run
 #: graph (a UI bug, not our data); every other failed request or console error fails the test.
 KNOWN_UI_NOISE = ("/ico/undefined.svg",)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from tests.recovery import (
     final_state,
     losses,
     record_matrix_row,
+    run_dir_of,
 )
 from trainer_core import lease, storage
 from trainer_core.checkpoints import RunDirectory
@@ -31,10 +32,6 @@ from trainer_core.spec import build_spec
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-
-
-def run_dir_of(spec) -> RunDirectory:
-    return RunDirectory(storage.resolve(spec.run.storage).child(spec.run.name))
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 
 from flows.training import training
 from tests.conftest import tiny_raw
+from tests.net import free_port
 from tests.prefect_api import artifacts, task_runs
 from tests.recovery import (
     REPO,
@@ -27,7 +28,7 @@ from tests.recovery import (
     record_matrix_row,
     run_dir_of,
 )
-from tests.s3 import OutageProxy, free_port
+from tests.s3 import OutageProxy
 from trainer_core import storage
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import (
