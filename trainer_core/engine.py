@@ -367,23 +367,44 @@ def preempted_nodes() -> set[str]:
     }
 
 
+def draining_nodes() -> set[str]:
+    """Ids of the nodes the GCS was told to drain whose drain deadline has come.
+
+    Idle drains (no deadline) and notices that have not yet come due are left out: their
+    nodes are not the reason an attempt fails now.
+    """
+    from ray._private.state import state
+
+    due_ms = time.time() * 1000 + 1000
+    return {
+        node_id
+        for node_id, deadline_ms in state.get_draining_nodes().items()
+        if 0 < deadline_ms <= due_ms
+    }
+
+
 def _name_preemption(
-    error: BaseException, reclaimed_before: set[str], wait_s: float = 1.0
+    error: BaseException, reclaimed_before: set[str], settle_s: float = 30.0
 ) -> BaseException:
     """An infrastructure failure during which a node was reclaimed for preemption says so.
 
     The surviving ranks often fail first (a collective loses its peer), before Ray Train sees
-    the preempted rank; Ray's node table still tells. Its verdict can lag the failure by a
-    moment, hence the short wait.
+    the preempted rank, and before the GCS has declared the reclaimed node dead: that takes its
+    health checks (about 15 s at Ray's defaults). Ray's node table tells once it has. So if a
+    node's drain deadline had come when the attempt failed, wait (at most ``settle_s``) until
+    each such node is declared dead or back in service, then read the death reasons. Without
+    one nothing is waited for.
     """
     if not isinstance(error, InfrastructureError) or str(error).startswith("preempted"):
         return error
-    deadline = time.monotonic() + wait_s
-    while True:
-        reclaimed = preempted_nodes() - reclaimed_before
-        if reclaimed or time.monotonic() >= deadline:
-            break
-        time.sleep(0.5)
+    pending = draining_nodes()
+    deadline = time.monotonic() + settle_s
+    while pending and time.monotonic() < deadline:
+        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        pending = pending & alive & draining_nodes()
+        if pending:
+            time.sleep(0.5)
+    reclaimed = preempted_nodes() - reclaimed_before
     if not reclaimed:
         return error
     named = InfrastructureError(
