@@ -18,10 +18,12 @@ marker first (a directory without its marker does not exist). Every JSON carries
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -58,6 +60,46 @@ class FileEntry:
     name: str
     size: int
     sha256: str
+
+
+class HashingWriter(io.RawIOBase):
+    """A write-only stream that forwards to ``stream`` and hashes what passes through.
+
+    Large chunks are hashed on a helper thread while this one writes them (both release the
+    GIL), so hashing adds little to a write's time: the bytes are never held whole in memory,
+    nor read twice.
+    """
+
+    PARALLEL_FROM = 1 << 20
+    _hasher: ThreadPoolExecutor | None = None
+
+    def __init__(self, stream: Any):
+        super().__init__()
+        self.stream = stream
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, chunk: Any) -> int:
+        view = memoryview(chunk).cast("B")
+        if len(view) >= self.PARALLEL_FROM:
+            if HashingWriter._hasher is None:
+                HashingWriter._hasher = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-sha")
+            hashed = HashingWriter._hasher.submit(self.digest.update, view)
+            try:
+                self.stream.write(view)
+            finally:
+                hashed.result()
+        else:
+            self.digest.update(view)
+            self.stream.write(view)
+        self.size += len(view)
+        return len(view)
+
+    def entry(self, name: str) -> FileEntry:
+        return FileEntry(name=name, size=self.size, sha256=self.digest.hexdigest())
 
 
 @dataclass(frozen=True)
@@ -203,6 +245,19 @@ class RunDirectory:
     def write_checkpoint_file(self, step: int, name: str, data: bytes) -> FileEntry:
         self.checkpoint_location(step).child(name).write_bytes(data)
         return FileEntry(name=name, size=len(data), sha256=sha256_hex(data))
+
+    def stream_checkpoint_file(
+        self, step: int, name: str, produce: Callable[[HashingWriter], object]
+    ) -> FileEntry:
+        """Write a checkpoint file by streaming: ``produce`` writes into a hashing stream
+        (``torch.save`` straight to storage, without a serialized copy in memory)."""
+
+        def write(stream: Any) -> FileEntry:
+            writer = HashingWriter(stream)
+            produce(writer)
+            return writer.entry(name)
+
+        return self.checkpoint_location(step).child(name).write_stream(write)
 
     def commit_checkpoint(
         self, step: int, entries: Sequence[FileEntry], meta: dict[str, Any]

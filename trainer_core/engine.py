@@ -105,9 +105,15 @@ class MetricsRelay:
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
+        self.groups = 0
 
     def push(self, event: dict[str, Any]) -> None:
         self.events.append(event)
+
+    def begin_group(self) -> int:
+        """A worker group started; how many started before it in this attempt."""
+        self.groups += 1
+        return self.groups - 1
 
     def drain(self) -> list[dict[str, Any]]:
         events, self.events = self.events, []
@@ -252,12 +258,27 @@ class LiveState:
     metrics: dict[str, Any] = field(default_factory=dict)
     checkpoint_uri: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    #: In-place restarts of the worker group: when, after what, and where each resumed.
+    restarts: list[dict[str, Any]] = field(default_factory=list)
 
     def apply(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
         if kind == "metrics" and event["rows"]:
             self.step = max(self.step, event["rows"][-1]["step"])
             self.metrics = {**self.metrics, **event["rows"][-1]}
+        elif kind == "restarting":
+            self.restarts.append(
+                {
+                    "restart": event["restart"],
+                    "failed_at": event["time"],
+                    "last_step": self.step,
+                    "error_class": event["error_class"],
+                    "error_message": event["error_message"],
+                }
+            )
+        elif kind in ("resumed", "fresh_start") and event.get("group") and self.restarts:
+            self.restarts[-1]["resumed_from_step"] = event.get("step", 0)
+            self.restarts[-1]["resumed_at"] = event.get("time")
         elif kind == "resumed":
             self.resumed_from = event.get("step")
             self.resumed_at = event.get("time")
@@ -302,6 +323,8 @@ def run_attempt(
 
         def handle(event: dict[str, Any]) -> None:
             live.apply(event)
+            if event["kind"] == "restarting" or (event["kind"] == "resumed" and event.get("group")):
+                run_dir.record_attempt({**record, "restarts": live.restarts})
             if on_event is not None:
                 on_event(event)
 
@@ -316,6 +339,7 @@ def run_attempt(
                     "ended_at": time.time(),
                     "resumed_from_step": live.resumed_from,
                     "resumed_at": live.resumed_at,
+                    "restarts": live.restarts,
                     "last_step": max(live.step, getattr(classified, "step", None) or 0),
                     "error_class": type(classified).__name__,
                     "error_budget": getattr(classified, "budget", "none"),
@@ -349,6 +373,7 @@ def run_attempt(
                 "ended_at": time.time(),
                 "resumed_from_step": live.resumed_from,
                 "resumed_at": live.resumed_at,
+                "restarts": live.restarts,
                 "last_step": result.steps_completed,
             }
         )
@@ -458,6 +483,8 @@ def _abortable_trainer_class() -> type:
     )
     from ray.train.v2._internal.execution.controller import TrainController
 
+    InPlacePolicy = _in_place_policy_class()
+
     class CredentialedController(TrainController):
         """Ray Train's controller, with the storage credentials set before it touches storage
         (its constructor already reads the run directory)."""
@@ -470,6 +497,9 @@ def _abortable_trainer_class() -> type:
         controller: Any = None
         #: The storage credentials as a Ray object, nested so Ray passes it by reference.
         storage_credentials: list[Any] = []
+        #: In-place restarts allowed (retries.in_place), and the relay that hears of each.
+        in_place: int = 0
+        relay: Any = None
 
         def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
             env_vars = get_env_vars_to_propagate()
@@ -484,6 +514,12 @@ def _abortable_trainer_class() -> type:
                 },
                 runtime_env={"env_vars": env_vars},
             )(CredentialedController)
+            if self.in_place:
+                controller_init_kwargs["failure_policy"] = InPlacePolicy(
+                    controller_init_kwargs["failure_policy"].failure_config,
+                    self.in_place,
+                    self.relay,
+                )
             self.controller = controller_class.remote(
                 storage_credentials=self.storage_credentials, **controller_init_kwargs
             )
@@ -500,6 +536,50 @@ def _abortable_trainer_class() -> type:
                 ray.kill(self.controller)
 
     return AbortableTorchTrainer
+
+
+def _in_place_policy_class() -> type:
+    from ray.train import PreemptionError, WorkerGroupError
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
+
+    class InPlacePolicy(FailurePolicy):
+        """Ray Train's failure policy for ``retries.in_place``: restart the worker group in
+        place after an infrastructure failure, up to the limit; anything else (the training
+        code, storage refusing access) ends the attempt as relaytrain classifies it."""
+
+        def __init__(self, failure_config: Any, limit: int, relay: Any):
+            super().__init__(failure_config)
+            self.limit = limit
+            self.relay = relay
+            self.restarts = 0
+
+        def make_decision(self, training_failed_error: Any) -> Any:
+            if not isinstance(training_failed_error, (WorkerGroupError, PreemptionError)):
+                return FailureDecision.RAISE  # the controller itself failed: end the attempt
+            classified = classify(training_failed_error)
+            infrastructure = getattr(classified, "budget", None) == "infrastructure"
+            if not infrastructure or self.restarts >= self.limit:
+                return FailureDecision.RAISE
+            self.restarts += 1
+            logger.warning(
+                "restarting the worker group in place (%d of %d): %s",
+                self.restarts,
+                self.limit,
+                classified,
+            )
+            self.relay.push.remote(
+                {
+                    "kind": "restarting",
+                    "time": time.time(),
+                    "restart": self.restarts,
+                    "limit": self.limit,
+                    "error_class": type(classified).__name__,
+                    "error_message": str(classified)[:2000],
+                }
+            )
+            return FailureDecision.RETRY
+
+    return InPlacePolicy
 
 
 def _apply_credentials(credentials: list[Any]) -> None:
@@ -568,6 +648,8 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
         ),
     )
     trainer.storage_credentials = credentials
+    trainer.in_place = spec.retries.in_place
+    trainer.relay = relay
     return trainer
 
 

@@ -13,6 +13,7 @@ restored from the newest checkpoint that every rank can verify against its manif
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -41,6 +42,7 @@ from trainer_core.errors import (
     TrainingCodeError,
 )
 from trainer_core.spec import RunSpec
+from trainer_core.staging import Background, Stager
 from trainer_core.worker import (
     Faults,
     Relay,
@@ -62,7 +64,9 @@ class Timings:
 
     step_s: float = 0.0
     aggregate_s: float = 0.0
-    checkpoint_s: float = 0.0
+    checkpoint_s: float = 0.0  # training blocked: waiting for the previous one, then staging
+    checkpoint_wait_s: float = 0.0  # of which waiting for the previous checkpoint's write
+    checkpoint_write_s: float = 0.0  # in the background: serialize, upload, commit, retention
     relay_s: float = 0.0
     num_steps: int = 0
     num_aggregates: int = 0
@@ -112,12 +116,20 @@ class BuiltinLoop:
         self.loss_fn = workloads.loss_function(self.data_spec.task or "classification")
         training_state.seed_everything(self.spec.run.seed * 1009 + self.rank + 1)  # per-rank RNG
         self.progress = Progress()
+        self.group = 0  # worker groups of this attempt before this one (in-place restarts)
         self.pending: list[dict[str, Any]] = []  # rows not yet aggregated across ranks
         self.unsaved: list[dict[str, Any]] = []  # rows not yet in a metrics segment
         self.last_checkpoint_step = 0
         self.current_step = 0
         self.timings = Timings()
         self.in_flight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], dict]] = []
+        self.stager = Stager()
+        self.background = Background()
+        # Sharded checkpoints gather every rank's file list from the checkpoint thread: on a
+        # group of their own, so they never interleave with the training thread's collectives.
+        self.checkpoint_group = None
+        if self.spec.checkpoint.sharded:
+            self.checkpoint_group = dist.new_group(backend="gloo")
 
     # -- resume --------------------------------------------------------------------------------
 
@@ -134,9 +146,22 @@ class BuiltinLoop:
             wanted["rng"] = f"rng-rank{self.rank}.pt"
         return wanted
 
+    def _candidates(self) -> list[int]:
+        """Committed steps to try, newest first. The driver's scan for an attempt's first worker
+        group; after an in-place restart (the same attempt, no new plan) rank 0 scans again,
+        for what the lost group committed, and tells the others."""
+        group = int(all_reduce([float(self.relay.begin_group())])[0])
+        self.faults.group = group
+        self.group = group
+        if group == 0:
+            return list(self.config.candidates)
+        found = [[c.step for c in reversed(self.run_dir.scan().committed)]]
+        dist.broadcast_object_list(found, src=0)
+        return list(found[0])
+
     def restore(self) -> None:
         skipped: list[dict[str, Any]] = []
-        for step in self.config.candidates:
+        for step in self._candidates():
             states: dict[str, Any] | None = None
             checkpoint = None
             try:
@@ -169,7 +194,13 @@ class BuiltinLoop:
                 resumed_from=step,
             )
             self.last_checkpoint_step = step
-            self.relay.send("resumed", step=step, checkpoint_uri=checkpoint.uri, skipped=skipped)
+            self.relay.send(
+                "resumed",
+                step=step,
+                checkpoint_uri=checkpoint.uri,
+                skipped=skipped,
+                group=self.group,
+            )
             return
         warm_start = self.spec.run.init_from
         if warm_start:
@@ -178,7 +209,7 @@ class BuiltinLoop:
             self.model.load_state_dict(
                 training_state.from_bytes(source_dir.read_verified(source, name))
             )
-        self.relay.send("fresh_start", skipped=skipped, warm_start=warm_start)
+        self.relay.send("fresh_start", skipped=skipped, warm_start=warm_start, group=self.group)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -205,6 +236,8 @@ class BuiltinLoop:
                 started = time.perf_counter()
                 loss = self._step(ddp_model, batches[index], step)
                 self.timings.step_s += time.perf_counter() - started
+                if self.background.failed():
+                    self.background.wait()  # raises the checkpoint's error
                 self.timings.num_steps += 1
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.pending.append(
@@ -231,6 +264,9 @@ class BuiltinLoop:
                     )
                     self._checkpoint(step, next_cursor)
         self._aggregate({}, flush=True)
+        started = time.perf_counter()
+        self.background.wait()
+        self.timings.checkpoint_wait_s += time.perf_counter() - started
         if step == self.progress.step and step > 0 and self.last_checkpoint_step == step:
             self.relay.send("already_complete", step=step)
         self.relay.send(
@@ -319,71 +355,104 @@ class BuiltinLoop:
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _checkpoint(self, step: int, cursor: data_mod.Cursor) -> None:
+        """Stage the state in memory and hand it to the checkpoint thread (see ``staging``).
+
+        Rank 0 writes the model, optimizer and scheduler (every rank its own shards when
+        ``checkpoint.sharded``) and every rank's RNG state, gathered here, so the thread of an
+        unsharded run needs no collective.
+        """
         started = time.perf_counter()
-        self._check_finite_parameters(step)
+        self.background.wait()  # the previous checkpoint is committed, or its error raised
+        waited = time.perf_counter()
         sharded = self.spec.checkpoint.sharded
-        if self.rank == 0:
-            self.run_dir.prepare_checkpoint_dir(step)
-        dist.barrier()
-        entries: list[FileEntry] = []
-        write = self.run_dir.write_checkpoint_file
-        suffix = f"-rank{self.rank}" if sharded else ""
+        rng = training_state.to_bytes(training_state.capture_rng())  # small: kilobytes
+        if sharded:
+            rngs = {self.rank: rng}
+        else:
+            gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(rng, gathered, dst=0)
+            rngs = dict(enumerate(gathered or []))
+        state: dict[str, Any] = {}
         if sharded or self.rank == 0:
-            entries.append(
-                write(step, f"model{suffix}.pt", training_state.to_bytes(self.model.state_dict()))
-            )
-            entries.append(
-                write(
-                    step,
-                    f"optimizer{suffix}.pt",
-                    training_state.to_bytes(self.optimizer.state_dict()),
-                )
-            )
+            state["model"] = self.model.state_dict()
+            state["optimizer"] = self.optimizer.state_dict()
         if self.rank == 0:
-            entries.append(
-                write(step, "scheduler.pt", training_state.to_bytes(self.scheduler.state_dict()))
-            )
-        entries.append(
-            write(
-                step,
-                f"rng-rank{self.rank}.pt",
-                training_state.to_bytes(training_state.capture_rng()),
-            )
-        )
-        gathered: list[list[FileEntry] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, entries)
-        metrics = dict(self.progress.metrics)
-        if self.rank == 0:
-            self.run_dir.write_metrics_segment(self.config.attempt, self.unsaved)
-            info = self.run_dir.commit_checkpoint(
-                step,
-                [e for part in gathered for e in (part or [])],
-                {
-                    "epoch": cursor.epoch,
-                    "cursor": cursor.to_json(),
-                    "metrics": metrics,
-                    "world_size": self.world_size,
-                    "sharded": sharded,
-                    "attempt": self.config.attempt,
-                    "format": "relaytrain.torch/1",
-                },
-            )
-            self._apply_retention(step)
-            self.relay.send("checkpoint", step=step, checkpoint_uri=info.uri, metrics=metrics)
-        self.unsaved = []
+            state["scheduler"] = self.scheduler.state_dict()
+        staged = self.stager.stage(state)
+        rows, self.unsaved = self.unsaved, []
+        meta = {
+            "epoch": cursor.epoch,
+            "cursor": cursor.to_json(),
+            "metrics": dict(self.progress.metrics),
+            "world_size": self.world_size,
+            "sharded": sharded,
+            "attempt": self.config.attempt,
+            "format": "relaytrain.torch/1",
+        }
         self.last_checkpoint_step = step
-        # Register the committed checkpoint with Ray: it is already in Ray's run directory
-        # (RunConfig(storage_path, name) is the same place), so nothing is uploaded again.
+        if staged or rngs:
+            self.background.submit(lambda: self._write_checkpoint(step, staged, rngs, rows, meta))
         self.timings.checkpoint_s += time.perf_counter() - started
+        self.timings.checkpoint_wait_s += waited - started
         self.timings.num_checkpoints += 1
 
-    def _check_finite_parameters(self, step: int) -> None:
+    def _write_checkpoint(
+        self,
+        step: int,
+        staged: dict[str, Any],
+        rngs: dict[int, bytes],
+        rows: list[dict[str, Any]],
+        meta: dict[str, Any],
+    ) -> None:
+        """The checkpoint thread: check, write every file, then (rank 0) commit and retain."""
+        started = time.perf_counter()
+        if "model" in staged:
+            self._check_finite_parameters(step, staged["model"])
+        sharded = meta["sharded"]
+        if self.rank == 0:
+            self.run_dir.prepare_checkpoint_dir(step)
+        if sharded:
+            dist.barrier(group=self.checkpoint_group)
+        suffix = f"-rank{self.rank}" if sharded else ""
+        names = {
+            "model": f"model{suffix}.pt",
+            "optimizer": f"optimizer{suffix}.pt",
+            "scheduler": "scheduler.pt",
+        }
+        entries = [
+            self.run_dir.stream_checkpoint_file(
+                step, names[key], functools.partial(training_state.save, value)
+            )
+            for key, value in staged.items()
+        ]
+        entries += [
+            self.run_dir.write_checkpoint_file(step, f"rng-rank{rank}.pt", rng)
+            for rank, rng in sorted(rngs.items())
+        ]
+        if sharded:
+            gathered: list[list[FileEntry] | None] = [None] * self.world_size
+            dist.all_gather_object(gathered, entries, group=self.checkpoint_group)
+            entries = [e for part in gathered for e in (part or [])]
+        if self.rank == 0:
+            self.run_dir.write_metrics_segment(self.config.attempt, rows)
+            info = self.run_dir.commit_checkpoint(step, entries, meta)
+            self._apply_retention(step)
+            self.relay.send(
+                "checkpoint", step=step, checkpoint_uri=info.uri, metrics=meta["metrics"]
+            )
+        self.timings.checkpoint_write_s += time.perf_counter() - started
+
+    def _check_finite_parameters(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """Never commit NaN/inf weights: the loss of step N is computed before step N's update,
         so a finite loss does not prove the weights a checkpoint would save are finite."""
-        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        bad = [
+            name
+            for name, value in state.items()
+            if value.is_floating_point() and not bool(torch.isfinite(value).all())
+        ]
         if bad:
             raise TrainingCodeError(
-                f"parameters {bad[:3]} became non-finite in the update of step {step} on rank "
+                f"parameters {bad[:3]} became non-finite by the update of step {step} on rank "
                 f"{self.rank} (no checkpoint written at step {step}): lower optimizer.lr, or add "
                 "gradient clipping in your model",
                 error_type="NonFiniteParameters",
@@ -407,20 +476,41 @@ def builtin_train_loop(config: dict[str, Any]) -> None:
     try:
         loop = BuiltinLoop(worker_config)
         loop.run()
-    except RelaytrainError:
-        _flush(loop)
-        raise
+    except RelaytrainError as e:
+        final = _wind_down(loop, e)
+        if final is e:
+            raise
+        raise final from e
     except Exception as e:
-        _flush(loop)
-        raise _as_code_error(e, loop) from e
+        raise _wind_down(loop, _as_code_error(e, loop)) from e
+    finally:
+        if loop is not None:
+            loop.background.close()
 
 
-def _flush(loop: BuiltinLoop | None) -> None:
-    if loop is not None:
-        try:
-            loop.relay.flush()
-        except Exception:  # the relay is best effort; the error being raised matters more
-            logger.debug("relay flush failed", exc_info=True)
+#: How long a failing worker lets its checkpoint in flight finish before it exits.
+SETTLE_S = 60.0
+
+
+def _wind_down(loop: BuiltinLoop | None, error: RelaytrainError) -> RelaytrainError:
+    """Before an error ends the worker: finish the checkpoint in flight (what it commits is
+    work not lost), then push the buffered metric rows. Returns the error to raise: the
+    checkpoint's own, when it is the training code failing at an earlier step (the weights a
+    checkpoint was refused for went bad before the loss did)."""
+    if loop is None:
+        return error
+    earlier = loop.background.settle(SETTLE_S)
+    try:
+        loop.relay.flush()
+    except Exception:  # the relay is best effort; the error being raised matters more
+        logger.debug("relay flush failed", exc_info=True)
+    if (
+        isinstance(earlier, TrainingCodeError)
+        and isinstance(error, TrainingCodeError)
+        and (earlier.step or 0) < (error.step or 0)
+    ):
+        return earlier
+    return error
 
 
 def _as_code_error(

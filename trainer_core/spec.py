@@ -211,6 +211,11 @@ class RetriesSection(_Section):
     backoff: Annotated[float, Field(ge=1)] = 2.0
     #: Random extra delay, as a fraction of the delay (Prefect's retry_jitter_factor).
     jitter: Annotated[float, Field(ge=0)] = 0.5
+    #: Infrastructure failures Ray Train may recover in place, within one attempt, before a
+    #: failure ends the attempt: it restarts the worker group, which resumes from the newest
+    #: committed checkpoint, without a new fit() or a Prefect retry. Each restart is recorded
+    #: on the attempt. 0 (the default): every failure ends the attempt.
+    in_place: NonNegativeInt = 0
 
     def delays(self) -> list[float]:
         """The delay before each retry (Prefect's ``retry_delay_seconds``)."""

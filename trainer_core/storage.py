@@ -223,26 +223,31 @@ class Location:
         _call(self, "create", lambda: self.filesystem.create_dir(self.path, recursive=True))
 
     def write_bytes(self, data: bytes) -> None:
-        """Write ``data`` so readers see either the old content or the new, never a part.
+        """Write ``data`` so readers see either the old content or the new, never a part."""
+        self.write_stream(lambda stream: stream.write(data))
+
+    def write_stream(self, produce: Callable[[Any], T]) -> T:
+        """Write what ``produce(stream)`` writes, atomically; return what it returns.
 
         Object stores publish a PUT atomically; on a local disk we write a temporary sibling
         and rename it over the target (and remove the sibling if the write fails, e.g. on a
-        full disk).
+        full disk). A retried write calls ``produce`` again from the start.
         """
         parent = posixpath.dirname(self.path)
         target = self.path
         if self.is_local:
             target = posixpath.join(parent, f".{posixpath.basename(self.path)}.{uuid.uuid4().hex}")
 
-        def write() -> None:
+        def write() -> T:
             self.filesystem.create_dir(parent, recursive=True)
             with self.filesystem.open_output_stream(target) as f:
-                f.write(data)
+                produced = produce(f)
             if target != self.path:
                 self.filesystem.move(target, self.path)
+            return produced
 
         try:
-            _call(self, "write", write)
+            return _call(self, "write", write)
         except BaseException:
             if target != self.path:
                 with contextlib.suppress(Exception):

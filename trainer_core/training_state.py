@@ -19,6 +19,11 @@ from trainer_core.errors import CheckpointCorruptError
 from trainer_core.spec import OptimizerSection, ScheduleSection
 
 
+def save(value: Any, stream: Any) -> None:
+    """Serialize ``value`` into a writable stream (the format ``from_bytes`` reads)."""
+    torch.save(value, stream)
+
+
 def to_bytes(value: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 
@@ -38,8 +40,12 @@ class Faults:
     faults: list[FaultSection]
     attempt: int
     rank: int
+    #: Faults fire in an attempt's first worker group, not again after an in-place restart.
+    group: int = 0
 
     def check(self, step: int) -> None:
+        if self.group:
+            return
         for fault in self.faults:
             if (fault.attempt, fault.rank, fault.at_step) != (self.attempt, self.rank, step):
                 continue
@@ -61,23 +67,33 @@ class Relay:
         self.interval_s = interval_s
         self.rows: list[dict[str, Any]] = []
         self.last_push = 0.0
+        self.lock = threading.Lock()  # the checkpoint thread sends too
 
     def send(self, kind: str, **payload: Any) -> None:
         if self.handle is None:
             return
-        now = time.time()
-        if kind == "metrics":
-            self.rows.extend(payload["rows"])
-            if now - self.last_push < self.interval_s:
-                return
-        self._flush_rows(now)
-        if kind != "metrics":
-            self.handle.push.remote({"kind": kind, "time": now, **payload})
+        with self.lock:
+            now = time.time()
+            if kind == "metrics":
+                self.rows.extend(payload["rows"])
+                if now - self.last_push < self.interval_s:
+                    return
+            self._flush_rows(now)
+            if kind != "metrics":
+                self.handle.push.remote({"kind": kind, "time": now, **payload})
+
+    def begin_group(self) -> int:
+        """Tell the driver a worker group started: 0 for an attempt's first, n after the n-th
+        in-place restart (rank 0 asks; other ranks get 0 and learn it by broadcast)."""
+        if self.handle is None:
+            return 0
+        return int(ray.get(self.handle.begin_group.remote()))
 
     def flush(self) -> None:
         """Push buffered rows now (before an error ends the worker)."""
         if self.handle is not None:
-            self._flush_rows(time.time())
+            with self.lock:
+                self._flush_rows(time.time())
 
     def _flush_rows(self, now: float) -> None:
         if self.rows and self.handle is not None:

@@ -33,7 +33,15 @@ def test_reference_run_is_complete(reference):
 
 
 def test_golden_exact_resume_after_raise(reference, tmp_path):
-    spec = build_spec(tiny_raw(tmp_path, "golden", faults=[{"kind": "raise", "at_step": 17}]))
+    # in_place=1 too: Ray's in-place restart is for infrastructure; code errors end the attempt.
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "golden",
+            retries={"in_place": 1},
+            faults=[{"kind": "raise", "at_step": 17}],
+        )
+    )
     with pytest.raises(TrainingCodeError) as failure:
         run_attempt(spec)
     assert failure.value.step == 17 and failure.value.error_type == "InjectedFault"
@@ -45,6 +53,7 @@ def test_golden_exact_resume_after_raise(reference, tmp_path):
     attempts = run_dir.read_attempts()
     assert [a["status"] for a in attempts] == ["failed", "completed"]
     assert attempts[0]["error_class"] == "TrainingCodeError" and attempts[0]["error_step"] == 17
+    assert attempts[0]["restarts"] == []
     assert attempts[1]["resumed_from_step"] == 10
 
 
@@ -142,3 +151,27 @@ def test_bad_model_import_fails_before_any_worker(ray_cluster, tmp_path):
     with pytest.raises(SpecError, match="nowhere"):
         run_attempt(spec)
     assert not (tmp_path / "bad-import").exists()
+
+
+def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "in-place",
+            retries={"in_place": 1},
+            faults=[{"kind": "kill", "at_step": 23, "rank": 1}],
+        )
+    )
+    events = []
+    result = run_attempt(spec, on_event=events.append)
+    assert result.status == "completed" and result.attempt == 1
+    run_dir = run_dir_of(spec)
+    (attempt,) = run_dir.read_attempts()  # one attempt: Ray restarted its worker group
+    assert attempt["status"] == "completed"
+    (restart,) = attempt["restarts"]
+    assert restart["error_class"] == "InfrastructureError"
+    assert restart["resumed_from_step"] == 20  # the restarted group scanned the run again
+    assert restart["resumed_at"] >= restart["failed_at"]
+    assert [e["group"] for e in events if e["kind"] in ("resumed", "fresh_start")] == [0, 1]
+    assert_same_tensors(final_state(run_dir), reference["state"])
+    assert losses(run_dir) == reference["losses"]

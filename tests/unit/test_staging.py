@@ -1,0 +1,103 @@
+"""Asynchronous checkpoints: staging copies, the background slot, streamed hashed writes."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import pytest
+import torch
+
+from trainer_core import training_state
+from trainer_core.checkpoints import HashingWriter, RunDirectory, sha256_hex
+from trainer_core.staging import Background, Stager
+from trainer_core.storage import resolve
+
+
+def test_staged_state_is_a_copy_that_reuses_its_buffers():
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    stager = Stager()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    first = stager.stage(state)
+    weight = first["model"]["weight"]
+    assert torch.equal(weight, model.weight)
+    assert weight.data_ptr() != model.weight.data_ptr()
+    assert first["optimizer"]["param_groups"] == optimizer.state_dict()["param_groups"]
+    assert first["optimizer"]["param_groups"] is not state["optimizer"]["param_groups"]
+
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training goes on: the staged copy must not move
+    assert not torch.equal(weight, model.weight)
+
+    second = stager.stage({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    assert second["model"]["weight"].data_ptr() == weight.data_ptr()  # buffer kept
+    assert torch.equal(second["model"]["weight"], model.weight)
+
+
+def test_staging_keeps_containers_and_reallocates_on_a_new_shape():
+    Pair = collections.namedtuple("Pair", "a b")
+    stager = Stager()
+    staged = stager.stage({"t": (torch.ones(2), 3), "p": Pair(torch.zeros(1), "x"), "n": None})
+    assert isinstance(staged["t"], tuple) and staged["t"][1] == 3
+    assert isinstance(staged["p"], Pair) and staged["p"].b == "x"
+    again = stager.stage({"t": (torch.ones(5), 3), "p": Pair(torch.zeros(1), "x"), "n": None})
+    assert again["t"][0].shape == (5,)
+
+
+def test_background_raises_the_jobs_error_on_the_waiting_thread():
+    background = Background()
+    release = threading.Event()
+
+    def fail() -> None:
+        release.wait(5)
+        raise OSError("disk gone")
+
+    background.submit(fail)
+    assert not background.failed()
+    release.set()
+    with pytest.raises(OSError, match="disk gone"):
+        background.wait()
+    background.wait()  # raised once
+    background.close()
+
+
+def test_background_settle_swallows_and_bounds():
+    background = Background()
+    background.submit(lambda: (_ for _ in ()).throw(ValueError("late")))
+    background.settle(5)  # logged, not raised
+    blocker = threading.Event()
+    background.submit(lambda: blocker.wait(10))
+    background.settle(0.1)  # gives up
+    blocker.set()
+    background.close()
+
+
+def test_hashing_writer_matches_bytes_for_small_and_large_chunks(tmp_path):
+    run_dir = RunDirectory(resolve(str(tmp_path)).child("run"))
+    big = torch.arange(2**19, dtype=torch.float64)  # 4 MiB: hashed on the helper thread
+    for name, value in [("small.pt", {"x": torch.ones(3)}), ("big.pt", {"x": big})]:
+        entry = run_dir.stream_checkpoint_file(
+            7, name, lambda stream, value=value: training_state.save(value, stream)
+        )
+        data = run_dir.checkpoint_location(7).child(name).read_bytes()
+        assert entry.size == len(data)
+        assert entry.sha256 == sha256_hex(data)
+        assert torch.equal(training_state.from_bytes(data)["x"], value["x"])
+    assert big.numel() * 8 > HashingWriter.PARALLEL_FROM
+
+
+def test_a_streamed_write_returns_what_it_produced_and_leaves_no_temporary(tmp_path):
+    location = resolve(str(tmp_path)).child("file.bin")
+    calls = []
+
+    def produce(stream):
+        calls.append(1)
+        stream.write(b"abc")
+        return len(calls)
+
+    assert location.write_stream(produce) == 1
+    assert location.read_bytes() == b"abc"
+    assert [p.name for p in tmp_path.iterdir()] == ["file.bin"]  # no temporary left behind

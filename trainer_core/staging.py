@@ -1,0 +1,105 @@
+"""Asynchronous checkpoints: stage state to memory, write it in the background.
+
+Training is blocked only while ``Stager.stage`` copies the state into buffers kept from one
+checkpoint to the next (no allocation, so no page faults after the first). Serializing,
+hashing, uploading, committing and retention run on ``Background``'s single thread while the
+next steps train. One checkpoint is in flight at a time: the next one, the end of training and
+a failing step all wait for it first, so the commit order is the step order and an error in the
+background surfaces on the training thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("relaytrain.worker")
+
+
+class Stager:
+    """Copies nested state (dicts, lists, tuples of tensors and plain values) into kept buffers."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def stage(self, value: Any) -> Any:
+        return self._stage(value, ())
+
+    def _stage(self, value: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._copy(value, path)
+        if isinstance(value, dict):
+            return type(value)((k, self._stage(v, (*path, k))) for k, v in value.items())
+        if isinstance(value, list):
+            return [self._stage(v, (*path, i)) for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            items = [self._stage(v, (*path, i)) for i, v in enumerate(value)]
+            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        return copy.deepcopy(value)
+
+    def _copy(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            return tensor.to("cpu", copy=True)
+        buffer = self.buffers.get(path)
+        if (
+            buffer is None
+            or buffer.shape != tensor.shape
+            or buffer.dtype != tensor.dtype
+            or buffer.stride() != tensor.stride()
+        ):
+            buffer = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu"
+            )
+            self.buffers[path] = buffer
+        buffer.copy_(tensor)
+        return buffer
+
+
+class Background:
+    """One background job at a time; its error is raised on the thread that waits for it."""
+
+    def __init__(self, name: str = "relaytrain-checkpoint"):
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self.job: Future[Any] | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        self.wait()
+        self.job = self.executor.submit(fn)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the job in flight is done; raise its error (once)."""
+        job, self.job = self.job, None
+        if job is None:
+            return
+        try:
+            job.result(timeout=timeout_s)
+        except FutureTimeout:
+            self.job = job
+            raise
+
+    def failed(self) -> bool:
+        """True when the job in flight has ended with an error (cheap: for every step)."""
+        job = self.job
+        return job is not None and job.done() and job.exception() is not None
+
+    def settle(self, timeout_s: float) -> BaseException | None:
+        """Before an error ends the worker: let the job in flight finish (commit what it can),
+        for at most ``timeout_s``. Its own error is returned, not raised."""
+        try:
+            self.wait(timeout_s)
+        except FutureTimeout:
+            logger.warning("a checkpoint still being written after %.0f s is abandoned", timeout_s)
+        except BaseException as e:
+            logger.warning("the checkpoint being written failed too: %s", e)
+            return e
+        return None
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False)
