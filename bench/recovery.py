@@ -10,8 +10,9 @@ Variants, alternated in one process (one local Ray cluster, one Prefect API):
 - ``ray_failure_config``: a stock Ray Train loop (``bench.rayloop``: Ray checkpoints via
   ``ray.train.report``) in a bare ``TorchTrainer`` with ``FailureConfig(max_failures=1)``: Ray
   restarts the worker group in place and the loop resumes from ``ray.train.get_checkpoint()``.
-- ``relaytrain_in_place``: relaytrain with Ray's in-place restart enabled; reported as not
-  available until the engine has a knob for it (the engine pins ``max_failures=0``).
+- ``relaytrain_in_place``: the same flow with ``retries.in_place: 1``: Ray Train restarts the
+  worker group within the attempt (relaytrain's failure policy), the restarted group rescans
+  the run directory and resumes from the newest commit; no Prefect retry, no new fit().
 
 Figures: ``recovery_s`` from the failure (rank 0's timestamp just before it kills itself) to the
 end of the first resumed optimizer step; ``steps_lost`` = k - first resumed step (step k itself
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common, harness
-from bench.common import NotAvailable, Result, Sample, Target, Variant
+from bench.common import Result, Sample, Target, Variant
 from bench.probe import read_probe
 from bench.rayloop import ray_native_loop
 from bench.workload import mlp_spec
@@ -56,19 +57,15 @@ COLUMNS = [
     "reported_steps_lost",
     "wall_s",
 ]
-IN_PLACE_MISSING = (
-    "the engine pins FailureConfig(max_failures=0) and has no spec knob to enable Ray's "
-    "in-place worker-group restart; with one, restarted workers would also need to rescan the "
-    "run directory (WorkerConfig.candidates is the driver's pre-fit scan) and count as a new "
-    "attempt (faults, metrics segments, attempts.jsonl)"
-)
 
 
-def make_spec(root: Path, name: str, quick: bool, kill_at: int) -> RunSpec:
+def make_spec(root: Path, name: str, quick: bool, kill_at: int, in_place: int = 0) -> RunSpec:
     """The workload, with rank 0 killed before step ``kill_at`` of attempt 1."""
     fault: dict[str, Any] = {
-        "faults": [{"kind": "kill", "at_step": kill_at, "rank": 0, "attempt": 1}]
+        "faults": [{"kind": "kill", "at_step": kill_at, "rank": 0, "attempt": 1}],
     }
+    if in_place:
+        fault["retries"] = {"in_place": in_place}
     if quick:
         return mlp_spec(
             root, name, epochs=3, num_samples=2048, hidden=(64, 64), checkpoint_every=5, **fault
@@ -162,7 +159,21 @@ def measure_ray(spec: RunSpec, marker: Path) -> Sample:
 
 
 def measure_in_place(spec: RunSpec) -> Sample:
-    raise NotAvailable(IN_PLACE_MISSING)
+    started = time.time()
+    result = harness.run_flow(spec)
+    sample: Sample = {"wall_s": time.time() - started, **probe_recovery(spec)}
+    restarts = [r for a in result.attempts for r in a.restarts]
+    if len(result.attempts) != 1 or len(restarts) != 1:
+        raise RuntimeError(
+            f"{spec.run.name}: expected one attempt restarted once in place, got "
+            f"{len(result.attempts)} attempt(s) and {len(restarts)} restart(s)"
+        )
+    if restarts[0].recovery_s is not None:
+        sample["reported_recovery_s"] = restarts[0].recovery_s
+    if restarts[0].steps_lost is not None:
+        sample["reported_steps_lost"] = float(restarts[0].steps_lost)
+    sample["attempts"] = 1.0
+    return _clean(spec, sample)
 
 
 def _clean(spec: RunSpec, sample: Sample) -> Sample:
@@ -171,8 +182,8 @@ def _clean(spec: RunSpec, sample: Sample) -> Sample:
 
 
 def variants(root: Path, quick: bool, kill_at: int) -> list[Variant]:
-    def spec(prefix: str, rep: int) -> RunSpec:
-        return make_spec(root, f"{prefix}-{rep}", quick, kill_at)
+    def spec(prefix: str, rep: int, in_place: int = 0) -> RunSpec:
+        return make_spec(root, f"{prefix}-{rep}", quick, kill_at, in_place)
 
     return [
         Variant(
@@ -192,8 +203,8 @@ def variants(root: Path, quick: bool, kill_at: int) -> list[Variant]:
         ),
         Variant(
             "relaytrain_in_place",
-            "relaytrain with Ray's in-place worker-group restart (FailureConfig.max_failures>0)",
-            lambda rep: measure_in_place(spec("inplace", rep)),
+            "training flow with retries.in_place=1: Ray restarts the worker group in place",
+            lambda rep: measure_in_place(spec("inplace", rep, in_place=1)),
         ),
     ]
 
@@ -230,19 +241,22 @@ def summarize(result: Result, interval: int) -> None:
     records = result.variants
     value = common.ratio(records, "prefect_retry", "ray_failure_config", "recovery_s")
     result.targets.append(RATIO_TARGET.check(value))
-    lost_target = Target(
-        "steps lost",
-        f"steps lost on the Prefect path, at most one checkpoint interval ({interval})",
-        "<=",
-        float(interval),
-    )
-    lost: Any = records["prefect_retry"].summary().get("steps_lost", {}).get("max")
-    result.targets.append(lost_target.check(lost, "worst repetition"))
-    in_place = records["relaytrain_in_place"]
-    if in_place.unavailable is None:
-        result.figures["in_place/ray recovery_s"] = common.ratio(
-            records, "relaytrain_in_place", "ray_failure_config", "recovery_s"
+    for variant, path in [("prefect_retry", "Prefect path"), ("relaytrain_in_place", "in place")]:
+        lost: Any = records[variant].summary().get("steps_lost", {}).get("max")
+        result.targets.append(
+            Target(
+                f"steps lost ({path})",
+                f"steps lost, {path}, at most one checkpoint interval ({interval})",
+                "<=",
+                float(interval),
+            ).check(lost, "worst repetition")
         )
+    result.figures["in_place/ray recovery_s"] = common.ratio(
+        records, "relaytrain_in_place", "ray_failure_config", "recovery_s"
+    )
+    result.figures["prefect/in_place recovery_s"] = common.ratio(
+        records, "prefect_retry", "relaytrain_in_place", "recovery_s"
+    )
     result.notes.append(
         "steps_lost is measured (k - first resumed step); reported_steps_lost is what the "
         "flow's TrainingResult says (its last_step comes from the relayed metric windows)"

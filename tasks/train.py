@@ -52,6 +52,14 @@ class ProgressRelay:
 
     def __call__(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
+        if kind == "restarting":
+            self.logger.warning(
+                "worker group restarting in place (%s of %s) after %s: %s",
+                event["restart"],
+                event["limit"],
+                event["error_class"],
+                event["error_message"],
+            )
         if kind == "resumed":
             skipped = event.get("skipped") or []
             note = f" (skipped unusable {[s['step'] for s in skipped]})" if skipped else ""

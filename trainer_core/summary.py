@@ -22,6 +22,17 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True)
 
 
+class InPlaceRestart(_Frozen):
+    """One in-place restart of an attempt's worker group, and what it cost."""
+
+    error_class: str | None = None
+    error_message: str | None = None
+    last_step: int | None = None
+    resumed_from_step: int | None = None
+    steps_lost: int | None = None
+    recovery_s: float | None = None
+
+
 class AttemptSummary(_Frozen):
     attempt: int
     status: str
@@ -35,6 +46,8 @@ class AttemptSummary(_Frozen):
     recovery_s: float | None = None
     duration_s: float | None = None
     retry_decision: str | None = None
+    #: In-place restarts of the worker group within this attempt (retries.in_place).
+    restarts: list[InPlaceRestart] = []
 
 
 class TrainingResult(_Frozen):
@@ -82,9 +95,25 @@ def attempt_summaries(records: Sequence[dict[str, Any]]) -> list[AttemptSummary]
                 recovery_s=recovery,
                 duration_s=(ended - started) if started and ended else None,
                 retry_decision=record.get("retry_decision"),
+                restarts=[_restart(r) for r in record.get("restarts") or []],
             )
         )
     return summaries
+
+
+def _restart(record: dict[str, Any]) -> InPlaceRestart:
+    last, resumed = record.get("last_step"), record.get("resumed_from_step")
+    failed, back = record.get("failed_at"), record.get("resumed_at")
+    return InPlaceRestart(
+        error_class=record.get("error_class"),
+        error_message=record.get("error_message"),
+        last_step=last,
+        resumed_from_step=resumed,
+        steps_lost=max(int(last) - int(resumed), 0)
+        if last is not None and resumed is not None
+        else None,
+        recovery_s=(back - failed) if failed and back else None,
+    )
 
 
 def best_checkpoint(
@@ -218,6 +247,13 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
             f"| {a.attempt} | {a.status} | {_dash(a.resumed_from_step)} | {_dash(a.last_step)} | "
             f"{_dash(a.steps_lost)} | {seconds} | {error} |"
         )
+        for number, r in enumerate(a.restarts, 1):
+            back = "" if r.recovery_s is None else f"{r.recovery_s:.1f} s to resume"
+            lines.append(
+                f"| {a.attempt}.{number} | restarted in place | {_dash(r.resumed_from_step)} | "
+                f"{_dash(r.last_step)} | {_dash(r.steps_lost)} | {back} | "
+                f"{r.error_class}: {_one_line(r.error_message, 70)} |"
+            )
     lines += [
         "",
         "## Checkpoints",

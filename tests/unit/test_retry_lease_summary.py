@@ -110,6 +110,24 @@ def test_attempt_summaries_count_steps_lost():
     first, second = attempt_summaries(records)
     assert first.steps_lost == 7 and first.duration_s == 5.0
     assert second.steps_lost is None
+    assert first.restarts == []
+
+
+def test_in_place_restarts_are_summarized_under_their_attempt():
+    restart = {
+        "restart": 1,
+        "failed_at": 100.0,
+        "last_step": 23,
+        "error_class": "InfrastructureError",
+        "error_message": "rank 1 died",
+        "resumed_from_step": 20,
+        "resumed_at": 112.5,
+    }
+    records = [{"attempt": 1, "status": "completed", "last_step": 39, "restarts": [restart]}]
+    (summary,) = attempt_summaries(records)
+    (summarized,) = summary.restarts
+    assert summarized.steps_lost == 3 and summarized.recovery_s == 12.5
+    assert summarized.error_class == "InfrastructureError"
 
 
 def test_epoch_table_and_markdown(tmp_path):
@@ -146,6 +164,16 @@ def test_epoch_table_and_markdown(tmp_path):
             "ended_at": 2.0,
         }
     )
+    run_dir.record_attempt(
+        {
+            "attempt": 2,
+            "status": "completed",
+            "restarts": [
+                {"last_step": 9, "resumed_from_step": 5, "error_class": "Y", "error_message": "z"}
+            ],
+        }
+    )
     result = build_result(spec, run_dir, str(tmp_path), "failed")
     text = render_markdown(spec, result, "fresh start")
     assert "| 1 | failed | - | - | - | 1.0 | X: a / b c |" in text and "fresh start" in text
+    assert "| 2.1 | restarted in place | 5 | 9 | 4 |  | Y: z |" in text
