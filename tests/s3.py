@@ -274,6 +274,11 @@ class OutageProxy:
     def was_cut(self) -> bool:
         return self._cut
 
+    @property
+    def cut_at(self) -> float:
+        """When the cut happened (epoch seconds); only after ``was_cut``."""
+        return next(t for t, what in self.events if what.startswith("cut on"))
+
     def _accept(self, listener: socket.socket) -> None:
         while True:
             try:

@@ -392,6 +392,8 @@ class BuiltinLoop:
         self.last_checkpoint_step = step
         if staged or rngs:
             self.background.submit(lambda: self._write_checkpoint(step, staged, rngs, rows, meta))
+        if not self.spec.checkpoint.asynchronous:
+            self.background.wait()
         self.timings.checkpoint_s += time.perf_counter() - started
         self.timings.checkpoint_wait_s += waited - started
         self.timings.num_checkpoints += 1

@@ -194,6 +194,10 @@ class CheckpointSection(_Section):
     best_mode: Literal["min", "max"] = "min"
     #: Every rank writes its own model/optimizer shard (rank-named files) instead of rank 0 only.
     sharded: bool = False
+    #: Write checkpoints in the background: training waits only for a copy of the state in
+    #: memory. Then a checkpoint whose write fails can lose, besides one interval, the steps
+    #: run while it was being written; false waits for every write (at most one interval).
+    asynchronous: bool = True
 
 
 class ReportSection(_Section):

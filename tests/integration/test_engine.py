@@ -76,7 +76,15 @@ def test_kill_mid_epoch_then_resume(reference, tmp_path):
 
 
 def test_corrupt_newest_checkpoint_falls_back(reference, tmp_path):
-    spec = build_spec(tiny_raw(tmp_path, "corrupt", faults=[{"kind": "raise", "at_step": 25}]))
+    # Synchronous checkpoints here (the other tests use the default, asynchronous).
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "corrupt",
+            checkpoint={"asynchronous": False},
+            faults=[{"kind": "raise", "at_step": 25}],
+        )
+    )
     with pytest.raises(TrainingCodeError):
         run_attempt(spec)
     run_dir = run_dir_of(spec)
