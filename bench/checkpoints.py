@@ -172,8 +172,15 @@ def torch_save(store: Store, state: dict[str, Any]) -> Sample:
     }
 
 
+#: Seconds of stand-in compute per step and MB of state: a 10-step interval then lasts about
+#: twice as long as the state takes to write to the slower store (S3 on loopback), as a
+#: checkpoint cadence chosen for real work would.
+STEP_S_PER_MB = 0.002
+
+
 def loop_spec(store: Store, name: str, megabytes: float) -> RunSpec:
     """One worker, a model carrying ``megabytes`` of state, three checkpoints."""
+    model = {"megabytes": megabytes, "step_s": round(STEP_S_PER_MB * megabytes, 4)}
     return mlp_spec(
         store.uri,
         name,
@@ -181,7 +188,7 @@ def loop_spec(store: Store, name: str, megabytes: float) -> RunSpec:
         num_workers=1,
         num_samples=2048,
         checkpoint_every=10,
-        model={"name": "bench.workload:ballast_model", "kwargs": {"megabytes": megabytes}},
+        model={"name": "bench.workload:ballast_model", "kwargs": model},
         optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.0},
         checkpoint={"keep_last": 1, "keep_best": 0},
     )

@@ -8,6 +8,7 @@ step of every variant does the same arithmetic on the same rows.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,16 +168,28 @@ class Workload:
 
 class BallastMLP(torch.nn.Module):
     """A small MLP carrying ``megabytes`` of random float32 state in a buffer: checkpoints of
-    a chosen size at almost no cost per step (no gradient, no DDP traffic on one worker)."""
+    a chosen size at almost no cost per step (no gradient, no DDP traffic on one worker).
+    ``step_s`` stands in for a real model's compute: each training forward sleeps that long,
+    so a checkpoint interval lasts as long as a real one would."""
 
-    def __init__(self, num_inputs: int, num_outputs: int, megabytes: float, hidden: int = 16):
+    def __init__(
+        self,
+        num_inputs: int,
+        num_outputs: int,
+        megabytes: float,
+        hidden: int = 16,
+        step_s: float = 0.0,
+    ):
         super().__init__()
         self.net = workloads.MLP(num_inputs, num_outputs, hidden=(hidden,))
         generator = torch.Generator().manual_seed(0)
         numel = int(megabytes * 2**20) // 4
         self.register_buffer("ballast", torch.rand(numel, generator=generator))
+        self.step_s = step_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.step_s:
+            time.sleep(self.step_s)
         return self.net(x)
 
 
