@@ -5,7 +5,7 @@ Variants, alternated per (store, size):
 - ``relaytrain``: the built-in loop's checkpoint on rank 0 of one worker, called directly:
   staging the state into kept buffers (``staging.Stager``: all that blocks training), then
   what its checkpoint thread does, here in the open: ``torch.save`` streamed into the store
-  through the sha256 writer (``stream_checkpoint_file``), the RNG file, metrics segment,
+  through the digesting writer (``stream_checkpoint_file``), the RNG file, metrics segment,
   manifest and commit marker, then retention (keep the newest).
 - ``relaytrain_loop``: the same through a real run (``engine.run_attempt``, 1 worker, a model
   carrying the state as a buffer, SGD without momentum): the loop's own timings per
@@ -17,7 +17,7 @@ Variants, alternated per (store, size):
   it is remote: the synchronous save + upload a checkpoint costs without staging.
 
 Targets (at 100 MB, per store): training blocked / torch_save (synchronous save+upload) <=
-0.10, directly and in the loop; relaytrain upload throughput (serialize + sha256 + upload,
+0.10, directly and in the loop; relaytrain upload throughput (serialize + digest + upload,
 streamed) / raw pyarrow copy_files of the serialized bytes >= 0.8. Local writes land in the
 page cache (no fsync on either side).
 """
@@ -228,6 +228,7 @@ def group(store: Store, megabytes: float) -> list[Variant]:
     source.write_bytes(data)
     run_dir = RunDirectory(store.location.child(f"direct-{megabytes:g}mb"))
     stager = Stager()
+    stager.reserve(state)  # as the loop does after its first step, on its checkpoint thread
     steps = iter(range(1, 10**6))
     prefix = f"{store.name}/{megabytes:g}MB"
     return [
@@ -354,9 +355,9 @@ def summarize(result: Result, store_names: list[str], sizes: list[float]) -> Non
     result.figures["ratios"] = ratios
     result.notes.append(
         "mb_per_s: upload throughput of the serialized state (relaytrain: torch.save streamed "
-        "through sha256 into the store; relaytrain_loop: state MB / checkpoint-thread seconds, "
-        "commit and retention included; raw_*: the write or copy; torch_save: state MB / its "
-        "blocked_s)"
+        "through the XXH3 digest into the store; relaytrain_loop: state MB / checkpoint-thread "
+        "seconds, commit and retention included; raw_*: the write or copy; torch_save: state "
+        "MB / its blocked_s)"
     )
     result.notes.append(
         "blocked_s: what training waits for. relaytrain stages the state into kept buffers and "

@@ -121,6 +121,7 @@ def checkpoint_variant(root: Path, megabytes: float) -> Variant:
     run_dir = RunDirectory(storage.resolve(str(root / f"ckpt-{megabytes:g}mb")))
     steps = iter(range(1, 10**6))
     stager = Stager()
+    stager.reserve(state)  # as the loop does after its first step, on its checkpoint thread
     return Variant(
         f"checkpoint/{megabytes:g}MB",
         "relaytrain checkpoint path on local disk (staging blocks; the rest is background)",

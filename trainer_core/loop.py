@@ -236,6 +236,8 @@ class BuiltinLoop:
                 started = time.perf_counter()
                 loss = self._step(ddp_model, batches[index], step)
                 self.timings.step_s += time.perf_counter() - started
+                if step == self.progress.step + 1:  # the optimizer state exists now
+                    self._reserve_staging()
                 if self.background.failed():
                     self.background.wait()  # raises the checkpoint's error
                 self.timings.num_steps += 1
@@ -372,13 +374,7 @@ class BuiltinLoop:
             gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(rng, gathered, dst=0)
             rngs = dict(enumerate(gathered or []))
-        state: dict[str, Any] = {}
-        if sharded or self.rank == 0:
-            state["model"] = self.model.state_dict()
-            state["optimizer"] = self.optimizer.state_dict()
-        if self.rank == 0:
-            state["scheduler"] = self.scheduler.state_dict()
-        staged = self.stager.stage(state)
+        staged = self.stager.stage(self._state_to_stage())
         rows, self.unsaved = self.unsaved, []
         meta = {
             "epoch": cursor.epoch,
@@ -397,6 +393,22 @@ class BuiltinLoop:
         self.timings.checkpoint_s += time.perf_counter() - started
         self.timings.checkpoint_wait_s += waited - started
         self.timings.num_checkpoints += 1
+
+    def _state_to_stage(self) -> dict[str, Any]:
+        """What this rank's checkpoint copies: model and optimizer on rank 0 (every rank when
+        sharded), the schedule on rank 0."""
+        state: dict[str, Any] = {}
+        if self.spec.checkpoint.sharded or self.rank == 0:
+            state["model"] = self.model.state_dict()
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.rank == 0:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def _reserve_staging(self) -> None:
+        state = self._state_to_stage()
+        if state:
+            self.background.submit(lambda: self.stager.reserve(state))
 
     def _write_checkpoint(
         self,

@@ -31,22 +31,27 @@ class Stager:
     def stage(self, value: Any) -> Any:
         return self._stage(value, ())
 
-    def _stage(self, value: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(value, torch.Tensor):
-            return self._copy(value, path)
-        if isinstance(value, dict):
-            return type(value)((k, self._stage(v, (*path, k))) for k, v in value.items())
-        if isinstance(value, list):
-            return [self._stage(v, (*path, i)) for i, v in enumerate(value)]
-        if isinstance(value, tuple):
-            items = [self._stage(v, (*path, i)) for i, v in enumerate(value)]
-            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-        return copy.deepcopy(value)
+    def reserve(self, value: Any) -> None:
+        """Allocate (and fault in) the buffers ``value`` will be staged into, ahead of time: run
+        on the checkpoint thread, it takes the first checkpoint's allocation off training."""
+        self._stage(value, (), copy_data=False)
 
-    def _copy(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+    def _stage(self, value: Any, path: tuple[Any, ...], copy_data: bool = True) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._copy(value, path, copy_data)
+        if isinstance(value, dict):
+            return type(value)((k, self._stage(v, (*path, k), copy_data)) for k, v in value.items())
+        if isinstance(value, list):
+            return [self._stage(v, (*path, i), copy_data) for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            items = [self._stage(v, (*path, i), copy_data) for i, v in enumerate(value)]
+            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        return copy.deepcopy(value) if copy_data else None
+
+    def _copy(self, tensor: torch.Tensor, path: tuple[Any, ...], copy_data: bool) -> torch.Tensor:
         tensor = tensor.detach()
         if tensor.layout != torch.strided or tensor.is_quantized:
-            return tensor.to("cpu", copy=True)
+            return tensor.to("cpu", copy=True) if copy_data else tensor
         buffer = self.buffers.get(path)
         if (
             buffer is None
@@ -58,7 +63,10 @@ class Stager:
                 tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu"
             )
             self.buffers[path] = buffer
-        buffer.copy_(tensor)
+            if not copy_data:
+                buffer.zero_()  # touch every page now, not during the first checkpoint
+        if copy_data:
+            buffer.copy_(tensor)
         return buffer
 
 

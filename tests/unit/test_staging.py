@@ -100,3 +100,14 @@ def test_a_streamed_write_returns_what_it_produced_and_leaves_no_temporary(tmp_p
     assert location.write_stream(produce) == 1
     assert location.read_bytes() == b"abc"
     assert [p.name for p in tmp_path.iterdir()] == ["file.bin"]  # no temporary left behind
+
+
+def test_reserve_allocates_the_buffers_stage_then_fills():
+    model = torch.nn.Linear(8, 4)
+    stager = Stager()
+    stager.reserve({"model": model.state_dict(), "note": "x"})
+    reserved = stager.buffers[("model", "weight")]
+    assert not torch.equal(reserved, model.weight)  # allocated, not filled
+    staged = stager.stage({"model": model.state_dict(), "note": "x"})
+    assert staged["model"]["weight"].data_ptr() == reserved.data_ptr()
+    assert torch.equal(staged["model"]["weight"], model.weight) and staged["note"] == "x"
