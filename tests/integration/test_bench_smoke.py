@@ -67,7 +67,11 @@ def test_quick_checkpoints_benchmark_writes_its_result(tmp_path):
         blocked = variant["summary"]["blocked_s"]
         assert blocked["n"] == 1 and blocked["min"] <= blocked["median"] <= blocked["max"]
     targets = {t["name"]: t for t in data["targets"]}
-    assert set(targets) == {"local: blocked/sync", "local: throughput/raw"}
+    assert set(targets) == {
+        "local: blocked/sync",
+        "local: loop blocked/sync",
+        "local: throughput/raw copy",
+    }
     for target in targets.values():
         assert isinstance(target["value"], float)
         assert target["met"] == (
