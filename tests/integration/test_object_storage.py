@@ -234,10 +234,11 @@ def test_fault5_s3_outage_during_checkpoint_upload(uninterrupted, relaytrain_pre
     scan = run_dir.scan()  # nothing partial left
     assert not scan.uncommitted and not scan.damaged, scan
     runs = task_runs(state.state_details.flow_run_id)
-    if len(attempts) == 1:  # ridden out: step 20 committed after the outage, by attempt 1
+    if len(attempts) == 1:  # ridden out: attempt 1 committed every step (retention may have
+        # dropped step 20 since; what is kept was committed after the cut, by attempt 1)
         assert attempts[0]["status"] == "completed"
-        twenty = next(c for c in scan.committed if c.step == 20)
-        assert twenty.manifest["created_at"] >= proxy.cut_at + 1.0
+        assert all(c.manifest["attempt"] == 1 for c in scan.committed), scan
+        assert all(c.manifest["created_at"] > proxy.cut_at for c in scan.committed if c.step >= 20)
         assert runs["train"].run_count == 1
         outcome = "ridden out by the checkpoint thread"
     else:
