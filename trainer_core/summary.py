@@ -77,8 +77,7 @@ def attempt_summaries(records: Sequence[dict[str, Any]]) -> list[AttemptSummary]
         lost = recovery = None
         if record.get("status") == "failed" and following is not None:
             resumed = following.get("resumed_from_step")
-            if resumed is not None and record.get("last_step") is not None:
-                lost = max(int(record["last_step"]) - int(resumed), 0)
+            lost = _steps_lost(record.get("last_step"), resumed)
             if following.get("resumed_at") and record.get("ended_at"):
                 recovery = following["resumed_at"] - record["ended_at"]
         started, ended = record.get("started_at"), record.get("ended_at")
@@ -101,6 +100,13 @@ def attempt_summaries(records: Sequence[dict[str, Any]]) -> list[AttemptSummary]
     return summaries
 
 
+def _steps_lost(last_step: Any, resumed_from: Any) -> int | None:
+    """Steps run before a failure that the resume point does not hold."""
+    if last_step is None or resumed_from is None:
+        return None
+    return max(int(last_step) - int(resumed_from), 0)
+
+
 def _restart(record: dict[str, Any]) -> InPlaceRestart:
     last, resumed = record.get("last_step"), record.get("resumed_from_step")
     failed, back = record.get("failed_at"), record.get("resumed_at")
@@ -109,9 +115,7 @@ def _restart(record: dict[str, Any]) -> InPlaceRestart:
         error_message=record.get("error_message"),
         last_step=last,
         resumed_from_step=resumed,
-        steps_lost=max(int(last) - int(resumed), 0)
-        if last is not None and resumed is not None
-        else None,
+        steps_lost=_steps_lost(last, resumed),
         recovery_s=(back - failed) if failed and back else None,
     )
 

@@ -67,17 +67,18 @@ def test_background_raises_the_jobs_error_on_the_waiting_thread():
 def test_background_settle_swallows_and_bounds():
     background = Background()
     background.submit(lambda: (_ for _ in ()).throw(ValueError("late")))
-    background.settle(5)  # logged, not raised
+    assert isinstance(background.settle(5), ValueError)  # returned, not raised
     blocker = threading.Event()
     background.submit(lambda: blocker.wait(10))
-    background.settle(0.1)  # gives up
+    assert background.settle(0.1) is None  # gives up waiting
+    assert background.job is not None and not background.job.done()
     blocker.set()
     background.close()
 
 
-def test_hashing_writer_matches_bytes_for_small_and_large_chunks(tmp_path):
+def test_streamed_digest_matches_the_bytes_written(tmp_path):
     run_dir = RunDirectory(resolve(str(tmp_path)).child("run"))
-    big = torch.arange(2**19, dtype=torch.float64)  # 4 MiB: hashed on the helper thread
+    big = torch.arange(2**19, dtype=torch.float64)  # 4 MiB: torch.save writes it in one chunk
     for name, value in [("small.pt", {"x": torch.ones(3)}), ("big.pt", {"x": big})]:
         entry = run_dir.stream_checkpoint_file(
             7, name, lambda stream, value=value: training_state.save(value, stream)
