@@ -469,16 +469,20 @@ def _clean_orphans(run_dir: RunDirectory) -> None:
 
 
 def _abortable_trainer_class() -> type:
-    """TorchTrainer that keeps its controller's handle, so an interrupted driver can stop it.
+    """TorchTrainer that keeps its controller's handle, so an interrupted driver can stop it,
+    and starts none of Ray's helper actors that relaytrain has no use for.
 
     Ray 2.60 keeps the handle local to ``_initialize_and_run_controller``; this mirrors that
     method (Ray is pinned exactly) minus the SIGINT handler, which cannot be installed off the
-    main thread anyway.
+    main thread anyway. Each helper actor is a process start (about 2 s of CPU on 2 cores,
+    contending with the workers' own start), paid again by every attempt and in-place restart.
     """
     from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
     from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.constants import (
         DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+        ENABLE_PREEMPTION_WATCHER_ENV_VAR,
         get_env_vars_to_propagate,
     )
     from ray.train.v2._internal.execution.controller import TrainController
@@ -501,12 +505,24 @@ def _abortable_trainer_class() -> type:
         in_place: int = 0
         relay: Any = None
 
+        def _create_default_callbacks(self) -> list[Any]:
+            # Ray's datasets callback starts a DatasetManager actor for every worker group,
+            # datasets or not; relaytrain's loops read their own data and pass none.
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
         def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
             env_vars = get_env_vars_to_propagate()
             env_vars.setdefault(
                 RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                 DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
             )
+            if ENABLE_PREEMPTION_WATCHER_ENV_VAR not in env_vars and _single_node():
+                # Ray's preemption watcher (an actor started with every worker group) looks
+                # for draining nodes among the workers' others; on one node there are none.
+                env_vars[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0"
             controller_class = ray.remote(
                 num_cpus=0,
                 label_selector={
@@ -536,6 +552,11 @@ def _abortable_trainer_class() -> type:
                 ray.kill(self.controller)
 
     return AbortableTorchTrainer
+
+
+def _single_node() -> bool:
+    """Whether the Ray cluster is one node (a local cluster, or a head alone)."""
+    return sum(1 for node in ray.nodes() if node.get("Alive")) == 1
 
 
 def _in_place_policy_class() -> type:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 import pytest
+import ray
 
 from tests.conftest import tiny_raw
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
@@ -171,8 +175,18 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
         )
     )
     events = []
+    started_ms = time.time() * 1000
     result = run_attempt(spec, on_event=events.append)
     assert result.status == "completed" and result.attempt == 1
+    # Two worker groups, and none of Ray's helper actors that relaytrain has no use for (one
+    # node: nothing for a preemption watcher to watch; no Ray datasets to manage).
+    started = Counter(
+        actor["ActorClassName"]
+        for actor in ray._private.state.actors().values()
+        if actor["StartTime"] >= started_ms
+    )
+    assert started["RayTrainWorker"] == 4 and started["SynchronizationActor"] == 2
+    assert started["DatasetManager"] == 0 and started["PreemptionWatcher"] == 0
     run_dir = run_dir_of(spec)
     (attempt,) = run_dir.read_attempts()  # one attempt: Ray restarted its worker group
     assert attempt["status"] == "completed"
