@@ -508,7 +508,7 @@ def _abortable_trainer_class() -> type:
         def _create_default_callbacks(self) -> list[Any]:
             # Ray's datasets callback starts a DatasetManager actor for every worker group,
             # datasets or not; relaytrain's loops read their own data and pass none.
-            callbacks = super()._create_default_callbacks()
+            callbacks = super()._create_default_callbacks()  # type: ignore[misc]  # V2 method
             if self.datasets:
                 return callbacks
             return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
