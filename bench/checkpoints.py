@@ -3,23 +3,26 @@ of 10, 100 and 500 MB on local disk and on an S3 server (moto on loopback, ``tes
 
 Variants, alternated per (store, size):
 - ``relaytrain``: the built-in loop's checkpoint on rank 0 of one worker, called directly:
-  staging the state into kept buffers (``staging.Stager``: all that blocks training), then
-  what its checkpoint thread does, here in the open: ``torch.save`` streamed into the store
-  through the digesting writer (``stream_checkpoint_file``), the RNG file, metrics segment,
-  manifest and commit marker, then retention (keep the newest).
+  copying the whole state into kept buffers (``staging.Stager``), then what its checkpoint
+  thread does, here in the open: ``torch.save`` streamed into the store through the digesting
+  writer (``stream_checkpoint_file``), the RNG file, metrics segment, manifest and commit
+  marker, then retention (keep the newest). Its ``blocked_s`` is the whole copy: what training
+  would wait for if the next step's forward and backward took no time (the loop copies the
+  parameters and optimizer state on the checkpoint thread while they run).
 - ``relaytrain_loop``: the same through a real run (``engine.run_attempt``, 1 worker, a model
-  carrying the state as a buffer, SGD without momentum): the loop's own timings per
-  checkpoint, training blocked (waiting for the previous checkpoint, then staging) and the
-  checkpoint thread's time.
+  carrying the state as a frozen parameter, SGD without momentum): the loop's own timings per
+  checkpoint, training blocked (waiting for the previous checkpoint, staging what a forward
+  pass changes, then the next optimizer step waiting for the copy) and the checkpoint
+  thread's time.
 - ``raw_stream``: the same serialized bytes through ``filesystem.open_output_stream().write()``.
 - ``raw_copy_files``: the same bytes from a local file with ``pyarrow.fs.copy_files``.
 - ``torch_save``: plain ``torch.save(state, local file)``, plus ``copy_files`` to the store when
   it is remote: the synchronous save + upload a checkpoint costs without staging.
 
-Targets (at 100 MB, per store): training blocked / torch_save (synchronous save+upload) <=
-0.10, directly and in the loop; relaytrain upload throughput (serialize + digest + upload,
-streamed) / raw pyarrow copy_files of the serialized bytes >= 0.8. Local writes land in the
-page cache (no fsync on either side).
+Targets (at 100 MB, per store): training blocked in the loop / torch_save (synchronous
+save+upload) <= 0.10; relaytrain upload throughput (serialize + digest + upload, streamed) /
+raw pyarrow copy_files of the serialized bytes >= 0.8. The direct copy / torch_save ratio is
+reported beside them. Local writes land in the page cache (no fsync on either side).
 """
 
 from __future__ import annotations
@@ -331,19 +334,15 @@ def summarize(result: Result, store_names: list[str], sizes: list[float]) -> Non
                 ),
             }
         figures = ratios[f"{store}/{at:g}MB"]
-        for label, key, what in [
-            ("blocked/sync", "blocked/sync", "staging, called directly"),
-            ("loop blocked/sync", "loop blocked/sync", "in a 1-worker run"),
-        ]:
-            result.targets.append(
-                Target(
-                    f"{store}: {label}",
-                    f"training blocked per checkpoint ({what}) / synchronous torch.save+upload,"
-                    f" {at:g} MB",
-                    "<=",
-                    BLOCKED_TARGET,
-                ).check(figures[key], note)
-            )
+        result.targets.append(
+            Target(
+                f"{store}: loop blocked/sync",
+                "training blocked per checkpoint (in a 1-worker run) / synchronous "
+                f"torch.save+upload, {at:g} MB",
+                "<=",
+                BLOCKED_TARGET,
+            ).check(figures["loop blocked/sync"], note)
+        )
         result.targets.append(
             Target(
                 f"{store}: throughput/raw copy",
@@ -360,8 +359,12 @@ def summarize(result: Result, store_names: list[str], sizes: list[float]) -> Non
         "MB / its blocked_s)"
     )
     result.notes.append(
-        "blocked_s: what training waits for. relaytrain stages the state into kept buffers and "
-        "writes it on a checkpoint thread; torch_save is the synchronous save (+ upload)"
+        "blocked_s: what training waits for. relaytrain_loop copies what a forward pass "
+        "changes at once and the parameters and optimizer state on its checkpoint thread while "
+        "the next forward and backward run (that step's optimizer waits for the copy), then "
+        "writes there; relaytrain (direct) is the whole copy with nothing to overlap it (its "
+        "ratio to torch_save is in figures.ratios); torch_save is the synchronous save "
+        "(+ upload)"
     )
 
 

@@ -167,8 +167,9 @@ class Workload:
 
 
 class BallastMLP(torch.nn.Module):
-    """A small MLP carrying ``megabytes`` of random float32 state in a buffer: checkpoints of
-    a chosen size at almost no cost per step (no gradient, no DDP traffic on one worker).
+    """A small MLP carrying ``megabytes`` of random float32 state in a frozen parameter (as in
+    fine-tuning): checkpoints of a chosen size at almost no cost per step (no gradient, no
+    optimizer update, no DDP traffic).
     ``step_s`` stands in for a real model's compute: each training forward sleeps that long,
     so a checkpoint interval lasts as long as a real one would."""
 
@@ -184,7 +185,8 @@ class BallastMLP(torch.nn.Module):
         self.net = workloads.MLP(num_inputs, num_outputs, hidden=(hidden,))
         generator = torch.Generator().manual_seed(0)
         numel = int(megabytes * 2**20) // 4
-        self.register_buffer("ballast", torch.rand(numel, generator=generator))
+        ballast = torch.rand(numel, generator=generator)
+        self.ballast = torch.nn.Parameter(ballast, requires_grad=False)
         self.step_s = step_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +68,7 @@ class Timings:
     aggregate_s: float = 0.0
     checkpoint_s: float = 0.0  # training blocked: waiting for the previous one, then staging
     checkpoint_wait_s: float = 0.0  # of which waiting for the previous checkpoint's write
+    checkpoint_copy_wait_s: float = 0.0  # of which the next optimizer step waiting for the copy
     checkpoint_write_s: float = 0.0  # in the background: serialize, upload, commit, retention
     relay_s: float = 0.0
     num_steps: int = 0
@@ -125,6 +128,9 @@ class BuiltinLoop:
         self.in_flight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], dict]] = []
         self.stager = Stager()
         self.background = Background()
+        #: Clear while the checkpoint thread copies what only the optimizer step changes.
+        self.copied = threading.Event()
+        self.copied.set()
         # Sharded checkpoints gather every rank's file list from the checkpoint thread: on a
         # group of their own, so they never interleave with the training thread's collectives.
         self.checkpoint_group = None
@@ -234,8 +240,10 @@ class BuiltinLoop:
             for index in range(first, len(batches)):
                 step += 1
                 started = time.perf_counter()
+                copy_wait = self.timings.checkpoint_copy_wait_s
                 loss = self._step(ddp_model, batches[index], step)
-                self.timings.step_s += time.perf_counter() - started
+                copy_wait = self.timings.checkpoint_copy_wait_s - copy_wait
+                self.timings.step_s += time.perf_counter() - started - copy_wait
                 if step == self.progress.step + 1:  # the optimizer state exists now
                     self._reserve_staging()
                 if self.background.failed():
@@ -283,6 +291,7 @@ class BuiltinLoop:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(model(features), labels)
         loss.backward()
+        self._await_staging()
         self.optimizer.step()
         self.scheduler.step()
         value = loss.item()
@@ -374,7 +383,10 @@ class BuiltinLoop:
             gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(rng, gathered, dst=0)
             rngs = dict(enumerate(gathered or []))
-        staged = self.stager.stage(self._state_to_stage())
+        asynchronous = self.spec.checkpoint.asynchronous
+        staged = self.stager.stage(
+            self._state_to_stage(), defer=self._changed_by_step() if asynchronous else None
+        )
         rows, self.unsaved = self.unsaved, []
         meta = {
             "epoch": cursor.epoch,
@@ -387,8 +399,9 @@ class BuiltinLoop:
         }
         self.last_checkpoint_step = step
         if staged or rngs:
-            self.background.submit(lambda: self._write_checkpoint(step, staged, rngs, rows, meta))
-        if not self.spec.checkpoint.asynchronous:
+            self.copied.clear()
+            self.background.submit(lambda: self._copy_then_write(step, staged, rngs, rows, meta))
+        if not asynchronous:
             self.background.wait()
         self.timings.checkpoint_s += time.perf_counter() - started
         self.timings.checkpoint_wait_s += waited - started
@@ -404,6 +417,41 @@ class BuiltinLoop:
         if self.rank == 0:
             state["scheduler"] = self.scheduler.state_dict()
         return state
+
+    def _changed_by_step(self) -> Callable[[torch.Tensor], bool]:
+        """Picks what only the optimizer step changes, the parameters and the optimizer's state,
+        for the checkpoint thread to copy while the next forward and backward run. The rest
+        (buffers such as batch norm's running statistics, which a forward pass updates, and
+        plain values) is copied before training goes on."""
+        pointers = {p.data_ptr() for p in self.model.parameters()}
+        for state in self.optimizer.state.values():
+            pointers.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+        return lambda tensor: tensor.data_ptr() in pointers
+
+    def _await_staging(self) -> None:
+        """Before an optimizer step: the checkpoint thread has copied what the step changes."""
+        if self.copied.is_set():
+            return
+        started = time.perf_counter()
+        self.copied.wait()
+        waited = time.perf_counter() - started
+        self.timings.checkpoint_s += waited
+        self.timings.checkpoint_copy_wait_s += waited
+
+    def _copy_then_write(
+        self,
+        step: int,
+        staged: dict[str, Any],
+        rngs: dict[int, bytes],
+        rows: list[dict[str, Any]],
+        meta: dict[str, Any],
+    ) -> None:
+        """The checkpoint thread: finish staging (the optimizer step waits for it), then write."""
+        try:
+            self.stager.copy_deferred()
+        finally:
+            self.copied.set()
+        self._write_checkpoint(step, staged, rngs, rows, meta)
 
     def _reserve_staging(self) -> None:
         state = self._state_to_stage()

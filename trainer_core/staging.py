@@ -1,8 +1,11 @@
 """Asynchronous checkpoints: stage state to memory, write it in the background.
 
-Training is blocked only while ``Stager.stage`` copies the state into buffers kept from one
-checkpoint to the next (no allocation, so no page faults after the first). Serializing,
-hashing, uploading, committing and retention run on ``Background``'s single thread while the
+``Stager.stage`` copies the state into buffers kept from one checkpoint to the next (no
+allocation, so no page faults after the first). What only the optimizer step changes (the
+parameters and the optimizer's state) can be deferred: ``copy_deferred`` copies it on the
+checkpoint thread while the next step's forward and backward run, and that step's optimizer
+waits for the copy (the overlap torchtitan's asynchronous checkpoints use). Serializing,
+hashing, uploading, committing and retention then run on ``Background``'s single thread while the
 next steps train. One checkpoint is in flight at a time: the next one, the end of training and
 a failing step all wait for it first, so the commit order is the step order and an error in the
 background surfaces on the training thread.
@@ -27,28 +30,52 @@ class Stager:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        #: Copies ``stage`` left to ``copy_deferred``: (buffer, source).
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def stage(self, value: Any) -> Any:
-        return self._stage(value, ())
+    def stage(self, value: Any, defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
+        """``value`` with every tensor copied into its kept buffer; tensors ``defer`` picks get
+        their buffer now and their data at ``copy_deferred``."""
+        self.deferred = []
+        return self._stage(value, (), defer=defer)
+
+    def copy_deferred(self) -> None:
+        deferred, self.deferred = self.deferred, []
+        for buffer, tensor in deferred:
+            buffer.copy_(tensor)
 
     def reserve(self, value: Any) -> None:
         """Allocate (and fault in) the buffers ``value`` will be staged into, ahead of time: run
         on the checkpoint thread, it takes the first checkpoint's allocation off training."""
         self._stage(value, (), copy_data=False)
 
-    def _stage(self, value: Any, path: tuple[Any, ...], copy_data: bool = True) -> Any:
+    def _stage(
+        self,
+        value: Any,
+        path: tuple[Any, ...],
+        copy_data: bool = True,
+        defer: Callable[[torch.Tensor], bool] | None = None,
+    ) -> Any:
         if isinstance(value, torch.Tensor):
-            return self._copy(value, path, copy_data)
+            return self._copy(value, path, copy_data, defer)
         if isinstance(value, dict):
-            return type(value)((k, self._stage(v, (*path, k), copy_data)) for k, v in value.items())
+            return type(value)(
+                (k, self._stage(v, (*path, k), copy_data, defer)) for k, v in value.items()
+            )
         if isinstance(value, list):
-            return [self._stage(v, (*path, i), copy_data) for i, v in enumerate(value)]
+            return [self._stage(v, (*path, i), copy_data, defer) for i, v in enumerate(value)]
         if isinstance(value, tuple):
-            items = [self._stage(v, (*path, i), copy_data) for i, v in enumerate(value)]
+            items = [self._stage(v, (*path, i), copy_data, defer) for i, v in enumerate(value)]
             return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
         return copy.deepcopy(value) if copy_data else None
 
-    def _copy(self, tensor: torch.Tensor, path: tuple[Any, ...], copy_data: bool) -> torch.Tensor:
+    def _copy(
+        self,
+        tensor: torch.Tensor,
+        path: tuple[Any, ...],
+        copy_data: bool,
+        defer: Callable[[torch.Tensor], bool] | None = None,
+    ) -> torch.Tensor:
         tensor = tensor.detach()
         if tensor.layout != torch.strided or tensor.is_quantized:
             return tensor.to("cpu", copy=True) if copy_data else tensor
@@ -65,7 +92,9 @@ class Stager:
             self.buffers[path] = buffer
             if not copy_data:
                 buffer.zero_()  # touch every page now, not during the first checkpoint
-        if copy_data:
+        if copy_data and defer is not None and defer(tensor):
+            self.deferred.append((buffer, tensor))
+        elif copy_data:
             buffer.copy_(tensor)
         return buffer
 

@@ -37,6 +37,25 @@ def test_staged_state_is_a_copy_that_reuses_its_buffers():
     assert torch.equal(second["model"]["weight"], model.weight)
 
 
+def test_deferred_tensors_are_copied_when_asked_the_rest_at_once():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    model(torch.randn(5, 4))  # batch norm's running statistics move in a forward pass
+    parameters = {p.data_ptr() for p in model.parameters()}
+    stager = Stager()
+    staged = stager.stage(model.state_dict(), defer=lambda t: t.data_ptr() in parameters)
+    running_mean = model[1].running_mean.clone()
+    weight = model[0].weight.detach().clone()
+
+    model(torch.randn(5, 4))  # the next step's forward: buffers change, parameters do not
+    assert torch.equal(staged["1.running_mean"], running_mean)  # copied at stage()
+    assert not torch.equal(model[1].running_mean, running_mean)
+    stager.copy_deferred()  # the checkpoint thread, before the optimizer step
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # the optimizer step
+    assert torch.equal(staged["0.weight"], weight)
+    assert stager.deferred == []
+
+
 def test_staging_keeps_containers_and_reallocates_on_a_new_shape():
     Pair = collections.namedtuple("Pair", "a b")
     stager = Stager()
