@@ -13,6 +13,10 @@ Variants, alternated in one process (one local Ray cluster, one Prefect API):
 - ``relaytrain_in_place``: the same flow with ``retries.in_place: 1``: Ray Train restarts the
   worker group within the attempt (relaytrain's failure policy), the restarted group rescans
   the run directory and resumes from the newest commit; no Prefect retry, no new fit().
+- ``ray_refit``: the stock Ray loop with ``max_failures=0``; the driver calls a new ``fit()`` of
+  the same run, which resumes from Ray's latest checkpoint: what any path that starts a new
+  fit(), as a Prefect task retry does, costs in Ray itself (a new controller process, its
+  helper actors and placement group, then the same worker-group start as Ray's restart).
 
 Figures: ``recovery_s`` from the failure (rank 0's timestamp just before it kills itself) to the
 end of the first resumed optimizer step; ``steps_lost`` = k - first resumed step (step k itself
@@ -158,6 +162,27 @@ def measure_ray(spec: RunSpec, marker: Path) -> Sample:
     return _clean(spec, sample)
 
 
+def measure_ray_refit(spec: RunSpec, marker: Path) -> Sample:
+    from ray.train import TrainingFailedError
+
+    loop_config = {
+        "spec": spec.model_copy(update={"faults": []}).model_dump(mode="json"),
+        "checkpoint_every": spec.checkpoint.every,
+        "kill_at_step": kill_step(spec),
+        "kill_marker": str(marker),
+    }
+    started = time.time()
+    try:
+        harness.bare_trainer(spec, loop=ray_native_loop, loop_config=loop_config).fit()
+    except TrainingFailedError:
+        pass
+    else:
+        raise RuntimeError(f"{spec.run.name}: the first fit() did not fail")
+    harness.bare_trainer(spec, loop=ray_native_loop, loop_config=loop_config).fit()
+    sample: Sample = {"wall_s": time.time() - started, **probe_recovery(spec)}
+    return _clean(spec, sample)
+
+
 def measure_in_place(spec: RunSpec) -> Sample:
     started = time.time()
     result = harness.run_flow(spec)
@@ -205,6 +230,12 @@ def variants(root: Path, quick: bool, kill_at: int) -> list[Variant]:
             "relaytrain_in_place",
             "training flow with retries.in_place=1: Ray restarts the worker group in place",
             lambda rep: measure_in_place(spec("inplace", rep, in_place=1)),
+        ),
+        Variant(
+            "ray_refit",
+            "stock Ray Train loop, bare TorchTrainer, max_failures=0, then a new fit() that "
+            "resumes from Ray's latest checkpoint",
+            lambda rep: measure_ray_refit(spec("refit", rep), root / f"refit-{rep}.killed"),
         ),
     ]
 
@@ -257,9 +288,19 @@ def summarize(result: Result, interval: int) -> None:
     result.figures["prefect/in_place recovery_s"] = common.ratio(
         records, "prefect_retry", "relaytrain_in_place", "recovery_s"
     )
+    result.figures["ray_refit/ray recovery_s"] = common.ratio(
+        records, "ray_refit", "ray_failure_config", "recovery_s"
+    )
+    result.figures["prefect/ray_refit recovery_s"] = common.ratio(
+        records, "prefect_retry", "ray_refit", "recovery_s"
+    )
     result.notes.append(
         "steps_lost is measured (k - first resumed step); reported_steps_lost is what the "
         "flow's TrainingResult says (its last_step comes from the relayed metric windows)"
+    )
+    result.notes.append(
+        "ray_refit / ray_failure_config is what a new fit() costs in Ray itself, the floor of "
+        "any retry that starts one; prefect_retry / ray_refit is relaytrain's share"
     )
     result.notes.append(
         "rank 0 is killed before the last step of the third checkpoint interval, the worst case "
