@@ -146,13 +146,19 @@ def measure_engine(spec: RunSpec) -> Sample:
     return _clean(spec, sample)
 
 
-def measure_ray(spec: RunSpec, marker: Path) -> Sample:
-    loop_config = {
+def ray_loop_config(spec: RunSpec, marker: Path) -> dict[str, Any]:
+    """``bench.rayloop``'s config: the workload without relaytrain's fault, which the stock loop
+    fires itself (once: ``marker`` records it)."""
+    return {
         "spec": spec.model_copy(update={"faults": []}).model_dump(mode="json"),
         "checkpoint_every": spec.checkpoint.every,
         "kill_at_step": kill_step(spec),
         "kill_marker": str(marker),
     }
+
+
+def measure_ray(spec: RunSpec, marker: Path) -> Sample:
+    loop_config = ray_loop_config(spec, marker)
     started = time.time()
     trainer = harness.bare_trainer(
         spec, loop=ray_native_loop, loop_config=loop_config, max_failures=1
@@ -165,12 +171,7 @@ def measure_ray(spec: RunSpec, marker: Path) -> Sample:
 def measure_ray_refit(spec: RunSpec, marker: Path) -> Sample:
     from ray.train import TrainingFailedError
 
-    loop_config = {
-        "spec": spec.model_copy(update={"faults": []}).model_dump(mode="json"),
-        "checkpoint_every": spec.checkpoint.every,
-        "kill_at_step": kill_step(spec),
-        "kill_marker": str(marker),
-    }
+    loop_config = ray_loop_config(spec, marker)
     started = time.time()
     try:
         harness.bare_trainer(spec, loop=ray_native_loop, loop_config=loop_config).fit()
