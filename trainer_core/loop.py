@@ -400,7 +400,7 @@ class BuiltinLoop:
         self.last_checkpoint_step = step
         if staged or rngs:
             self.copied.clear()
-            self.background.submit(lambda: self._copy_then_write(step, staged, rngs, rows, meta))
+            self.background.submit(lambda: self._write_checkpoint(step, staged, rngs, rows, meta))
         if not asynchronous:
             self.background.wait()
         self.timings.checkpoint_s += time.perf_counter() - started
@@ -438,21 +438,6 @@ class BuiltinLoop:
         self.timings.checkpoint_s += waited
         self.timings.checkpoint_copy_wait_s += waited
 
-    def _copy_then_write(
-        self,
-        step: int,
-        staged: dict[str, Any],
-        rngs: dict[int, bytes],
-        rows: list[dict[str, Any]],
-        meta: dict[str, Any],
-    ) -> None:
-        """The checkpoint thread: finish staging (the optimizer step waits for it), then write."""
-        try:
-            self.stager.copy_deferred()
-        finally:
-            self.copied.set()
-        self._write_checkpoint(step, staged, rngs, rows, meta)
-
     def _reserve_staging(self) -> None:
         state = self._state_to_stage()
         if state:
@@ -466,8 +451,13 @@ class BuiltinLoop:
         rows: list[dict[str, Any]],
         meta: dict[str, Any],
     ) -> None:
-        """The checkpoint thread: check, write every file, then (rank 0) commit and retain."""
+        """The checkpoint thread: finish staging (the next optimizer step waits for it), check,
+        write every file, then (rank 0) commit and retain."""
         started = time.perf_counter()
+        try:
+            self.stager.copy_deferred()
+        finally:
+            self.copied.set()
         if "model" in staged:
             self._check_finite_parameters(step, staged["model"])
         sharded = meta["sharded"]
