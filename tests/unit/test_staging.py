@@ -43,15 +43,19 @@ def test_deferred_tensors_are_copied_when_asked_the_rest_at_once():
     parameters = {p.data_ptr() for p in model.parameters()}
     stager = Stager()
     staged = stager.stage(model.state_dict(), defer=lambda t: t.data_ptr() in parameters)
+    assert len(stager.deferred) == 4  # linear and batch-norm weights and biases
     running_mean = model[1].running_mean.clone()
-    weight = model[0].weight.detach().clone()
 
-    model(torch.randn(5, 4))  # the next step's forward: buffers change, parameters do not
+    model(torch.randn(5, 4))  # the next step's forward: buffers change
     assert torch.equal(staged["1.running_mean"], running_mean)  # copied at stage()
     assert not torch.equal(model[1].running_mean, running_mean)
-    stager.copy_deferred()  # the checkpoint thread, before the optimizer step
     with torch.no_grad():
-        model[0].weight.add_(1.0)  # the optimizer step
+        model[0].weight.add_(1.0)  # a change before copy_deferred is in the copy: it is late
+    stager.copy_deferred()  # the checkpoint thread
+    weight = model[0].weight.detach().clone()
+    assert torch.equal(staged["0.weight"], weight)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # the optimizer step, after the copy
     assert torch.equal(staged["0.weight"], weight)
     assert stager.deferred == []
 
