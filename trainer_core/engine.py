@@ -380,6 +380,11 @@ def run_attempt(
         return result
 
 
+def alive_nodes() -> set[str]:
+    """Ids of the cluster's live nodes."""
+    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+
+
 def preempted_nodes() -> set[str]:
     """Ids of the dead nodes Ray records as reclaimed after a drain for preemption."""
     from ray.core.generated.common_pb2 import NodeDeathInfo  # type: ignore[attr-defined]
@@ -425,8 +430,7 @@ def _name_preemption(
     pending = draining_nodes()
     deadline = time.monotonic() + settle_s
     while pending and time.monotonic() < deadline:
-        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
-        pending = pending & alive & draining_nodes()
+        pending = pending & alive_nodes() & draining_nodes()
         if pending:
             time.sleep(0.5)
     reclaimed = preempted_nodes() - reclaimed_before
@@ -556,7 +560,7 @@ def _abortable_trainer_class() -> type:
 
 def _single_node() -> bool:
     """Whether the Ray cluster is one node (a local cluster, or a head alone)."""
-    return sum(1 for node in ray.nodes() if node.get("Alive")) == 1
+    return len(alive_nodes()) == 1
 
 
 def _in_place_policy_class() -> type:
