@@ -306,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         for store in chosen:
             for megabytes in sizes:
-                result.variants.update(common.alternate(group(store, megabytes), repetitions))
+                result.variants.update(
+                    common.alternate(group(store, megabytes), repetitions, only=args.only)
+                )
         summarize(result, [s.name for s in chosen], sizes)
     return common.finish(result, args)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import fnmatch
 import json
 import os
 import platform
@@ -151,13 +152,19 @@ class VariantRecord:
 
 
 def alternate(
-    variants: list[Variant], repetitions: int, log: Callable[[str], None] = print
+    variants: list[Variant],
+    repetitions: int,
+    log: Callable[[str], None] = print,
+    only: list[str] | None = None,
 ) -> dict[str, VariantRecord]:
     """Run the variants alternately (A, B, C, A, B, C, ...), ``repetitions`` rounds.
 
+    ``only`` keeps the variants whose name matches one of its shell patterns (``--only``).
     A variant that raises ``NotAvailable`` is recorded as such and skipped afterwards; any other
     error is recorded with its traceback and the round goes on.
     """
+    if only:
+        variants = [v for v in variants if any(fnmatch.fnmatch(v.name, p) for p in only)]
     records = {v.name: VariantRecord(v.description) for v in variants}
     for rep in range(repetitions):
         for variant in variants:
@@ -324,6 +331,14 @@ def parser(name: str, description: str, repetitions: int) -> argparse.ArgumentPa
         help=f"where the JSON goes (default ${RESULTS_ENV}, else bench/results, or "
         "bench/results/tmp with --quick)",
     )
+    p.add_argument(
+        "--only",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="run only the variants with these names (shell patterns allowed); the result goes "
+        "to bench/results/tmp unless --results-dir is given, since it is not the whole table",
+    )
     p.set_defaults(default_repetitions=repetitions)
     return p
 
@@ -339,7 +354,7 @@ def results_dir_of(args: argparse.Namespace) -> Path:
         return Path(args.results_dir)
     if os.environ.get(RESULTS_ENV):
         return Path(os.environ[RESULTS_ENV])
-    return QUICK_RESULTS_DIR if args.quick else RESULTS_DIR
+    return QUICK_RESULTS_DIR if args.quick or args.only else RESULTS_DIR
 
 
 def finish(result: Result, args: argparse.Namespace) -> int:

@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             sample_interval_s=interval_s,
         )
         result.variants = common.alternate(
-            variants(Path(tmp), epochs, series, interval_s), common.repetitions_of(args)
+            variants(Path(tmp), epochs, series, interval_s),
+            common.repetitions_of(args),
+            only=args.only,
         )
     result.figures["rss_series_s_mb"] = series
     worst = result.variants["flow"].summary().get("growth_mb", {}).get("max")

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             report_every=spec.report.every,
         )
         result.variants = common.alternate(
-            variants(make, epochs, root), common.repetitions_of(args)
+            variants(make, epochs, root), common.repetitions_of(args), only=args.only
         )
     summarize(result)
     return common.finish(result, args)

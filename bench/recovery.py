@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             prefect_retry_delay_s=0,
         )
         result.variants = common.alternate(
-            variants(root, args.quick, kill_at), common.repetitions_of(args)
+            variants(root, args.quick, kill_at), common.repetitions_of(args), only=args.only
         )
     summarize(result, interval)
     return common.finish(result, args)
@@ -274,7 +274,8 @@ def summarize(result: Result, interval: int) -> None:
     value = common.ratio(records, "prefect_retry", "ray_failure_config", "recovery_s")
     result.targets.append(RATIO_TARGET.check(value))
     for variant, path in [("prefect_retry", "Prefect path"), ("relaytrain_in_place", "in place")]:
-        lost: Any = records[variant].summary().get("steps_lost", {}).get("max")
+        record = records.get(variant)
+        lost: Any = record.summary().get("steps_lost", {}).get("max") if record else None
         result.targets.append(
             Target(
                 f"steps lost ({path})",

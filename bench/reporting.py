@@ -129,8 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             report_every=10,
             poll_intervals_s=list(POLL_INTERVALS),
         )
-        result.variants = common.alternate(variants(Path(tmp), epochs), common.repetitions_of(args))
-    default = result.variants[f"relaytrain@{DEFAULT_POLL}s"].median("report_share_pct")
+        result.variants = common.alternate(
+            variants(Path(tmp), epochs), common.repetitions_of(args), only=args.only
+        )
+    record = result.variants.get(f"relaytrain@{DEFAULT_POLL}s")
+    default = record.median("report_share_pct") if record else None
     result.targets.append(SHARE_TARGET.check(default))
     result.figures["ray_report/relaytrain per_report_ms"] = {
         poll: common.ratio(

@@ -177,9 +177,13 @@ def main(argv: list[str] | None = None) -> int:
             batch_size_per_worker=make_spec(root, "x", 1, epochs, args.quick).data.batch_size,  # type: ignore[union-attr]
             checkpoint_sizes_mb=sizes,
         )
-        result.variants = common.alternate(worker_variants(root, epochs, args.quick), repetitions)
+        result.variants = common.alternate(
+            worker_variants(root, epochs, args.quick), repetitions, only=args.only
+        )
         result.variants.update(
-            common.alternate([checkpoint_variant(root, mb) for mb in sizes], repetitions)
+            common.alternate(
+                [checkpoint_variant(root, mb) for mb in sizes], repetitions, only=args.only
+            )
         )
     summarize(result, sizes)
     return common.finish(result, args)
@@ -201,7 +205,8 @@ def summarize(result: Result, sizes: list[float]) -> None:
         points = [
             (mb, value)
             for mb in sizes
-            if (value := records[f"checkpoint/{mb:g}MB"].median(column)) is not None
+            if (record := records.get(f"checkpoint/{mb:g}MB"))
+            and (value := record.median(column)) is not None
         ]
         figures[f"checkpoint_growth_{label}"] = fit_line(points)
     result.figures.update(figures)
