@@ -99,27 +99,6 @@ def check_capacity(spec: RunSpec) -> None:
             )
 
 
-@ray.remote(num_cpus=0)
-class MetricsRelay:
-    """Collects rank 0's events so the driver can stream them while fit() runs."""
-
-    def __init__(self) -> None:
-        self.events: list[dict[str, Any]] = []
-        self.groups = 0
-
-    def push(self, event: dict[str, Any]) -> None:
-        self.events.append(event)
-
-    def begin_group(self) -> int:
-        """A worker group started; how many started before it in this attempt."""
-        self.groups += 1
-        return self.groups - 1
-
-    def drain(self) -> list[dict[str, Any]]:
-        events, self.events = self.events, []
-        return events
-
-
 # -- preflight ------------------------------------------------------------------------------------
 
 
@@ -480,6 +459,7 @@ def _abortable_trainer_class() -> type:
     method (Ray is pinned exactly) minus the SIGINT handler, which cannot be installed off the
     main thread anyway. Each helper actor is a process start (about 2 s of CPU on 2 cores,
     contending with the workers' own start), paid again by every attempt and in-place restart.
+    What the controller unpickles comes from ``trainer_core.controller``, which imports no torch.
     """
     from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
     from ray.train.torch import TorchTrainer
@@ -489,17 +469,8 @@ def _abortable_trainer_class() -> type:
         ENABLE_PREEMPTION_WATCHER_ENV_VAR,
         get_env_vars_to_propagate,
     )
-    from ray.train.v2._internal.execution.controller import TrainController
 
-    InPlacePolicy = _in_place_policy_class()
-
-    class CredentialedController(TrainController):
-        """Ray Train's controller, with the storage credentials set before it touches storage
-        (its constructor already reads the run directory)."""
-
-        def __init__(self, *, storage_credentials: list[Any], **kwargs: Any) -> None:
-            _apply_credentials(storage_credentials)
-            super().__init__(**kwargs)
+    from trainer_core.controller import CredentialedController, InPlacePolicy
 
     class AbortableTorchTrainer(TorchTrainer):
         controller: Any = None
@@ -563,72 +534,22 @@ def _single_node() -> bool:
     return len(alive_nodes()) == 1
 
 
-def _in_place_policy_class() -> type:
-    from ray.train import PreemptionError, WorkerGroupError
-    from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
-
-    class InPlacePolicy(FailurePolicy):
-        """Ray Train's failure policy for ``retries.in_place``: restart the worker group in
-        place after an infrastructure failure, up to the limit; anything else (the training
-        code, storage refusing access) ends the attempt as relaytrain classifies it."""
-
-        def __init__(self, failure_config: Any, limit: int, relay: Any):
-            super().__init__(failure_config)
-            self.limit = limit
-            self.relay = relay
-            self.restarts = 0
-
-        def make_decision(self, training_failed_error: Any) -> Any:
-            if not isinstance(training_failed_error, (WorkerGroupError, PreemptionError)):
-                return FailureDecision.RAISE  # the controller itself failed: end the attempt
-            classified = classify(training_failed_error)
-            infrastructure = getattr(classified, "budget", None) == "infrastructure"
-            if not infrastructure or self.restarts >= self.limit:
-                return FailureDecision.RAISE
-            self.restarts += 1
-            logger.warning(
-                "restarting the worker group in place (%d of %d): %s",
-                self.restarts,
-                self.limit,
-                classified,
-            )
-            self.relay.push.remote(
-                {
-                    "kind": "restarting",
-                    "time": time.time(),
-                    "restart": self.restarts,
-                    "limit": self.limit,
-                    "error_class": type(classified).__name__,
-                    "error_message": str(classified)[:2000],
-                }
-            )
-            return FailureDecision.RETRY
-
-    return InPlacePolicy
-
-
-def _apply_credentials(credentials: list[Any]) -> None:
-    """Set the storage credentials shared by ``_trainer`` in this (controller or worker)
-    process's environment."""
-    if credentials:
-        os.environ.update(ray.get(credentials[0]))
-
-
 def _with_credentials(train_loop: Callable[[Any], None], credentials: list[Any]) -> Any:
     """``train_loop`` that first sets the storage credentials in the worker's environment."""
+    from trainer_core.controller import apply_credentials
 
     def train_loop_with_credentials(config: Any) -> None:
-        _apply_credentials(credentials)
+        apply_credentials(credentials)
         train_loop(config)
 
     return train_loop_with_credentials
 
 
 def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
-    from ray.train.torch import TorchConfig
-
     # Train V2's config classes (what ray.train exports at run time; type checkers see V1's).
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+
+    from trainer_core.controller import ProcessGroupConfig
 
     apply_ray_env_defaults()
     root = storage.resolve(plan.storage_uri)
@@ -651,7 +572,8 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
     trainer = _abortable_trainer_class()(
         train_loop_per_worker=_with_credentials(loop, credentials),
         train_loop_config=worker_config.to_dict(),
-        torch_config=TorchConfig(backend="nccl" if spec.scaling.use_gpu else "gloo"),
+        # Ray's TorchConfig, minus its module's torch import in the controller.
+        torch_config=ProcessGroupConfig(backend="nccl" if spec.scaling.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=spec.scaling.num_workers,
             use_gpu=spec.scaling.use_gpu,
@@ -686,6 +608,8 @@ def _fit(spec: RunSpec, plan: Plan, handle: EventHandler, poll_interval_s: float
     """
     # The relay is the driver's mailbox: it lives on the driver's node, never on a worker node
     # that may be the one being lost (a retry right after a node death could land there).
+    from trainer_core.controller import MetricsRelay
+
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     relay = MetricsRelay.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
     trainer = _trainer(spec, plan, relay)

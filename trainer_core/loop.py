@@ -523,7 +523,7 @@ class BuiltinLoop:
 
 def builtin_train_loop(config: dict[str, Any]) -> None:
     """Ray Train ``train_loop_per_worker`` of the built-in loop."""
-    worker_config: WorkerConfig = config["relaytrain"]
+    worker_config = WorkerConfig.from_dict(config)
     loop = None
     try:
         loop = BuiltinLoop(worker_config)

@@ -73,7 +73,7 @@ def user_step(metrics: Any, calls: int) -> int:
 
 def user_train_loop(config: dict[str, Any]) -> None:
     """Ray Train ``train_loop_per_worker`` that runs a user's own loop unchanged."""
-    worker_config: WorkerConfig = config["relaytrain"]
+    worker_config = WorkerConfig.from_dict(config)
     spec = RunSpec.model_validate(worker_config.spec)
     assert spec.train_loop is not None
     hook = ReportHook(worker_config, ray.train.report)

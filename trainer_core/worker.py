@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import ray
@@ -32,7 +32,14 @@ class WorkerConfig:
     relay: Any = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"relaytrain": self}
+        """The ``train_loop_config``: plain values only, because Ray Train's controller
+        unpickles it too, and a class from this module would make it import torch."""
+        return {"relaytrain": {f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> WorkerConfig:
+        """The worker's side of ``to_dict``."""
+        return cls(**config["relaytrain"])
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import ray
@@ -176,8 +177,23 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
     )
     events = []
     started_ms = time.time() * 1000
-    result = run_attempt(spec, on_event=events.append)
+    torch_loaded: dict[str, set[bool]] = {}
+
+    def on_event(event):
+        events.append(event)
+        if event["kind"] == "metrics" and not torch_loaded:
+            for actor in ray._private.state.actors().values():
+                if actor["State"] == "ALIVE" and actor["StartTime"] >= started_ms:
+                    maps = Path(f"/proc/{actor['Pid']}/maps").read_text()
+                    torch_loaded.setdefault(actor["ActorClassName"], set()).add("libtorch" in maps)
+
+    result = run_attempt(spec, on_event=on_event)
     assert result.status == "completed" and result.attempt == 1
+    # The controller and the relay never import torch (it would delay every worker group's
+    # start); the workers show that the probe sees torch where it is.
+    assert torch_loaded["CredentialedController"] == {False}
+    assert torch_loaded["MetricsRelay"] == {False}
+    assert torch_loaded["RayTrainWorker"] == {True}
     # Two worker groups, and none of Ray's helper actors that relaytrain has no use for (one
     # node: nothing for a preemption watcher to watch; no Ray datasets to manage).
     started = Counter(
