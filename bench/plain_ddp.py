@@ -6,12 +6,18 @@ with the same cadence of extra work: a synchronous all-reduce of the window's lo
 ``checkpoint.every`` steps (and at the end) a checkpoint: rank 0 ``torch.save`` s model,
 optimizer and schedule, every rank its RNG states, to a local directory, then a barrier. No
 manifest, hashes, commit marker, metrics history or retention beyond keeping the newest.
+
+``sync_gradients=False`` runs every backward under DDP's ``no_sync()``: the same processes and
+collectives, minus the per-step gradient all-reduce (and the wait for the slower rank that comes
+with it). It is not training anyone would run; it measures the machine's compute ceiling.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_plain_ddp(spec: RunSpec, checkpoint_dir: Path) -> float:
+def run_plain_ddp(spec: RunSpec, checkpoint_dir: Path, sync_gradients: bool = True) -> float:
     """Train ``spec`` with ``scaling.num_workers`` processes; returns the process-tree start
     time (``time.time()``), from which time to first step is counted."""
     assert spec.run.name is not None
@@ -39,14 +45,16 @@ def run_plain_ddp(spec: RunSpec, checkpoint_dir: Path) -> float:
     started = time.time()
     mp.spawn(
         _worker,
-        args=(spec.model_dump(mode="json"), free_port(), str(checkpoint_dir)),
+        args=(spec.model_dump(mode="json"), free_port(), str(checkpoint_dir), sync_gradients),
         nprocs=spec.scaling.num_workers,
         join=True,
     )
     return started
 
 
-def _worker(rank: int, spec_json: dict[str, Any], port: int, checkpoint_dir: str) -> None:
+def _worker(
+    rank: int, spec_json: dict[str, Any], port: int, checkpoint_dir: str, sync_gradients: bool
+) -> None:
     spec = RunSpec.model_validate(spec_json)
     world_size = spec.scaling.num_workers
     torch.set_num_threads(1)  # as Ray gives a 1-CPU worker (OMP_NUM_THREADS=1)
@@ -54,17 +62,22 @@ def _worker(rank: int, spec_json: dict[str, Any], port: int, checkpoint_dir: str
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        _train(spec, rank, world_size, Path(checkpoint_dir))
+        _train(spec, rank, world_size, Path(checkpoint_dir), sync_gradients)
     finally:
         dist.destroy_process_group()
 
 
-def _train(spec: RunSpec, rank: int, world_size: int, checkpoint_dir: Path) -> None:
+def _train(
+    spec: RunSpec, rank: int, world_size: int, checkpoint_dir: Path, sync_gradients: bool
+) -> None:
     assert spec.schedule is not None and spec.run.name is not None
     work = Workload(spec, rank, world_size)
     model: torch.nn.Module = work.model
     if world_size > 1:  # as Ray's prepare_model: DDP only with more than one worker
         model = DistributedDataParallel(work.model)
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    if not sync_gradients and isinstance(model, DistributedDataParallel):
+        no_sync = model.no_sync
     probe = StepProbe(spec.run.name, rank)
     pending: list[float] = []
     step, step_s = 0, 0.0
@@ -74,7 +87,8 @@ def _train(spec: RunSpec, rank: int, world_size: int, checkpoint_dir: Path) -> N
         for index, batch in enumerate(batches):
             step += 1
             started = time.perf_counter()
-            pending.append(work.step(model, batch))
+            with no_sync():
+                pending.append(work.step(model, batch))
             step_s += time.perf_counter() - started
             probe.stepped(step)
             end_of_epoch = index == len(batches) - 1

@@ -87,9 +87,9 @@ def measure_relaytrain(spec: RunSpec) -> Sample:
     return throughput(spec, time.time() - started, timings.get("step_s"))
 
 
-def measure_plain(spec: RunSpec, root: Path) -> Sample:
+def measure_plain(spec: RunSpec, root: Path, sync_gradients: bool = True) -> Sample:
     assert spec.run.name is not None
-    started = run_plain_ddp(spec, root / spec.run.name)
+    started = run_plain_ddp(spec, root / spec.run.name, sync_gradients)
     done = [e for e in read_probe(spec.run.name) if e["event"] == "done"]
     step_s = done[-1]["timings"]["step_s"] if done else None
     return throughput(spec, time.time() - started, step_s)
@@ -119,6 +119,14 @@ def worker_variants(root: Path, epochs: int, quick: bool) -> list[Variant]:
                 plain(workers),
             ),
         ]
+    found.append(
+        Variant(
+            "plain_2w_nosync",
+            "plain_2w with every backward under DDP's no_sync(): the compute ceiling, no "
+            "per-step gradient all-reduce",
+            lambda rep: measure_plain(spec("nosync", rep, 2), root, sync_gradients=False),
+        )
+    )
     return found
 
 
@@ -193,10 +201,12 @@ def summarize(result: Result, sizes: list[float]) -> None:
     records = result.variants
     speedup = common.ratio(records, "relaytrain_2w", "relaytrain_1w", "samples_per_s")
     plain = common.ratio(records, "plain_2w", "plain_1w", "samples_per_s")
+    ceiling = common.ratio(records, "plain_2w_nosync", "plain_1w", "samples_per_s")
     note = f"plain PyTorch on this machine: {plain:.2f}" if plain is not None else ""
     result.targets.append(SPEEDUP_TARGET.check(speedup, note))
     figures: dict[str, Any] = {
         "plain 2w/1w samples/s": plain,
+        "plain 2w without gradient sync / 1w samples/s": ceiling,
         "relaytrain 2w/1w compute samples/s": common.ratio(
             records, "relaytrain_2w", "relaytrain_1w", "compute_samples_per_s"
         ),
