@@ -60,6 +60,16 @@ class ProgressRelay:
                 event["error_class"],
                 event["error_message"],
             )
+        if kind == "slow_checkpoint_writes":
+            self.logger.warning(
+                "checkpoint writes outlast checkpoint.every=%s: at step %s training waited "
+                "%.2f s for the previous write, which began %.2f s of training earlier. Raise "
+                "checkpoint.every or use faster storage (said once per worker group)",
+                event["every"],
+                event["step"],
+                event["wait_s"],
+                event["since_s"],
+            )
         if kind == "resumed":
             skipped = event.get("skipped") or []
             note = f" (skipped unusable {[s['step'] for s in skipped]})" if skipped else ""

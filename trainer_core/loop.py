@@ -59,6 +59,19 @@ logger = logging.getLogger("relaytrain.worker")
 
 # -- the built-in loop ---------------------------------------------------------------------------
 
+#: Training waiting for the previous checkpoint's write is worth a warning when the wait is this
+#: share of the training time since that write began, and at least this long.
+SLOW_WRITE_SHARE = 0.1
+SLOW_WRITE_MIN_S = 0.05
+
+
+def writes_outlast_interval(wait_s: float, since_s: float | None) -> bool:
+    """Whether a checkpoint's wait for the previous write says the writes take longer than the
+    checkpoint interval: the wait is a tenth or more of the training since that write began."""
+    if since_s is None or wait_s < SLOW_WRITE_MIN_S:
+        return False
+    return wait_s >= SLOW_WRITE_SHARE * since_s
+
 
 @dataclass
 class Timings:
@@ -123,6 +136,10 @@ class BuiltinLoop:
         self.pending: list[dict[str, Any]] = []  # rows not yet aggregated across ranks
         self.unsaved: list[dict[str, Any]] = []  # rows not yet in a metrics segment
         self.last_checkpoint_step = 0
+        #: When the last checkpoint went to the checkpoint thread, and whether training has
+        #: already been found waiting for one (said once per worker group).
+        self.last_submit: float | None = None
+        self.slow_writes_said = False
         self.current_step = 0
         self.timings = Timings()
         self.in_flight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], dict]] = []
@@ -375,6 +392,7 @@ class BuiltinLoop:
         started = time.perf_counter()
         self.background.wait()  # the previous checkpoint is committed, or its error raised
         waited = time.perf_counter()
+        self._say_if_writes_are_slow(step, waited - started, started)
         sharded = self.spec.checkpoint.sharded
         rng = training_state.to_bytes(training_state.capture_rng())  # small: kilobytes
         if sharded:
@@ -401,11 +419,26 @@ class BuiltinLoop:
         if staged or rngs:
             self.copied.clear()
             self.background.submit(lambda: self._write_checkpoint(step, staged, rngs, rows, meta))
+            self.last_submit = time.perf_counter()
         if not asynchronous:
             self.background.wait()
         self.timings.checkpoint_s += time.perf_counter() - started
         self.timings.checkpoint_wait_s += waited - started
         self.timings.num_checkpoints += 1
+
+    def _say_if_writes_are_slow(self, step: int, wait_s: float, now: float) -> None:
+        since = now - self.last_submit if self.last_submit is not None else None
+        if self.slow_writes_said or not writes_outlast_interval(wait_s, since):
+            return
+        self.slow_writes_said = True
+        assert since is not None
+        self.relay.send(
+            "slow_checkpoint_writes",
+            step=step,
+            wait_s=round(wait_s, 3),
+            since_s=round(since, 3),
+            every=self.spec.checkpoint.every,
+        )
 
     def _state_to_stage(self) -> dict[str, Any]:
         """What this rank's checkpoint copies: model and optimizer on rank 0 (every rank when

@@ -135,3 +135,22 @@ def test_reserve_allocates_the_buffers_stage_then_fills():
     staged = stager.stage({"model": model.state_dict(), "note": "x"})
     assert staged["model"]["weight"].data_ptr() == reserved.data_ptr()
     assert torch.equal(staged["model"]["weight"], model.weight) and staged["note"] == "x"
+
+
+@pytest.mark.parametrize(
+    ("wait_s", "since_s", "slow"),
+    [
+        (0.0, 2.0, False),  # the previous write was done: nothing to say
+        (0.01, 0.05, False),  # a fifth of the interval, but too short to notice
+        (0.1, 2.0, False),  # 5% of the interval
+        (0.3, 2.0, True),  # 15%: the writes take longer than the interval
+        (1.2, 0.4, True),  # S3 at a short interval: training waits most of the time
+        (5.0, None, False),  # no previous write in this worker group to compare with
+    ],
+)
+def test_training_waiting_on_writes_is_said_when_it_is_a_tenth_of_the_interval(
+    wait_s, since_s, slow
+):
+    from trainer_core.loop import writes_outlast_interval
+
+    assert writes_outlast_interval(wait_s, since_s) is slow
