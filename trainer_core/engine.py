@@ -258,6 +258,14 @@ class LiveState:
         elif kind in ("resumed", "fresh_start") and event.get("group") and self.restarts:
             self.restarts[-1]["resumed_from_step"] = event.get("step", 0)
             self.restarts[-1]["resumed_at"] = event.get("time")
+        elif kind == "peer_lost":
+            # A surviving rank's last completed step, when rank 0 (whose rows say it) died.
+            group = event.get("group", 0)
+            if group < len(self.restarts):  # that group's restart was heard of first
+                last = self.restarts[group].get("last_step") or 0
+                self.restarts[group]["last_step"] = max(last, event["last_step"])
+            else:
+                self.step = max(self.step, event["last_step"])
         elif kind == "resumed":
             self.resumed_from = event.get("step")
             self.resumed_at = event.get("time")

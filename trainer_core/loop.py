@@ -141,6 +141,7 @@ class BuiltinLoop:
         self.last_submit: float | None = None
         self.slow_writes_said = False
         self.current_step = 0
+        self.completed_step = 0
         self.timings = Timings()
         self.in_flight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], dict]] = []
         self.stager = Stager()
@@ -259,6 +260,7 @@ class BuiltinLoop:
                 started = time.perf_counter()
                 copy_wait = self.timings.checkpoint_copy_wait_s
                 loss = self._step(ddp_model, batches[index], step)
+                self.completed_step = step
                 copy_wait = self.timings.checkpoint_copy_wait_s - copy_wait
                 self.timings.step_s += time.perf_counter() - started - copy_wait
                 if step == self.progress.step + 1:  # the optimizer state exists now
@@ -587,6 +589,8 @@ def _wind_down(loop: BuiltinLoop | None, error: RelaytrainError) -> RelaytrainEr
     earlier = loop.background.settle(SETTLE_S)
     try:
         loop.relay.flush()
+        if isinstance(error, InfrastructureError) and loop.completed_step:
+            loop.relay.outlived_rank_0(loop.completed_step, loop.group)
     except Exception:  # the relay is best effort; the error being raised matters more
         logger.debug("relay flush failed", exc_info=True)
     if (

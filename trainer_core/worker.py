@@ -71,6 +71,8 @@ class Relay:
 
     def __init__(self, handle: Any, rank: int, interval_s: float = 1.0):
         self.handle = handle if rank == 0 else None
+        self.rank = rank
+        self.driver = handle  # every rank's, for what only a rank that outlived rank 0 knows
         self.interval_s = interval_s
         self.rows: list[dict[str, Any]] = []
         self.last_push = 0.0
@@ -95,6 +97,20 @@ class Relay:
         if self.handle is None:
             return 0
         return int(ray.get(self.handle.begin_group.remote()))
+
+    def outlived_rank_0(self, last_step: int, group: int) -> None:
+        """A rank other than 0 lost a peer: tell the driver the last step it completed, which
+        rank 0's buffered rows would have said, had rank 0 not been the one to die."""
+        if self.rank != 0 and self.driver is not None:
+            self.driver.push.remote(
+                {
+                    "kind": "peer_lost",
+                    "time": time.time(),
+                    "rank": self.rank,
+                    "last_step": last_step,
+                    "group": group,
+                }
+            )
 
     def flush(self) -> None:
         """Push buffered rows now (before an error ends the worker)."""

@@ -172,7 +172,7 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
             tmp_path,
             "in-place",
             retries={"in_place": 1},
-            faults=[{"kind": "kill", "at_step": 23, "rank": 1}],
+            faults=[{"kind": "kill", "at_step": 23, "rank": 0}],
         )
     )
     events = []
@@ -209,6 +209,8 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
     (restart,) = attempt["restarts"]
     assert restart["error_class"] == "InfrastructureError"
     assert restart["resumed_from_step"] == 20  # the restarted group scanned the run again
+    # Rank 0, whose relayed rows say how far training got, died; rank 1 said it instead.
+    assert restart["last_step"] == 22
     assert restart["resumed_at"] >= restart["failed_at"]
     assert [e["group"] for e in events if e["kind"] in ("resumed", "fresh_start")] == [0, 1]
     assert_same_tensors(final_state(run_dir), reference["state"])

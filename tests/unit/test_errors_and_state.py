@@ -114,3 +114,31 @@ def test_models_build_and_bad_ones_are_spec_errors():
 def test_user_model_import_path():
     model = workloads.build_model(ModelSection(name="trainer_core.workloads:MLP"), 3, 2)
     assert isinstance(model, torch.nn.Module)
+
+
+def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_first():
+    from trainer_core.engine import LiveState
+
+    rows = {"kind": "metrics", "rows": [{"step": 20, "loss": 1.0}]}
+    lost = {"kind": "peer_lost", "rank": 1, "last_step": 22, "group": 0}
+    restarting = {
+        "kind": "restarting",
+        "time": 5.0,
+        "restart": 1,
+        "error_class": "InfrastructureError",
+        "error_message": "rank 0 died",
+    }
+    for order in ([rows, lost, restarting], [rows, restarting, lost]):
+        live = LiveState()
+        for event in order:
+            live.apply(event)
+        assert live.restarts[0]["last_step"] == 22, order
+    # No restart (the attempt ends): the attempt's last step.
+    live = LiveState()
+    live.apply(rows)
+    live.apply(lost)
+    assert live.step == 22
+    # A later group's loss does not move an earlier restart's record.
+    live.apply(restarting)
+    live.apply({**lost, "group": 1, "last_step": 30})
+    assert live.restarts[0]["last_step"] == 22 and live.step == 30
