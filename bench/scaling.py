@@ -203,6 +203,8 @@ def summarize(result: Result, sizes: list[float]) -> None:
     plain = common.ratio(records, "plain_2w", "plain_1w", "samples_per_s")
     ceiling = common.ratio(records, "plain_2w_nosync", "plain_1w", "samples_per_s")
     note = f"plain PyTorch on this machine: {plain:.2f}" if plain is not None else ""
+    if plain is not None and ceiling is not None:
+        note += f"; plain without the per-step gradient sync: {ceiling:.2f}"
     result.targets.append(SPEEDUP_TARGET.check(speedup, note))
     figures: dict[str, Any] = {
         "plain 2w/1w samples/s": plain,
