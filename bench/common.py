@@ -85,7 +85,9 @@ def versions() -> dict[str, str]:
 
 
 def git_state() -> dict[str, Any]:
-    """The commit measured, and whether the tree had local changes (read-only git calls)."""
+    """The commit measured, and whether the tree had local changes (read-only git calls).
+    Results written by earlier benchmarks of the same ``make bench`` are not changes to what is
+    measured."""
 
     def git(*args: str) -> str | None:
         try:
@@ -101,7 +103,7 @@ def git_state() -> dict[str, Any]:
             return None
         return done.stdout.strip()
 
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
     return {
         "commit": git("rev-parse", "HEAD"),
         "dirty": bool(status) if status is not None else None,
