@@ -614,10 +614,10 @@ def _fit(spec: RunSpec, plan: Plan, handle: EventHandler, poll_interval_s: float
     Cancellation (Prefect's TerminationSignal, KeyboardInterrupt) arrives in this thread as a
     BaseException: the ``finally`` aborts Ray Train's controller, which stops every worker.
     """
-    # The relay is the driver's mailbox: it lives on the driver's node, never on a worker node
-    # that may be the one being lost (a retry right after a node death could land there).
     from trainer_core.controller import MetricsRelay
 
+    # The relay is the driver's mailbox: it lives on the driver's node, never on a worker node
+    # that may be the one being lost (a retry right after a node death could land there).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     relay = MetricsRelay.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
     trainer = _trainer(spec, plan, relay)

@@ -65,12 +65,10 @@ SLOW_WRITE_SHARE = 0.1
 SLOW_WRITE_MIN_S = 0.05
 
 
-def writes_outlast_interval(wait_s: float, since_s: float | None) -> bool:
+def writes_outlast_interval(wait_s: float, since_s: float) -> bool:
     """Whether a checkpoint's wait for the previous write says the writes take longer than the
     checkpoint interval: the wait is a tenth or more of the training since that write began."""
-    if since_s is None or wait_s < SLOW_WRITE_MIN_S:
-        return False
-    return wait_s >= SLOW_WRITE_SHARE * since_s
+    return wait_s >= SLOW_WRITE_MIN_S and wait_s >= SLOW_WRITE_SHARE * since_s
 
 
 @dataclass
@@ -429,11 +427,12 @@ class BuiltinLoop:
         self.timings.num_checkpoints += 1
 
     def _say_if_writes_are_slow(self, step: int, wait_s: float, now: float) -> None:
-        since = now - self.last_submit if self.last_submit is not None else None
-        if self.slow_writes_said or not writes_outlast_interval(wait_s, since):
+        if self.slow_writes_said or self.last_submit is None:  # said, or no earlier write
+            return
+        since = now - self.last_submit
+        if not writes_outlast_interval(wait_s, since):
             return
         self.slow_writes_said = True
-        assert since is not None
         self.relay.send(
             "slow_checkpoint_writes",
             step=step,

@@ -145,7 +145,6 @@ def test_reserve_allocates_the_buffers_stage_then_fills():
         (0.1, 2.0, False),  # 5% of the interval
         (0.3, 2.0, True),  # 15%: the writes take longer than the interval
         (1.2, 0.4, True),  # S3 at a short interval: training waits most of the time
-        (5.0, None, False),  # no previous write in this worker group to compare with
     ],
 )
 def test_training_waiting_on_writes_is_said_when_it_is_a_tenth_of_the_interval(
