@@ -173,6 +173,9 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
             tmp_path,
             "in-place",
             retries={"in_place": 1},
+            # Rank 0 dies; synchronous checkpoints so step 20's is committed by then (rank 0's
+            # death can take an asynchronous write in flight with it).
+            checkpoint={"asynchronous": False},
             faults=[{"kind": "kill", "at_step": 23, "rank": 0}],
         )
     )
