@@ -59,7 +59,7 @@ def assert_recovered(
     *,
     interval: int,
     committed_before: int | None = None,
-    write_failed: bool = False,
+    write_lost: bool = False,
 ) -> list[dict[str, Any]]:
     """The fault-matrix invariants; returns the attempt records.
 
@@ -68,9 +68,10 @@ def assert_recovered(
     - the metrics history is complete, one row per step, each loss identical (no duplicates);
     - no committed checkpoint was lost: the first resume came from ``committed_before`` (the
       newest commit seen before the fault) or later;
-    - each failure lost at most one checkpoint interval of steps; when the fault was the
-      checkpoint write itself failing (``write_failed``), the steps run while that write was in
-      flight are lost too (checkpoints are asynchronous): at most two intervals.
+    - each failure lost at most one checkpoint interval of steps; when the fault can take the
+      checkpoint being written with it (``write_lost``: the write itself failed, or the node
+      writing it died), the steps run while that write was in flight are lost too (checkpoints
+      are asynchronous): at most two intervals.
     """
     attempts = run_dir.read_attempts()
     assert attempts and attempts[-1]["status"] == "completed", attempts
@@ -79,7 +80,7 @@ def assert_recovered(
     resumed = [a.get("resumed_from_step") for a in attempts[1:]]
     if committed_before is not None and resumed:
         assert (resumed[0] or 0) >= committed_before, (resumed, committed_before)
-    bound = 2 * interval if write_failed else interval
+    bound = 2 * interval if write_lost else interval
     for summary in attempt_summaries(attempts):
         if summary.steps_lost is not None:
             assert summary.steps_lost <= bound, summary

@@ -229,7 +229,7 @@ def test_fault5_s3_outage_during_checkpoint_upload(uninterrupted, relaytrain_pre
     assert state.is_completed(), state.result(raise_on_failure=False)
     run_dir = RunDirectory(storage.resolve(s3.uri("fault5")).child("fault5"))
     attempts = assert_recovered(
-        run_dir, uninterrupted, interval=10, committed_before=10, write_failed=True
+        run_dir, uninterrupted, interval=10, committed_before=10, write_lost=True
     )
     scan = run_dir.scan()  # nothing partial left
     assert not scan.uncommitted and not scan.damaged, scan
@@ -292,7 +292,7 @@ def test_fault7_s3_write_denied_mid_run(uninterrupted, relaytrain_prefect, s3):
     _assert_nothing_lost(run_dir, [10])
     again = training(spec, return_state=True)  # access granted again: resume, exactly
     assert again.is_completed(), again.result(raise_on_failure=False)
-    assert_recovered(run_dir, uninterrupted, interval=10, committed_before=10, write_failed=True)
+    assert_recovered(run_dir, uninterrupted, interval=10, committed_before=10, write_lost=True)
     record_matrix_row(
         "7 S3 permission denied mid-run (IAM Deny s3:PutObject on a checkpoint)",
         run_dir,
@@ -362,9 +362,7 @@ def test_fault7_storage_full_mid_run(uninterrupted, relaytrain_prefect, tmp_path
         (root / "filler.bin").unlink()
         again = training(spec, return_state=True)
         assert again.is_completed(), again.result(raise_on_failure=False)
-        assert_recovered(
-            run_dir, uninterrupted, interval=10, committed_before=10, write_failed=True
-        )
+        assert_recovered(run_dir, uninterrupted, interval=10, committed_before=10, write_lost=True)
         record_matrix_row(
             "7 storage full mid-run (ENOSPC on an 8 MiB tmpfs)",
             run_dir,
