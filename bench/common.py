@@ -166,7 +166,10 @@ def alternate(
     error is recorded with its traceback and the round goes on.
     """
     if only:
-        variants = [v for v in variants if any(fnmatch.fnmatch(v.name, p) for p in only)]
+        skipped = [v.name for v in variants if unmatched(only, [v.name]) == only]
+        variants = [v for v in variants if v.name not in skipped]
+        if skipped:
+            log(f"[bench] --only skips {', '.join(skipped)}")
     records = {v.name: VariantRecord(v.description) for v in variants}
     for rep in range(repetitions):
         for variant in variants:
@@ -359,8 +362,23 @@ def results_dir_of(args: argparse.Namespace) -> Path:
     return QUICK_RESULTS_DIR if args.quick or args.only else RESULTS_DIR
 
 
+def unmatched(only: list[str] | None, names: list[str]) -> list[str]:
+    """The ``--only`` patterns that match none of ``names``."""
+    return [p for p in only or [] if not any(fnmatch.fnmatch(name, p) for name in names)]
+
+
 def finish(result: Result, args: argparse.Namespace) -> int:
-    """Write the result, print where and the targets; the process's exit code."""
+    """Write the result, print where and the targets; the process's exit code (2 when an
+    ``--only`` pattern matched no variant: a typo must not pass for a measurement)."""
+    missing = unmatched(args.only, list(result.variants))
+    if missing:
+        print(
+            f"[bench] {result.name}: --only {','.join(missing)} matched no variant; it has: "
+            f"{', '.join(result.variants) or 'no variant'} ('--only skips' lines above name "
+            "the others)",
+            file=sys.stderr,
+        )
+        return 2
     path = result.write(results_dir_of(args))
     print(f"\n[bench] {result.name}: wrote {path}")
     for target in result.targets:

@@ -7,6 +7,10 @@ with the same cadence of extra work: a synchronous all-reduce of the window's lo
 optimizer and schedule, every rank its RNG states, to a local directory, then a barrier. No
 manifest, hashes, commit marker, metrics history or retention beyond keeping the newest.
 
+``ray_train_loop`` runs the same training function inside Ray Train's workers (a bare
+``TorchTrainer``, Ray's own process group): plain PyTorch's loop in Ray's process environment,
+which tells Ray's cost on a machine apart from relaytrain's.
+
 ``sync_gradients=False`` runs every backward under DDP's ``no_sync()``: the same processes and
 collectives, minus the per-step gradient all-reduce (and the wait for the slower rank that comes
 with it). It is not training anyone would run; it measures the machine's compute ceiling.
@@ -65,6 +69,19 @@ def _worker(
         _train(spec, rank, world_size, Path(checkpoint_dir), sync_gradients)
     finally:
         dist.destroy_process_group()
+
+
+def ray_train_loop(config: dict[str, Any]) -> None:
+    """``_train`` as a Ray Train worker function: ``config`` holds ``spec`` and
+    ``checkpoint_dir``; rank and world size come from Ray Train's context."""
+    import ray.train
+
+    spec = RunSpec.model_validate(config["spec"])
+    context = ray.train.get_context()
+    torch.set_num_threads(1)  # as in _worker (Ray's 1-CPU workers have one thread already)
+    directory = Path(config["checkpoint_dir"])
+    directory.mkdir(parents=True, exist_ok=True)
+    _train(spec, context.get_world_rank(), context.get_world_size(), directory, True)
 
 
 def _train(

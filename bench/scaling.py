@@ -6,6 +6,12 @@ Variants, alternated in one process (one local Ray cluster):
   fixed at 1024, so the same epochs mean the same samples; 2 workers take half the steps).
 - ``plain_<n>w``: the same in plain PyTorch (``torch.multiprocessing`` + gloo): what the
   machine itself gives, the reference for a target out of physical reach.
+- ``ray_plain_<n>w``: plain PyTorch's own training function inside a bare ``TorchTrainer``'s
+  workers: what the machine gives any loop that runs on Ray Train. With as many workers as cores,
+  Ray's processes (raylet, GCS, the Train controller and its helper actors, the workers' own
+  threads) take their CPU from the training, and lockstep DDP stalls every rank for each one
+  that is preempted; ``plain`` vs ``ray_plain`` is Ray's share, ``ray_plain`` vs ``relaytrain``
+  is relaytrain's.
 - ``checkpoint/<size>MB``: relaytrain's checkpoint path (``bench.checkpoints``), local disk.
 
 Figures: steps/s over rank 0's first to last step, ``samples_per_s`` = steps/s x workers x
@@ -26,7 +32,7 @@ from typing import Any
 from bench import common, harness
 from bench.checkpoints import relaytrain_checkpoint
 from bench.common import Result, Sample, Target, Variant
-from bench.plain_ddp import run_plain_ddp
+from bench.plain_ddp import ray_train_loop, run_plain_ddp
 from bench.probe import read_probe, span
 from bench.workload import mlp_spec, random_state
 from trainer_core import storage
@@ -95,6 +101,19 @@ def measure_plain(spec: RunSpec, root: Path, sync_gradients: bool = True) -> Sam
     return throughput(spec, time.time() - started, step_s)
 
 
+def measure_ray_plain(spec: RunSpec, root: Path) -> Sample:
+    assert spec.run.name is not None
+    started = time.time()
+    loop_config = {
+        "spec": spec.model_dump(mode="json"),
+        "checkpoint_dir": str(root / spec.run.name / "plain"),
+    }
+    harness.bare_trainer(spec, loop=ray_train_loop, loop_config=loop_config).fit()
+    done = [e for e in read_probe(spec.run.name) if e["event"] == "done"]
+    step_s = done[-1]["timings"]["step_s"] if done else None
+    return throughput(spec, time.time() - started, step_s)
+
+
 def worker_variants(root: Path, epochs: int, quick: bool) -> list[Variant]:
     def spec(prefix: str, rep: int, workers: int) -> RunSpec:
         return make_spec(root, f"{prefix}{workers}w-{rep}", workers, epochs, quick)
@@ -104,6 +123,9 @@ def worker_variants(root: Path, epochs: int, quick: bool) -> list[Variant]:
 
     def plain(workers: int) -> Callable[[int], Sample]:
         return lambda rep: measure_plain(spec("plain", rep, workers), root)
+
+    def ray_plain(workers: int) -> Callable[[int], Sample]:
+        return lambda rep: measure_ray_plain(spec("rayplain", rep, workers), root)
 
     found = []
     for workers in (1, 2):
@@ -117,6 +139,11 @@ def worker_variants(root: Path, epochs: int, quick: bool) -> list[Variant]:
                 f"plain_{workers}w",
                 f"torch.multiprocessing + gloo, {workers} process(es)",
                 plain(workers),
+            ),
+            Variant(
+                f"ray_plain_{workers}w",
+                f"plain_{workers}w's training function in a bare TorchTrainer's worker(s)",
+                ray_plain(workers),
             ),
         ]
     found.append(
@@ -204,13 +231,28 @@ def summarize(result: Result, sizes: list[float]) -> None:
     speedup = common.ratio(records, "relaytrain_2w", "relaytrain_1w", "samples_per_s")
     plain = common.ratio(records, "plain_2w", "plain_1w", "samples_per_s")
     ceiling = common.ratio(records, "plain_2w_nosync", "plain_1w", "samples_per_s")
-    note = f"plain PyTorch on this machine: {plain:.2f}" if plain is not None else ""
-    if plain is not None and ceiling is not None:
-        note += f"; plain without the per-step gradient sync: {ceiling:.2f}"
+    on_ray = common.ratio(records, "ray_plain_2w", "ray_plain_1w", "samples_per_s")
+    notes = [
+        f"{label}: {value:.2f}"
+        for label, value in [
+            ("plain PyTorch on this machine", plain),
+            ("plain without the per-step gradient sync", ceiling),
+            ("plain's loop in Ray Train's workers", on_ray),
+        ]
+        if value is not None
+    ]
+    note = "; ".join(notes)
     result.targets.append(SPEEDUP_TARGET.check(speedup, note))
     figures: dict[str, Any] = {
         "plain 2w/1w samples/s": plain,
         "plain 2w without gradient sync / 1w samples/s": ceiling,
+        "ray_plain 2w/1w samples/s": on_ray,
+        "ray_plain 2w / plain 2w samples/s (Ray's share)": common.ratio(
+            records, "ray_plain_2w", "plain_2w", "samples_per_s"
+        ),
+        "relaytrain 2w / ray_plain 2w samples/s (relaytrain's share)": common.ratio(
+            records, "relaytrain_2w", "ray_plain_2w", "samples_per_s"
+        ),
         "relaytrain 2w/1w compute samples/s": common.ratio(
             records, "relaytrain_2w", "relaytrain_1w", "compute_samples_per_s"
         ),
