@@ -166,7 +166,7 @@ def alternate(
     error is recorded with its traceback and the round goes on.
     """
     if only:
-        skipped = [v.name for v in variants if unmatched(only, [v.name]) == only]
+        skipped = [v.name for v in variants if not any(fnmatch.fnmatch(v.name, p) for p in only)]
         variants = [v for v in variants if v.name not in skipped]
         if skipped:
             log(f"[bench] --only skips {', '.join(skipped)}")
