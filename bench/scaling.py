@@ -86,6 +86,13 @@ def throughput(spec: RunSpec, wall: float, step_s: float | None = None) -> Sampl
     return sample
 
 
+def probed_step_s(spec: RunSpec) -> float | None:
+    """Rank 0's optimizer-step seconds, as plain's loop records them in its ``done`` event."""
+    assert spec.run.name is not None
+    done = [e for e in read_probe(spec.run.name) if e["event"] == "done"]
+    return done[-1]["timings"]["step_s"] if done else None
+
+
 def measure_relaytrain(spec: RunSpec) -> Sample:
     started = time.time()
     _, events = harness.run_engine(spec)
@@ -96,9 +103,7 @@ def measure_relaytrain(spec: RunSpec) -> Sample:
 def measure_plain(spec: RunSpec, root: Path, sync_gradients: bool = True) -> Sample:
     assert spec.run.name is not None
     started = run_plain_ddp(spec, root / spec.run.name, sync_gradients)
-    done = [e for e in read_probe(spec.run.name) if e["event"] == "done"]
-    step_s = done[-1]["timings"]["step_s"] if done else None
-    return throughput(spec, time.time() - started, step_s)
+    return throughput(spec, time.time() - started, probed_step_s(spec))
 
 
 def measure_ray_plain(spec: RunSpec, root: Path) -> Sample:
@@ -109,9 +114,7 @@ def measure_ray_plain(spec: RunSpec, root: Path) -> Sample:
         "checkpoint_dir": str(root / spec.run.name / "plain"),
     }
     harness.bare_trainer(spec, loop=ray_train_loop, loop_config=loop_config).fit()
-    done = [e for e in read_probe(spec.run.name) if e["event"] == "done"]
-    step_s = done[-1]["timings"]["step_s"] if done else None
-    return throughput(spec, time.time() - started, step_s)
+    return throughput(spec, time.time() - started, probed_step_s(spec))
 
 
 def worker_variants(root: Path, epochs: int, quick: bool) -> list[Variant]:
