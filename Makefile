@@ -1,4 +1,6 @@
-# Every target that needs Python creates .venv and installs on first use; a no-op afterwards.
+# Every target that needs Python creates .venv and installs on first use (a line per step; the
+# whole output goes to .venv/install.log); a no-op afterwards. `make test` also installs the
+# Debian packages its browser test drives (tools/install.sh system).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,24 +15,23 @@ API_URL := http://$(PREFECT_HOST):$(PREFECT_PORT)/api
 # Deployment runs start here (the pull step of deployments/prefect.yaml).
 export RELAYTRAIN_HOME := $(CURDIR)
 
-.PHONY: install test lint run clean server worker deploy serve bench
+.PHONY: install system test lint run clean server worker deploy serve bench
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# torch first, by exact pin, so pip takes the CPU wheel this machine kind carries.
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test]"
-	touch $(STAMP)
+	@PYTHON=$(PYTHON) tools/install.sh venv
+	@touch $(STAMP)
 
 install: $(STAMP)
+
+system:
+	@tools/install.sh system
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: $(STAMP) lint
+test: $(STAMP) system lint
 	$(VENV)/bin/pytest tests --durations=30
 
 run: $(STAMP)
