@@ -12,8 +12,6 @@ export RAY_USAGE_STATS_ENABLED := 0
 PREFECT_HOST ?= 127.0.0.1
 PREFECT_PORT ?= 4200
 API_URL := http://$(PREFECT_HOST):$(PREFECT_PORT)/api
-# Deployment runs start here (the pull step of deployments/prefect.yaml).
-export RELAYTRAIN_HOME := $(CURDIR)
 
 .PHONY: install system test lint run clean server worker deploy serve bench
 
@@ -56,7 +54,8 @@ deploy: $(STAMP)
 	PREFECT_API_URL=$(API_URL) $(VENV)/bin/prefect work-pool create relaytrain-process --type process --overwrite
 	PREFECT_API_URL=$(API_URL) $(VENV)/bin/prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml
 
-# A process worker that runs them.
+# A process worker that runs them (any `prefect worker start --pool relaytrain-process` from this
+# venv does: each flow run starts in the checkout that `make deploy` ran in).
 worker: $(STAMP)
 	PREFECT_API_URL=$(API_URL) $(VENV)/bin/prefect worker start --pool relaytrain-process --type process
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
 from flows.pytest_plugin import tiny_spec_dict
 from tests.net import free_port
@@ -35,10 +36,10 @@ KNOWN_UI_NOISE = ("/ico/undefined.svg",)
 
 
 @contextlib.contextmanager
-def background(command: list[str], env: dict[str, str], log_path: Path):
+def background(command: list[str], env: dict[str, str], log_path: Path, cwd: Path = REPO):
     """A process running beside the test, its output in ``log_path``; terminated afterwards."""
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         try:
             yield process
         finally:
@@ -62,8 +63,8 @@ def prefect_server(home: Path, ray_address: str):
         "PREFECT_UI_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "RAY_ADDRESS": ray_address,
-        "RELAYTRAIN_HOME": str(REPO),
     }
+    env.pop("RELAYTRAIN_HOME", None)  # what older releases' pull step needed: not any more
     command = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     with background(command, env, home / "server.log") as process:
         deadline = time.time() + 120
@@ -98,11 +99,13 @@ def test_prefect_server_listens_on_loopback_only(server):
     assert listening == {"127.0.0.1"}
 
 
-def prefect(server, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def prefect(
+    server, *args: str, timeout: float = 300, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / "prefect"), *args],
         env=server["env"],
-        cwd=REPO,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -110,23 +113,18 @@ def prefect(server, *args: str, timeout: float = 300) -> subprocess.CompletedPro
 
 
 @pytest.fixture(scope="module")
-def worker(server):
+def worker(server, tmp_path_factory):
+    """`make deploy`'s two commands, then a worker started as a Prefect user starts one: plain
+    `prefect worker start`, in a directory of its own, with nothing of relaytrain's set."""
     for args in (
         ("work-pool", "create", "relaytrain-process", "--type", "process", "--overwrite"),
         ("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"),
     ):
         done = prefect(server, *args)
         assert done.returncode == 0, done.stdout + done.stderr
-    command = [
-        str(BIN / "prefect"),
-        "worker",
-        "start",
-        "--pool",
-        "relaytrain-process",
-        "--type",
-        "process",
-    ]
-    with background(command, server["env"], server["home"] / "worker.log") as process:
+    command = [str(BIN / "prefect"), "worker", "start", "--pool", "relaytrain-process"]
+    elsewhere = tmp_path_factory.mktemp("worker-cwd")
+    with background(command, server["env"], server["home"] / "worker.log", elsewhere) as process:
         yield process
 
 
@@ -291,6 +289,34 @@ def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, 
     assert not any("Progress: 0%" in text for text in progress)  # the failed attempt got somewhere
     assert pages[f"{name}-best-checkpoint"]["links"] == [f"file://{summary['best_checkpoint_uri']}"]
     assert pages[f"{name}-loss-curve"]["images"] and all(pages[f"{name}-loss-curve"]["images"])
+
+
+def test_a_deployment_whose_checkout_is_gone_fails_naming_the_fix(server, worker, tmp_path):
+    """A checkout moved after `make deploy`: the run fails with what to do, not a bare Crashed."""
+    checkout = tmp_path / "checkout"
+    for folder in ("flows", "deployments"):
+        shutil.copytree(REPO / folder, checkout / folder, ignore=shutil.ignore_patterns("__py*"))
+    prefect_file = checkout / "deployments" / "prefect.yaml"
+    config = yaml.safe_load(prefect_file.read_text())
+    config["deployments"] = [{**config["deployments"][0], "name": "moved-checkout"}]
+    prefect_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    done = prefect(
+        server, "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file), cwd=checkout
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    shutil.rmtree(checkout)
+
+    done = prefect(server, "deployment", "run", "training/moved-checkout", "--watch", timeout=300)
+    assert done.returncode != 0
+    with client_for(server) as client:
+        (deployment,) = [d for d in client.read_deployments() if d.name == "moved-checkout"]
+        (flow_run,) = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        )
+    assert flow_run.state.is_failed(), flow_run.state
+    message = flow_run.state.message
+    assert repr(str(checkout)) in message and "does not exist" in message
+    assert "make deploy" in message
 
 
 @pytest.fixture
