@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from trainer_core import storage
 from trainer_core.errors import SpecError, StorageError
-from trainer_core.spec import DataSection
+from trainer_core.spec import DATASET_FORMATS, DataSection
 
 #: The synthetic regression set does not depend on the run's seed: one dataset for every run.
 SYNTHETIC_DATA_SEED = 20240607
@@ -92,13 +92,14 @@ def _read_table(data: DataSection) -> pa.Table:
         return dataset.read(columns=columns)
     except FileNotFoundError as e:
         raise SpecError(
-            f"dataset {location.uri} does not exist: fix data.dataset (a Parquet file or "
-            "directory, or one of the built-ins 'digits', 'synthetic')",
+            f"dataset {location.uri} does not exist: fix data.dataset ({DATASET_FORMATS})",
             field="data.dataset",
         ) from e
     except (pa.ArrowInvalid, StorageError) as e:
+        what = "is not Parquet" if "magic bytes" in str(e) else "could not be read as Parquet"
         raise SpecError(
-            f"dataset {location.uri} could not be read as Parquet: {e}. Fix data.dataset.",
+            f"dataset {location.uri} {what}: {str(e).rstrip('.')}. Fix data.dataset: "
+            f"relaytrain reads {DATASET_FORMATS}.",
             field="data.dataset",
         ) from e
 

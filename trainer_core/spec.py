@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import posixpath
 import re
 import warnings
 from pathlib import Path
@@ -33,6 +34,32 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 IMPORT_PATH_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 BUILTIN_MODELS = ("mlp", "cnn")
 BUILTIN_DATASETS = ("digits", "synthetic")
+#: What ``data.dataset`` may name, for messages that refuse something else.
+DATASET_FORMATS = (
+    "a Parquet file or a directory of Parquet files (local or on any run.storage URI), or a "
+    "built-in: 'digits', 'synthetic'"
+)
+#: Suffixes of tabular formats relaytrain does not read: refused before anything is opened.
+NOT_PARQUET_SUFFIXES = {
+    ".csv": "CSV",
+    ".tsv": "TSV",
+    ".txt": "text",
+    ".json": "JSON",
+    ".jsonl": "JSON lines",
+    ".ndjson": "JSON lines",
+    ".arrow": "Arrow IPC",
+    ".feather": "Feather",
+    ".orc": "ORC",
+    ".xlsx": "Excel",
+    ".npy": "NumPy",
+    ".npz": "NumPy",
+    ".h5": "HDF5",
+    ".hdf5": "HDF5",
+    ".pkl": "pickle",
+    ".pt": "PyTorch",
+}
+#: ``run.seed`` seeds numpy, whose seeds are 32-bit.
+MAX_SEED = 2**32 - 1
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -87,6 +114,16 @@ class RunSection(_Section):
     def _name(cls, value: str | None) -> str | None:
         return None if value is None else validate_run_name(value)
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int) -> int:
+        if not 0 <= value <= MAX_SEED:
+            raise ValueError(
+                f"run.seed {value} is out of range: give an integer from 0 to {MAX_SEED} "
+                "(2**32 - 1, numpy's seed range)"
+            )
+        return value
+
     @field_validator("storage")
     @classmethod
     def _storage(cls, value: str) -> str:
@@ -129,6 +166,19 @@ class DataSection(_Section):
     batch_size: PositiveInt = 32
     validation_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.2
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset(cls, value: str) -> str:
+        suffix = posixpath.splitext(value.split("?", 1)[0].rstrip("/"))[1].lower()
+        if suffix in NOT_PARQUET_SUFFIXES:
+            raise ValueError(
+                f"data.dataset {value!r} is a {NOT_PARQUET_SUFFIXES[suffix]} file, not Parquet: "
+                f"relaytrain reads {DATASET_FORMATS}. Convert it to Parquet (e.g. "
+                "pyarrow.parquet.write_table(pyarrow.csv.read_csv(path), 'data.parquet')) and "
+                "point data.dataset at that"
+            )
+        return value
 
     @model_validator(mode="after")
     def _builtin_defaults(self) -> DataSection:

@@ -109,6 +109,7 @@ def world(relaytrain_ray, relaytrain_prefect, tmp_path_factory) -> World:
         }
     )
     pq.write_table(table, root / "table.parquet")
+    (root / "table.data").write_text("x,y\n0.5,1.0\n")  # CSV under a name that hides it
     return World(root / "runs", root / "table.parquet")
 
 
@@ -230,6 +231,14 @@ CASES = [
         "val_accuracy needs data.task classification",
         "spec",
         broken(checkpoint={"best_metric": "val_accuracy", "best_mode": "max"}),
+    ),
+    Case("seed-negative", "run.seed", "from 0 to 4294967295", "spec", overrides=("run.seed=-5",)),
+    Case(
+        "dataset-csv",
+        "data.dataset",
+        "not Parquet: relaytrain reads a Parquet file",
+        "spec",
+        overrides=("data.dataset=data.csv",),
     ),
     Case("run-name-empty", "run.name", "use 1-100 characters", "spec", renamed("")),
     Case("run-name-101-chars", "run.name", "use 1-100 characters", "spec", renamed("r" * 101)),
@@ -363,6 +372,13 @@ CASES = [
         "fix data.dataset",
         "setup",
         lambda w: w.parquet(dataset=str(w.table.parent / "nope.parquet")),
+    ),
+    Case(
+        "dataset-not-parquet-inside",
+        "data.dataset",
+        "is not Parquet",
+        "setup",
+        lambda w: w.parquet(dataset=str(w.table.parent / "table.data")),
     ),
     Case(
         "label-column-missing",
@@ -501,6 +517,9 @@ REQUIRED = {
     "resume-changed-model-shape",
     "run-dir-other-schema",
     "cron-invalid",
+    # issue 13: tried as a new user would
+    "seed-negative",
+    "dataset-csv",
 }
 
 
