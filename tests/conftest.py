@@ -22,7 +22,8 @@ def ray_cluster(relaytrain_ray):
 @pytest.fixture(scope="session")
 def uninterrupted(relaytrain_ray, tmp_path_factory):
     """The uninterrupted tiny run every recovery test must reproduce bit for bit: its result,
-    final parameters and optimizer state, and per-step losses."""
+    final parameters and optimizer state, per-step losses, and the metrics each checkpoint was
+    committed with (by step), which any run of the tiny spec commits too."""
     from tests.recovery import final_state, losses, run_dir_of
     from trainer_core.engine import run_attempt
     from trainer_core.spec import build_spec
@@ -33,7 +34,14 @@ def uninterrupted(relaytrain_ray, tmp_path_factory):
     assert result.status == "completed"
     assert any(e["kind"] == "metrics" for e in events)  # streamed while fit() ran
     run_dir = run_dir_of(spec)
-    return {"result": result, "state": final_state(run_dir), "losses": losses(run_dir)}
+    return {
+        "result": result,
+        "state": final_state(run_dir),
+        "losses": losses(run_dir),
+        "checkpoint_metrics": {
+            e["step"]: e["metrics"] for e in events if e["kind"] == "checkpoint"
+        },
+    }
 
 
 @pytest.fixture(scope="session")

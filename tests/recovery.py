@@ -104,3 +104,33 @@ def record_matrix_row(case: str, run_dir: RunDirectory, **extra: Any) -> dict[st
     with MATRIX_FILE.open("a") as f:
         f.write(json.dumps(row) + "\n")
     return row
+
+
+def expected_retention(
+    metrics_by_step: dict[int, dict[str, Any]],
+    keep_last: int,
+    keep_best: int,
+    metric: str = "val_loss",
+    mode: str = "min",
+) -> tuple[set[int], int]:
+    """What retention must leave of checkpoints committed with these metrics: the steps kept
+    (the newest ``keep_last`` and the best ``keep_best``), and the best step (the metric's
+    argmin, or argmax for ``mode="max"``; the newer one on a tie)."""
+    steps = sorted(metrics_by_step)
+    sign = 1.0 if mode == "min" else -1.0
+    ranked = sorted(
+        (s for s in steps if metric in metrics_by_step[s]),
+        key=lambda s: (sign * metrics_by_step[s][metric], -s),
+    )
+    return set(steps[-keep_last:]) | set(ranked[:keep_best]), ranked[0]
+
+
+def assert_retained(
+    run_dir: RunDirectory, best_checkpoint_uri: str | None, kept: set[int], best: int
+) -> None:
+    """The run directory holds exactly the ``kept`` committed checkpoints and nothing
+    uncommitted, and the best checkpoint named is the one at step ``best``."""
+    scan = run_dir.scan()
+    assert {c.step for c in scan.committed} == kept
+    assert not scan.uncommitted and not scan.damaged
+    assert best_checkpoint_uri == run_dir.checkpoint_location(best).uri

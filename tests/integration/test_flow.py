@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +21,9 @@ from flows.training import training
 from tests.prefect_api import artifacts, task_runs
 from tests.recovery import (
     assert_recovered,
+    assert_retained,
     assert_same_tensors,
+    expected_retention,
     final_state,
     losses,
     record_matrix_row,
@@ -78,6 +82,26 @@ def test_happy_path_tasks_artifacts_and_result(happy):
         assert client.read_flow_run(flow_run_id).name == "flow-happy"
 
 
+def test_retention_keeps_the_newest_and_the_metrics_best(happy, uninterrupted):
+    """On the run's real directory: keep_last 2 + keep_best 1 by val_loss (min) left exactly
+    those, and the best checkpoint is val_loss's argmin over every checkpoint committed."""
+    spec, state, _ = happy
+    kept, best = expected_retention(uninterrupted["checkpoint_metrics"], keep_last=2, keep_best=1)
+    assert_retained(run_dir_of(spec), state.result().best_checkpoint_uri, kept, best)
+
+
+def test_retention_keeps_a_best_checkpoint_older_than_the_last(uninterrupted, tmp_path):
+    """keep_last 1 + keep_best 1 by val_loss (max): the best is not the newest, and survives."""
+    policy = {"keep_last": 1, "keep_best": 1, "best_metric": "val_loss", "best_mode": "max"}
+    spec = build_spec(tiny_spec_dict(tmp_path, "flow-keep", checkpoint=policy))
+    result = training(spec)
+    kept, best = expected_retention(
+        uninterrupted["checkpoint_metrics"], keep_last=1, keep_best=1, mode="max"
+    )
+    assert len(kept) == 2 and best != max(kept)  # the best is not among the last
+    assert_retained(run_dir_of(spec), result.best_checkpoint_uri, kept, best)
+
+
 def test_finished_run_returns_stored_result_unless_more_epochs(happy):
     spec, first, _ = happy
     again = training(spec, return_state=True)
@@ -134,6 +158,40 @@ def test_a_run_held_by_a_live_flow_is_refused(relaytrain_ray, relaytrain_prefect
     error = state.result(raise_on_failure=False)
     assert isinstance(error, lease.LeaseHeldError) and "another-live-flow" in str(error)
     assert "train" not in task_runs(state.state_details.flow_run_id)
+
+
+def test_progress_artifact_moves_while_training_at_most_every_2_s(
+    relaytrain_ray, relaytrain_prefect, tmp_path
+):
+    """The README: the progress artifact is updated while training, at most every 2 s, and at
+    the end. Polled as the UI polls it; spacing is read from the server's own timestamps."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from tasks.train import PROGRESS_INTERVAL_S
+
+    spec = build_spec(yaml.safe_load(slow_spec_file(tmp_path, "flow-progress").read_text()))
+    seen: dict = {}  # server-side update time -> progress
+    flow = threading.Thread(target=training, args=(spec,), kwargs={"return_state": True})
+    flow.start()
+    with get_client(sync_client=True) as client:
+        while flow.is_alive() or not seen:
+            for artifact in client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    key=ArtifactFilterKey(any_=["flow-progress-progress"])
+                )
+            ):
+                seen[artifact.updated] = artifact.data
+            time.sleep(0.2)
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["flow-progress-progress"]))
+        )
+    flow.join()
+    assert artifact.data == 100
+    during = sorted((t, p) for t, p in seen.items() if 0 < p < 100)
+    assert during, f"no progress between 0 and 100 was seen while training: {seen}"
+    assert [p for _, p in during] == sorted(p for _, p in during)  # never backwards
+    gaps = [(b - a).total_seconds() for (a, _), (b, _) in itertools.pairwise(during)]
+    assert all(gap >= PROGRESS_INTERVAL_S - 0.1 for gap in gaps), gaps
 
 
 # -- the flow as a separate process: SIGKILL, and cancellation by SIGTERM ------------------------

@@ -22,7 +22,9 @@ from tests.prefect_api import artifacts, task_runs
 from tests.recovery import (
     REPO,
     assert_recovered,
+    assert_retained,
     assert_same_tensors,
+    expected_retention,
     final_state,
     losses,
     record_matrix_row,
@@ -102,6 +104,12 @@ def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, uninterrupted, s3, kind):
     keys = s3.objects(f"runs-{kind}/s3-{kind}/")
     assert f"runs-{kind}/s3-{kind}/checkpoint-000000039/COMMITTED" in keys
     assert f"runs-{kind}/s3-{kind}/summary.json" in keys
+    # Retention on the server: the newest 2 and val_loss's argmin, nothing else.
+    kept, best = expected_retention(uninterrupted["checkpoint_metrics"], keep_last=2, keep_best=1)
+    assert_retained(run_dir, result.best_checkpoint_uri, kept, best)
+    assert {k.split("/")[2] for k in keys if "/checkpoint-" in k} == {
+        f"checkpoint-{step:09d}" for step in kept
+    }
 
 
 # -- bad inputs: rejected by setup, no retry, nothing written, fast ---------------------------

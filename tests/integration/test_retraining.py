@@ -66,3 +66,29 @@ def test_nightly_slots_warm_start_compare_and_promote(relaytrain_ray, relaytrain
         spec, model_name="nightly-mlp", promote_margin=1e9, slot=datetime(2026, 1, 2, 2, tzinfo=UTC)
     )
     assert again.training.attempts == second.training.attempts  # the slot did not train twice
+
+
+def test_rerunning_a_failed_night_resumes_that_nights_run(
+    relaytrain_ray, relaytrain_prefect, tmp_path
+):
+    """The README: re-running a failed night resumes that night's run (same slot, same run)."""
+    raw = tiny_spec_dict(
+        tmp_path / "runs",
+        None,
+        retries={"infrastructure": 0, "code": 0},
+        faults=[{"kind": "raise", "at_step": 17, "rank": 0, "attempt": 1}],
+    )
+    raw["run"].pop("name")
+    spec = build_spec(raw)
+    night = datetime(2026, 3, 4, 2, tzinfo=UTC)
+    failed = retraining(spec, model_name="flaky", slot=night, return_state=True)
+    assert failed.is_failed()
+    registry = Registry(storage.resolve(str(tmp_path / "runs")), "flaky")
+    assert registry.champion() is None  # a failed night promotes nothing
+
+    rerun = retraining(spec, model_name="flaky", slot=night)
+    assert rerun.training.run_name == "flaky-20260304-0200"  # that night's run, not a new one
+    first, second = rerun.training.attempts
+    assert (first.status, first.error_class) == ("failed", "TrainingCodeError")
+    assert second.status == "completed" and second.resumed_from_step == 10
+    assert rerun.training.steps_completed == 39 and rerun.comparison.promoted
