@@ -157,6 +157,7 @@ def _actors_by_node(job_address: str, node_ids: set[str]) -> list[dict[str, Any]
 
 
 def _wait_for_job_server(address: str, timeout_s: float = 60) -> None:
+    import urllib.error
     import urllib.request
 
     deadline = time.time() + timeout_s
@@ -164,8 +165,14 @@ def _wait_for_job_server(address: str, timeout_s: float = 60) -> None:
         try:
             with urllib.request.urlopen(f"{address}/api/version", timeout=2):
                 return
+        except urllib.error.HTTPError:
+            # It answers. Ray 2.60 turns on token auth for a new local cluster (RAY_AUTH_MODE
+            # =token reaches this process): a request without the token is refused with 401,
+            # which Ray's own clients send. Waiting for a 200 here waited out the deadline.
+            return
         except OSError:
             time.sleep(0.5)
+    raise RuntimeError(f"the Ray job server at {address} did not answer in {timeout_s} s")
 
 
 def _reply(value: dict[str, Any]) -> None:

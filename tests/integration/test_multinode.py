@@ -182,3 +182,87 @@ def test_killed_flow_reattaches_to_its_running_job(
     assert [j.submission_id for j in run_jobs] == [job_id]  # one job, never a second one
     attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=before)
     assert len(attempts) == 1 and attempts[0]["status"] == "completed"
+
+
+PREFECT_FILE = "deployments/prefect.yaml"
+
+
+def test_prefect_cancel_through_a_worker_stops_the_job(
+    cluster, relaytrain_prefect, uninterrupted, run_storage, tmp_path
+):
+    """The README: a cancelled flow stops its job. Cancelled as a Prefect user cancels: the
+    deployment runs on a process worker, and `prefect flow-run cancel` goes through the API."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    name = "multinode-cancelled"
+    raw = slow_raw(run_storage, name, cluster)
+    if len(cluster.nodes()) < 2:
+        cluster.command("add")
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),  # the flow process imports tests.helpers:slow_mlp
+    }
+
+    def prefect(*args: str) -> str:
+        done = subprocess.run(
+            [os.path.join(os.path.dirname(sys.executable), "prefect"), *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    prefect("work-pool", "create", "relaytrain-process", "--type", "process", "--overwrite")
+    prefect("--no-prompt", "deploy", "--name", "default", "--prefect-file", PREFECT_FILE)
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out:
+        worker = subprocess.Popen(
+            [
+                os.path.join(os.path.dirname(sys.executable), "prefect"),
+                "worker",
+                "start",
+                "--pool",
+                "relaytrain-process",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        with get_client(sync_client=True) as client:
+            deployment = client.read_deployment_by_name("training/default")
+            flow_run = client.create_flow_run_from_deployment(
+                deployment.id, parameters={"spec": raw}
+            )
+        run_dir = run_dir_of(build_spec(raw))
+        jobs_client = JobSubmissionClient(cluster.job_address)
+        job_id = jobs.submission_id(name, 1)
+        wait_until(lambda: committed_step(run_dir) >= 10, what="a commit")
+        assert str(jobs_client.get_job_status(job_id)) == "RUNNING"
+        before = committed_step(run_dir)
+        prefect("flow-run", "cancel", str(flow_run.id))
+
+        def cancelled():
+            with get_client(sync_client=True) as client:
+                return client.read_flow_run(flow_run.id).state.is_cancelled()
+
+        wait_until(cancelled, timeout_s=120, what="the flow run to be Cancelled")
+        wait_until(
+            lambda: str(jobs_client.get_job_status(job_id)) == "STOPPED",
+            timeout_s=60,
+            what="the Ray job to stop",
+        )
+        assert committed_step(run_dir) >= before  # nothing committed was lost
+    finally:
+        worker.terminate()
+        worker.wait(60)
+        print(log.read_text()[-5000:])  # shown when the test fails
+    result = training(build_spec(raw))  # run it again: it resumes
+    assert result.status == "completed" and result.attempts[-1].resumed_from_step >= before
