@@ -7,9 +7,13 @@ import os
 import pytest
 
 from flows.pytest_plugin import tiny_spec_dict as tiny_raw
+from tests.gcs import GCSFS_ENV as GCS_CLIENT_ENV
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# gcsfs against the GCS emulator (tests/gcs.py): read at gcsfs's import, in every process, so
+# set before the session's Ray cluster starts.
+os.environ.update(GCS_CLIENT_ENV)
 
 __all__ = ["tiny_raw"]
 
@@ -51,4 +55,14 @@ def s3_server(tmp_path_factory):
     from tests.s3 import moto_s3
 
     with moto_s3(tmp_path_factory.mktemp("moto")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """A real GCS-compatible server (fake-gcs-server) on loopback, with a bucket and a
+    service-account key file generated for it (tests/gcs.py)."""
+    from tests.gcs import fake_gcs
+
+    with fake_gcs(tmp_path_factory.mktemp("gcs")) as server:
         yield server

@@ -24,7 +24,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from trainer_core import __version__, storage, workloads
+from trainer_core import __version__, lazyfs, storage, workloads
 from trainer_core import data as data_mod
 from trainer_core.checkpoints import RunDirectory, open_checkpoint
 from trainer_core.classify import classify
@@ -591,7 +591,8 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
         run_config=RunConfig(
             name=plan.run_name,
             storage_path=root.path,
-            storage_filesystem=root.filesystem,
+            # Built where it is used, after the credentials are set there (lazyfs).
+            storage_filesystem=lazyfs.for_ray(plan.storage_uri, root.filesystem),
             # Every failure, preemption included, ends the attempt: Prefect's retry resumes it
             # from relaytrain's newest committed checkpoint, on the infrastructure budget.
             failure_config=FailureConfig(max_failures=0, max_preemption_failures=0),

@@ -7,7 +7,8 @@ Supported:
   S3FileSystem; credentials come from the environment), ``gs://``, ``hdfs://``;
 - ``fsspec+<protocol>://...`` to force the fsspec implementation of a protocol (e.g. s3fs),
   query options passed to ``fsspec.filesystem``; and any protocol pyarrow does not know natively
-  (``memory://``, ``gcs://``, ``abfs://``, ...) through ``PyFileSystem(FSSpecHandler(...))``.
+  (``memory://``, ``abfs://``, ...) through ``PyFileSystem(FSSpecHandler(...))``. ``gcs://`` is
+  pyarrow's, like ``gs://``; ``fsspec+gcs://`` is gcsfs.
 
 Credentials never travel in a URI: they come from the environment (``credential_env`` lists the
 variables relaytrain hands on to Ray's controller and workers), filled from a Prefect block when
@@ -114,6 +115,7 @@ S3_CONNECT_TIMEOUT_S = 5.0
 S3_MAX_ATTEMPTS = 3
 PROBE_CONNECT_TIMEOUT_S = 2.0
 PROBE_MAX_ATTEMPTS = 2
+PROBE_GCS_RETRY_LIMIT_S = 1
 #: What access refusals look like in pyarrow's (AWS SDK) and s3fs's (botocore) messages.
 ACCESS_SIGNS = (
     "ACCESS_DENIED",
@@ -133,6 +135,8 @@ ACCESS_SIGNS = (
     "AllAccessDisabled",
 )
 MISSING_BUCKET_SIGNS = ("NO_SUCH_BUCKET", "NoSuchBucket", "specified bucket does not exist")
+#: pyarrow's GCS client creates a missing bucket; with no project to create it in, it says so.
+GCS_CREATE_BUCKET_SIGNS = ("CreateBucket", "missing project id")
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 #: A path that can never hold the run (a file where a directory should be, a name too long).
 BAD_PATH_ERRNOS = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP)
@@ -303,6 +307,12 @@ def storage_error(uri: str, verb: str, error: BaseException) -> StorageError | N
     failed, is a transient StorageUnavailableError.
     """
     text = f"{type(error).__name__}: {error}"
+    if all(sign in text for sign in GCS_CREATE_BUCKET_SIGNS):
+        return StorageAccessError(
+            f"could not {verb} {uri}: its bucket does not exist (pyarrow's GCS client tried to "
+            f"create it: {error}). Create the bucket, or fix run.storage.",
+            field="run.storage",
+        )
     transport = type(error).__module__.split(".")[0] in TRANSPORT_PACKAGES
     if not isinstance(error, OSError) and not transport:
         return None
@@ -397,6 +407,9 @@ def resolve(uri: str, *, fail_fast: bool = False) -> Location:
         path = f"{parts.netloc}{parts.path}".rstrip("/")
         return Location(filesystem, path, display, patience)
     if scheme in PYARROW_SCHEMES:
+        if fail_fast and scheme in ("gs", "gcs") and "retry_limit_seconds" not in options:
+            # google-cloud-cpp retries a dead endpoint for minutes by default
+            uri += f"{'&' if parts.query else '?'}retry_limit_seconds={PROBE_GCS_RETRY_LIMIT_S}"
         try:
             filesystem, path = pafs.FileSystem.from_uri(uri)
         except (ValueError, OSError) as e:
