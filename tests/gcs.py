@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -53,7 +52,7 @@ from urllib.parse import quote
 
 import requests
 
-from tests.net import free_port
+from tests.net import free_port, stop, wait_until_answers
 
 #: gcsfs: plain GCSFileSystem, no gRPC bucket-type lookup (see the module's docstring).
 #: tests/conftest.py sets it before the session's Ray cluster starts.
@@ -62,7 +61,6 @@ GCSFS_ENV = {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 PROJECT = "relaytrain-test"
 #: Not googleapis.com: the clients then sign JWTs themselves (no token exchange, no network).
 UNIVERSE_DOMAIN = "relaytrain.test"
-START_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -183,20 +181,6 @@ def write_credentials(path: Path) -> None:
     path.chmod(0o600)
 
 
-def _wait_until_answers(port: int, process: subprocess.Popen, log_file: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"fake-gcs-server exited with {process.returncode}: {log_file.read_text()}"
-            )
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(f"http://127.0.0.1:{port}/storage/v1/b", timeout=1).ok:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"fake-gcs-server on port {port} did not answer within {START_TIMEOUT_S} s")
-
-
 def _create_bucket(port: int, bucket: str) -> None:
     response = requests.post(
         f"http://127.0.0.1:{port}/storage/v1/b",
@@ -237,7 +221,7 @@ def fake_gcs(log_dir: Path, bucket: str = "relaytrain") -> Iterator[GcsServer]:
         )
     try:
         write_credentials(credentials_file)  # while the server starts
-        _wait_until_answers(port, process, log_file)
+        wait_until_answers(f"{url}/storage/v1/b", process, log_file, "fake-gcs-server")
         _create_bucket(port, bucket)
         yield GcsServer(
             port=port,
@@ -247,10 +231,5 @@ def fake_gcs(log_dir: Path, bucket: str = "relaytrain") -> Iterator[GcsServer]:
             process=process,
         )
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        stop(process)
         credentials_file.unlink(missing_ok=True)

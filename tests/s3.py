@@ -31,9 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import requests
-
-from tests.net import free_port
+from tests.net import free_port, stop, wait_until_answers
 
 REGION = "us-east-1"
 #: Bootstrap actions moto lets through unsigned: create the admin user, its policy, its key.
@@ -115,20 +113,6 @@ class S3Server:
             iam.delete_user_policy(UserName=self.trainer_user, PolicyName=name)
 
 
-def _wait_until_answers(port: int, process: subprocess.Popen, log_file: Path) -> None:
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"moto server exited with {process.returncode}: {log_file.read_text()}"
-            )
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(f"http://127.0.0.1:{port}/moto-api/", timeout=1).ok:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"moto server on port {port} did not answer within 60 s")
-
-
 def _bootstrap(port: int, bucket: str) -> dict[str, Any]:
     """Admin user (unsigned, within moto's no-auth allowance), then the trainer and the bucket."""
     import boto3
@@ -201,16 +185,11 @@ def moto_s3(log_dir: Path, bucket: str = "relaytrain") -> Iterator[S3Server]:
             env=env,
         )
     try:
-        _wait_until_answers(port, process, log_file)
+        wait_until_answers(f"http://127.0.0.1:{port}/moto-api/", process, log_file, "moto server")
         users = _bootstrap(port, bucket)
         yield S3Server(port=port, bucket=bucket, log_file=log_file, process=process, **users)
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        stop(process)
 
 
 # -- the outage proxy -------------------------------------------------------------------------
