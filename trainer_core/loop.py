@@ -51,6 +51,7 @@ from trainer_core.worker import (
     WorkerConfig,
     all_ok,
     all_reduce,
+    collective_device,
     is_peer_failure,
 )
 
@@ -59,6 +60,8 @@ logger = logging.getLogger("relaytrain.worker")
 
 # -- the built-in loop ---------------------------------------------------------------------------
 
+#: ``precision`` -> the dtype autocast computes in (fp32: no autocast).
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: Training waiting for the previous checkpoint's write is worth a warning when the wait is this
 #: share of the training time since that write began, and at least this long.
 SLOW_WRITE_SHARE = 0.1
@@ -105,6 +108,8 @@ class BuiltinLoop:
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
         self.world_size = context.get_world_size()
+        #: Where the model, every batch and the validation data live (a GPU with use_gpu).
+        self.device = ray.train.torch.get_device()
         self.config = config
         self.spec = RunSpec.model_validate(config.spec)
         assert self.spec.model and self.spec.data and self.spec.schedule
@@ -128,6 +133,11 @@ class BuiltinLoop:
             self.optimizer, self.spec.schedule, self.total_steps
         )
         self.loss_fn = workloads.loss_function(self.data_spec.task or "classification")
+        #: Autocast's dtype (None: fp32), and fp16's gradient scaler.
+        self.autocast_dtype = AUTOCAST_DTYPES.get(self.spec.precision)
+        self.scaler = (
+            torch.amp.GradScaler(self.device.type) if self.spec.precision == "fp16" else None
+        )
         training_state.seed_everything(self.spec.run.seed * 1009 + self.rank + 1)  # per-rank RNG
         self.progress = Progress()
         self.group = 0  # worker groups of this attempt before this one (in-place restarts)
@@ -164,6 +174,8 @@ class BuiltinLoop:
             "optimizer": f"optimizer{suffix}.pt",
             "scheduler": "scheduler.pt",
         }
+        if self.scaler is not None and "scaler.pt" in checkpoint.files:
+            wanted["scaler"] = "scaler.pt"  # else a new scaler: a checkpoint of fp32 or bf16
         if same_world:
             wanted["rng"] = f"rng-rank{self.rank}.pt"
         return wanted
@@ -206,6 +218,8 @@ class BuiltinLoop:
             self.model.load_state_dict(states["model"])
             self.optimizer.load_state_dict(states["optimizer"])
             self.scheduler.load_state_dict(states["scheduler"])
+            if "scaler" in states and self.scaler is not None:
+                self.scaler.load_state_dict(states["scaler"])
             if "rng" in states:
                 training_state.restore_rng(states["rng"])
             manifest = checkpoint.manifest
@@ -236,6 +250,8 @@ class BuiltinLoop:
     # -- steps ---------------------------------------------------------------------------------
 
     def run(self) -> None:
+        # On the device before restoring: the optimizer casts loaded state to its parameters'.
+        self.model.to(self.device)
         self.restore()
         ddp_model = ray.train.torch.prepare_model(self.model)
         schedule = self.spec.schedule
@@ -303,13 +319,20 @@ class BuiltinLoop:
     def _step(self, model: torch.nn.Module, index: np.ndarray, step: int) -> float:
         self.current_step = step
         self.faults.check(step)
-        features = torch.from_numpy(self.train.features[index])
-        labels = torch.from_numpy(self.train.labels[index])
+        features = self._to_device(self.train.features[index])
+        labels = self._to_device(self.train.labels[index])
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(model(features), labels)
-        loss.backward()
-        self._await_staging()
-        self.optimizer.step()
+        with self._autocast():
+            loss = self.loss_fn(model(features), labels)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self._await_staging()
+            self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+            self.scaler.update()
+        else:
+            loss.backward()
+            self._await_staging()
+            self.optimizer.step()
         self.scheduler.step()
         value = loss.item()
         if not math.isfinite(value):
@@ -323,6 +346,18 @@ class BuiltinLoop:
             )
         return value
 
+    def _autocast(self) -> Any:
+        """Autocast to ``precision``'s dtype on the model's device (a no-op for fp32)."""
+        return torch.autocast(
+            self.device.type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A batch as a tensor on the model's device (the same tensor, no copy, on the CPU)."""
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
     @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:
         self.model.eval()
@@ -330,10 +365,11 @@ class BuiltinLoop:
         loss_sum, correct = 0.0, 0.0
         for start in range(0, len(index), 256):
             part = index[start : start + 256]
-            features = torch.from_numpy(self.val.features[part])
-            labels = torch.from_numpy(self.val.labels[part])
-            output = self.model(features)
-            loss_sum += float(self.loss_fn(output, labels)) * len(part)
+            features = self._to_device(self.val.features[part])
+            labels = self._to_device(self.val.labels[part])
+            with self._autocast():
+                output = self.model(features)
+                loss_sum += float(self.loss_fn(output, labels)) * len(part)
             if self.data_spec.task == "classification":
                 correct += float((output.argmax(dim=1) == labels).sum())
         loss_sum, correct, count = all_reduce([loss_sum, correct, float(len(index))])
@@ -352,7 +388,11 @@ class BuiltinLoop:
         records its metrics, and at the end).
         """
         if self.pending:
-            losses = torch.tensor([row["loss"] for row in self.pending], dtype=torch.float64)
+            losses = torch.tensor(
+                [row["loss"] for row in self.pending],
+                dtype=torch.float64,
+                device=collective_device(),
+            )
             work = dist.all_reduce(losses, async_op=True)
             self.in_flight.append((work, losses, self.pending, extra))
             self.pending = []
@@ -450,6 +490,8 @@ class BuiltinLoop:
             state["optimizer"] = self.optimizer.state_dict()
         if self.rank == 0:
             state["scheduler"] = self.scheduler.state_dict()
+            if self.scaler is not None:
+                state["scaler"] = self.scaler.state_dict()
         return state
 
     def _changed_by_step(self) -> Callable[[torch.Tensor], bool]:
@@ -504,6 +546,7 @@ class BuiltinLoop:
             "model": f"model{suffix}.pt",
             "optimizer": f"optimizer{suffix}.pt",
             "scheduler": "scheduler.pt",
+            "scaler": "scaler.pt",
         }
         entries = [
             self.run_dir.stream_checkpoint_file(

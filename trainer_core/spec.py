@@ -296,6 +296,9 @@ class RunSpec(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     report: ReportSection = Field(default_factory=ReportSection)
     retries: RetriesSection = Field(default_factory=RetriesSection)
+    #: The built-in loop's arithmetic: fp32, or autocast to bf16 or fp16 (fp16 with a gradient
+    #: scaler whose state is checkpointed). Parameters and optimizer state stay fp32.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     #: Import path of a user's own Ray Train ``train_loop_per_worker``.
     train_loop: str | None = None
     train_loop_config: dict[str, Any] = Field(default_factory=dict)

@@ -82,12 +82,18 @@ class Stager:
         buffer = self.buffers.get(path)
         if (
             buffer is None
+            or buffer.is_pinned() != tensor.is_cuda
             or buffer.shape != tensor.shape
             or buffer.dtype != tensor.dtype
             or buffer.stride() != tensor.stride()
         ):
+            # Host memory; page-locked for a GPU tensor, so its copy is a DMA.
             buffer = torch.empty_strided(
-                tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu"
+                tensor.shape,
+                tensor.stride(),
+                dtype=tensor.dtype,
+                device="cpu",
+                pin_memory=tensor.is_cuda,
             )
             self.buffers[path] = buffer
             if not copy_data:

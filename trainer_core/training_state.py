@@ -64,11 +64,14 @@ def capture_rng() -> dict[str, Any]:
     """The python, numpy and torch RNG states of this process."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
+    state = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, torch.from_numpy(np.asarray(keys).copy()), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current GPU's (dropout on a GPU)
+    return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -77,6 +80,9 @@ def restore_rng(state: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
+    # A GPU run's checkpoint resumed on a CPU has no GPU to restore; the reverse, none saved.
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def seed_everything(seed: int) -> None:

@@ -125,8 +125,16 @@ class Relay:
         self.last_push = now
 
 
+def collective_device() -> torch.device:
+    """Where the default process group's collectives take their tensors: the current GPU under
+    nccl, the CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce(values: list[float], op: Any = None) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
     return tensor.tolist()
 

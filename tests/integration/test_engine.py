@@ -220,3 +220,28 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
     assert [e["group"] for e in events if e["kind"] in ("resumed", "fresh_start")] == [0, 1]
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_resumes_exactly(reference, tmp_path, precision):
+    """Autocast (and fp16's gradient scaler, checkpointed) on CPU: a run interrupted and resumed
+    ends bit-identical to an uninterrupted run of the same precision."""
+    uninterrupted = build_spec(tiny_raw(tmp_path, f"{precision}-whole", precision=precision))
+    assert run_attempt(uninterrupted).status == "completed"
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            f"{precision}-resumed",
+            precision=precision,
+            faults=[{"kind": "raise", "at_step": 17}],
+        )
+    )
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    assert run_attempt(spec).resumed_from_step == 10
+    whole, resumed = run_dir_of(uninterrupted), run_dir_of(spec)
+    assert_same_tensors(final_state(resumed), final_state(whole))
+    assert losses(resumed) == losses(whole)
+    assert losses(whole) != reference["losses"]  # autocast did change the arithmetic
+    files = set(resumed.scan().newest.files)
+    assert ("scaler.pt" in files) == (precision == "fp16")
