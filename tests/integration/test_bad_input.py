@@ -240,6 +240,13 @@ CASES = [
         "spec",
         overrides=("data.dataset=data.csv",),
     ),
+    Case(
+        "precision-unknown",
+        "precision",
+        "'fp32', 'bf16' or 'fp16'",
+        "spec",
+        overrides=("precision=fp8",),
+    ),
     Case("run-name-empty", "run.name", "use 1-100 characters", "spec", renamed("")),
     Case("run-name-101-chars", "run.name", "use 1-100 characters", "spec", renamed("r" * 101)),
     Case("run-name-slash", "run.name", "must not escape", "spec", renamed("team/run")),
