@@ -324,10 +324,12 @@ class RunSpec(_Section):
                 )
         else:
             ignored = [s for s in ("model", "data", "schedule") if getattr(self, s) is not None]
+            if self.precision != "fp32":
+                ignored.append(f"precision={self.precision}")  # your loop autocasts itself
             if ignored:
                 warnings.warn(
-                    f"train_loop is set, so section(s) {ignored} are ignored: pass what your "
-                    "loop needs through train_loop_config",
+                    f"train_loop is set, so {ignored} are ignored: pass what your loop needs "
+                    "through train_loop_config",
                     UserWarning,
                     stacklevel=2,
                 )

@@ -88,6 +88,14 @@ def test_train_loop_ignores_builtin_sections_with_a_warning(tmp_path):
         build_spec(raw)
 
 
+def test_train_loop_ignores_precision_with_a_warning(tmp_path):
+    raw = tiny_raw(tmp_path, "x", train_loop="examples.ray_train_loop:train_func", precision="bf16")
+    for section in ("model", "data", "schedule"):
+        del raw[section]
+    with pytest.warns(UserWarning, match=r"\['precision=bf16'\] are ignored"):
+        build_spec(raw)
+
+
 def test_missing_and_broken_spec_files(tmp_path):
     with pytest.raises(SpecError, match="does not exist"):
         load_spec(tmp_path / "nope.yaml")
