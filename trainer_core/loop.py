@@ -324,15 +324,13 @@ class BuiltinLoop:
         self.optimizer.zero_grad(set_to_none=True)
         with self._autocast():
             loss = self.loss_fn(model(features), labels)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self._await_staging()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        self._await_staging()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
             self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
             self.scaler.update()
-        else:
-            loss.backward()
-            self._await_staging()
-            self.optimizer.step()
         self.scheduler.step()
         value = loss.item()
         if not math.isfinite(value):
