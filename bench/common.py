@@ -35,7 +35,15 @@ README = BENCH_DIR / "README.md"
 RESULTS_ENV = "RELAYTRAIN_BENCH_RESULTS"
 SCHEMA_VERSION = 1
 #: Every benchmark module, in the order ``make bench`` runs them and the README shows them.
-BENCHMARKS = ("overhead", "recovery", "checkpoints", "reporting", "scaling", "memory")
+BENCHMARKS = (
+    "overhead",
+    "recovery",
+    "checkpoints",
+    "reporting",
+    "scaling",
+    "memory",
+    "precision",
+)
 TABLES_START = "<!-- bench:tables:start -->"
 TABLES_END = "<!-- bench:tables:end -->"
 

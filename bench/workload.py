@@ -105,6 +105,9 @@ class Workload:
             self.optimizer, spec.schedule, self.total_steps
         )
         self.loss_fn = workloads.loss_function(self.data.task or "classification")
+        #: relaytrain's ``precision`` as plain autocast (fp16 with a gradient scaler).
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
+        self.scaler = torch.amp.GradScaler("cpu") if spec.precision == "fp16" else None
         training_state.seed_everything(spec.run.seed * 1009 + rank + 1)
 
     def batches(self, epoch: int) -> list[np.ndarray]:
@@ -123,9 +126,19 @@ class Workload:
         features = torch.from_numpy(self.train.features[index])
         labels = torch.from_numpy(self.train.labels[index])
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(model(features), labels)
-        loss.backward()
-        self.optimizer.step()
+        with torch.autocast(
+            "cpu",
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        ):
+            loss = self.loss_fn(model(features), labels)
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.scheduler.step()
         return loss.item()
 
