@@ -30,10 +30,11 @@ class Prepared(BaseModel):
 
 
 def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
-    """A completed run is done unless the spec asks for more epochs than it trained."""
+    """A completed run is done unless the spec asks for more epochs than it trained (an
+    early-stopped run is done: its metric stopped improving)."""
     if stored is None or stored.status != "completed":
         return False
-    if spec.schedule is None:  # a user's loop: its own config decides; completed is completed
+    if spec.schedule is None or stored.stop_reason:  # a user's loop: its config decides
         return True
     return stored.epochs_completed >= spec.schedule.epochs
 

@@ -87,6 +87,8 @@ class ProgressRelay:
                     self._log_epoch(row)
         elif kind == "finished":
             self.step = self.total_steps or self.step
+            if event.get("stopped"):
+                self.logger.info("training stopped at step %s: %s", event["step"], event["stopped"])
         if time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S or kind == "finished":
             self.publish()
 

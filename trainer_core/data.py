@@ -227,6 +227,17 @@ def batches_per_epoch(num_samples: int, batch_size: int, world_size: int) -> int
     return -(-per_rank // batch_size)
 
 
+def steps_per_epoch(num_samples: int, batch_size: int, world_size: int, accumulation: int) -> int:
+    """Optimizer steps per epoch: each takes ``accumulation`` of a rank's batches (the last
+    step of an epoch takes what is left)."""
+    return -(-batches_per_epoch(num_samples, batch_size, world_size) // accumulation)
+
+
+def group_steps(batches: list[np.ndarray], accumulation: int) -> list[list[np.ndarray]]:
+    """An epoch's batches grouped into the micro-batches of each optimizer step."""
+    return [batches[i : i + accumulation] for i in range(0, len(batches), accumulation)]
+
+
 def epoch_batches(
     num_samples: int, batch_size: int, seed: int, epoch: int, rank: int, world_size: int
 ) -> list[np.ndarray]:

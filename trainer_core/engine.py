@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow
 import ray
 import torch
@@ -142,9 +143,18 @@ def validate_workload(spec: RunSpec) -> int | None:
     info = data_mod.describe(spec.data, arrays)
     train, _ = data_mod.split(arrays, spec.data.validation_fraction, spec.run.seed)
     data_mod.epoch_batches(len(train), spec.data.batch_size, 0, 0, 0, spec.scaling.num_workers)
-    workloads.build_model(spec.model, info.num_features, info.num_outputs)
-    per_epoch = data_mod.batches_per_epoch(
-        len(train), spec.data.batch_size, spec.scaling.num_workers
+    model = workloads.build_model(spec.model, info.num_features, info.num_outputs)
+    rows = train.take(np.arange(min(len(train), 4)))
+    workloads.check_loss_and_metrics(
+        model,
+        torch.from_numpy(rows.features),
+        torch.from_numpy(rows.labels),
+        spec.loss,
+        spec.metrics,
+        spec.data.resolved().task or "classification",
+    )
+    per_epoch = data_mod.steps_per_epoch(
+        len(train), spec.data.batch_size, spec.scaling.num_workers, spec.optimizer.grad_accumulation
     )
     return per_epoch * spec.schedule.epochs
 

@@ -13,6 +13,7 @@ restored from the newest checkpoint that every rank can verify against its manif
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -122,17 +123,23 @@ class BuiltinLoop:
         self.train, self.val = data_mod.split(
             arrays, self.data_spec.validation_fraction, self.spec.run.seed
         )
-        self.num_batches = data_mod.batches_per_epoch(
-            len(self.train), self.data_spec.batch_size, self.world_size
+        #: Micro-batches per optimizer step; steps, the cursor and checkpoints count steps.
+        self.accumulation = self.spec.optimizer.grad_accumulation
+        self.steps_per_epoch = data_mod.steps_per_epoch(
+            len(self.train), self.data_spec.batch_size, self.world_size, self.accumulation
         )
-        self.total_steps = self.num_batches * self.spec.schedule.epochs
+        self.total_steps = self.steps_per_epoch * self.spec.schedule.epochs
         training_state.seed_everything(self.spec.run.seed)  # identical initial weights
         self.model = workloads.build_model(self.spec.model, info.num_features, info.num_outputs)
         self.optimizer = training_state.make_optimizer(self.model.parameters(), self.spec.optimizer)
         self.scheduler = training_state.make_scheduler(
             self.optimizer, self.spec.schedule, self.total_steps
         )
-        self.loss_fn = workloads.loss_function(self.data_spec.task or "classification")
+        self.loss_fn = workloads.loss_function(
+            self.data_spec.task or "classification", self.spec.loss
+        )
+        self.metric_fns = workloads.metric_functions(list(self.spec.metrics))
+        self.stopping = training_state.EarlyStopping()
         #: Autocast's dtype (None: fp32), and fp16's gradient scaler.
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.spec.precision)
         self.scaler = (
@@ -223,6 +230,7 @@ class BuiltinLoop:
             if "rng" in states:
                 training_state.restore_rng(states["rng"])
             manifest = checkpoint.manifest
+            self.stopping = training_state.EarlyStopping.from_json(manifest.get("early_stopping"))
             self.progress = Progress(
                 step=step,
                 cursor=data_mod.Cursor.from_json(manifest["cursor"]),
@@ -258,22 +266,27 @@ class BuiltinLoop:
         assert schedule is not None
         cursor = self.progress.cursor
         step = self.progress.step
-        for epoch in range(cursor.epoch, schedule.epochs):
-            batches = data_mod.epoch_batches(
-                len(self.train),
-                self.data_spec.batch_size,
-                self.spec.run.seed,
-                epoch,
-                self.rank,
-                self.world_size,
+        # An early-stopped run's last checkpoint says so: nothing is left to train.
+        first_epoch = schedule.epochs if self.stopping.stopped else cursor.epoch
+        for epoch in range(first_epoch, schedule.epochs):
+            steps = data_mod.group_steps(
+                data_mod.epoch_batches(
+                    len(self.train),
+                    self.data_spec.batch_size,
+                    self.spec.run.seed,
+                    epoch,
+                    self.rank,
+                    self.world_size,
+                ),
+                self.accumulation,
             )
             first = cursor.batch if epoch == cursor.epoch else 0
             ddp_model.train()
-            for index in range(first, len(batches)):
+            for index in range(first, len(steps)):
                 step += 1
                 started = time.perf_counter()
                 copy_wait = self.timings.checkpoint_copy_wait_s
-                loss = self._step(ddp_model, batches[index], step)
+                loss, grad_norm = self._step(ddp_model, steps[index], step)
                 self.completed_step = step
                 copy_wait = self.timings.checkpoint_copy_wait_s - copy_wait
                 self.timings.step_s += time.perf_counter() - started - copy_wait
@@ -283,16 +296,21 @@ class BuiltinLoop:
                     self.background.wait()  # raises the checkpoint's error
                 self.timings.num_steps += 1
                 lr = self.optimizer.param_groups[0]["lr"]
-                self.pending.append(
-                    {"step": step, "epoch": epoch, "batch": index, "loss": loss, "lr": lr}
-                )
-                end_of_epoch = index == len(batches) - 1
+                row = {"step": step, "epoch": epoch, "batch": index, "loss": loss, "lr": lr}
+                if grad_norm is not None:
+                    row["grad_norm"] = grad_norm
+                self.pending.append(row)
+                end_of_epoch = index == len(steps) - 1
                 extra: dict[str, float] = {}
+                stop = False
                 if end_of_epoch:
                     extra = self._evaluate()
+                    stop = self._should_stop(epoch, extra)
                     ddp_model.train()
-                should_checkpoint = step % self.spec.checkpoint.every == 0 or (
-                    end_of_epoch and epoch == schedule.epochs - 1
+                should_checkpoint = (
+                    step % self.spec.checkpoint.every == 0
+                    or (end_of_epoch and epoch == schedule.epochs - 1)
+                    or stop
                 )
                 if step % self.spec.report.every == 0 or end_of_epoch or should_checkpoint:
                     started = time.perf_counter()
@@ -306,6 +324,8 @@ class BuiltinLoop:
                         else data_mod.Cursor(epoch, index + 1)
                     )
                     self._checkpoint(step, next_cursor)
+            if self.stopping.stopped:
+                break
         self._aggregate({}, flush=True)
         started = time.perf_counter()
         self.background.wait()
@@ -313,19 +333,49 @@ class BuiltinLoop:
         if step == self.progress.step and step > 0 and self.last_checkpoint_step == step:
             self.relay.send("already_complete", step=step)
         self.relay.send(
-            "finished", step=step, metrics=self.progress.metrics, timings=self.timings.to_json()
+            "finished",
+            step=step,
+            metrics=self.progress.metrics,
+            timings=self.timings.to_json(),
+            stopped=self.stopping.stopped,
         )
 
-    def _step(self, model: torch.nn.Module, index: np.ndarray, step: int) -> float:
+    def _should_stop(self, epoch: int, measured: dict[str, float]) -> bool:
+        """Early stopping's verdict after ``epoch`` (the same on every rank: the metrics are
+        all-reduced); the state goes into every later checkpoint."""
+        section = self.spec.schedule.early_stopping if self.spec.schedule else None
+        if section is None:
+            return False
+        return self.stopping.update(section, epoch + 1, measured.get(section.metric))
+
+    def _step(
+        self, model: torch.nn.Module, micro_batches: list[np.ndarray], step: int
+    ) -> tuple[float, float | None]:
+        """One optimizer step over ``micro_batches``: the loss (mean over the step's samples)
+        and, with clipping, the gradients' norm before it."""
         self.current_step = step
         self.faults.check(step)
-        features = self._to_device(self.train.features[index])
-        labels = self._to_device(self.train.labels[index])
         self.optimizer.zero_grad(set_to_none=True)
-        with self._autocast():
-            loss = self.loss_fn(model(features), labels)
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        loss = accumulate_gradients(
+            model,
+            [
+                (self._to_device(self.train.features[i]), self._to_device(self.train.labels[i]))
+                for i in micro_batches
+            ],
+            self.loss_fn,
+            self._autocast,
+            None if self.scaler is None else self.scaler.scale,
+        )
         self._await_staging()
+        grad_norm = None
+        if self.spec.optimizer.clip_grad_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)  # clip the true gradients
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.spec.optimizer.clip_grad_norm
+                )
+            )
         if self.scaler is None:
             self.optimizer.step()
         else:
@@ -342,7 +392,7 @@ class BuiltinLoop:
                 rank=self.rank,
                 deterministic=True,
             )
-        return value
+        return value, grad_norm
 
     def _autocast(self) -> Any:
         """Autocast to ``precision``'s dtype on the model's device (a no-op for fp32)."""
@@ -360,23 +410,25 @@ class BuiltinLoop:
     def _evaluate(self) -> dict[str, float]:
         self.model.eval()
         index = data_mod.shard(len(self.val), self.rank, self.world_size)
-        loss_sum, correct = 0.0, 0.0
+        classification = self.data_spec.task == "classification"
+        names = ["val_loss", *(["val_accuracy"] if classification else []), *self.metric_fns]
+        # Per-sample means, as sums over this rank's rows: all-reduced once, then divided.
+        sums = dict.fromkeys(names, 0.0)
         for start in range(0, len(index), 256):
             part = index[start : start + 256]
             features = self._to_device(self.val.features[part])
             labels = self._to_device(self.val.labels[part])
             with self._autocast():
                 output = self.model(features)
-                loss_sum += float(self.loss_fn(output, labels)) * len(part)
-            if self.data_spec.task == "classification":
-                correct += float((output.argmax(dim=1) == labels).sum())
-        loss_sum, correct, count = all_reduce([loss_sum, correct, float(len(index))])
+                sums["val_loss"] += float(self.loss_fn(output, labels)) * len(part)
+            if classification:
+                sums["val_accuracy"] += float((output.argmax(dim=1) == labels).sum())
+            for name, fn in self.metric_fns.items():
+                sums[name] += float(fn(output, labels)) * len(part)
+        *totals, count = all_reduce([*sums.values(), float(len(index))])
         if count == 0:
             return {}
-        metrics = {"val_loss": loss_sum / count}
-        if self.data_spec.task == "classification":
-            metrics["val_accuracy"] = correct / count
-        return metrics
+        return {name: total / count for name, total in zip(names, totals, strict=True)}
 
     def _aggregate(self, extra: dict[str, float], *, flush: bool = False) -> None:
         """Average the pending per-step losses across ranks: one collective per window.
@@ -453,6 +505,8 @@ class BuiltinLoop:
             "attempt": self.config.attempt,
             "format": "relaytrain.torch/1",
         }
+        if self.spec.schedule and self.spec.schedule.early_stopping:
+            meta["early_stopping"] = self.stopping.to_json()
         self.last_checkpoint_step = step
         if staged or rngs:
             self.copied.clear()
@@ -594,6 +648,32 @@ class BuiltinLoop:
             protected_steps={self.progress.resumed_from or 0},
             in_flight_from_step=step + 1,
         )
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Forward and backward over one optimizer step's micro-batches; returns the step's loss.
+
+    Each micro-batch's mean loss is weighted by its share of the step's samples, so the
+    gradients are those of one batch of all of them. DDP's all-reduce runs once, in the last
+    backward: the others run under ``no_sync``. ``scale`` is fp16's loss scaling.
+    """
+    total = sum(len(labels) for _, labels in micro_batches)
+    loss = torch.zeros((), device=micro_batches[0][1].device)
+    no_sync = getattr(model, "no_sync", None)
+    for position, (features, labels) in enumerate(micro_batches):
+        last = position == len(micro_batches) - 1
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            with autocast():
+                part = loss_fn(model(features), labels) * (len(labels) / total)
+            (part if scale is None else scale(part)).backward()
+        loss += part.detach().float()
+    return loss
 
 
 def builtin_train_loop(config: dict[str, Any]) -> None:

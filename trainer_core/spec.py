@@ -61,6 +61,9 @@ NOT_PARQUET_SUFFIXES = {
 #: ``run.seed`` seeds numpy, whose seeds are 32-bit.
 MAX_SEED = 2**32 - 1
 
+#: What the built-in loop measures on the validation split itself.
+BUILTIN_VALIDATION_METRICS = ("val_loss", "val_accuracy")
+
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
@@ -83,6 +86,11 @@ class _Section(BaseModel):
                         field=str(key),
                     )
         return value
+
+
+def metric_name(path: str) -> str:
+    """The name a validation metric ``package.module:function`` is recorded under."""
+    return "val_" + path.rsplit(":", 1)[1]
 
 
 def validate_run_name(name: str) -> str:
@@ -209,6 +217,23 @@ class OptimizerSection(_Section):
     lr: Annotated[float, Field(gt=0)] = 1e-3
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    #: Micro-batches (of data.batch_size each) per optimizer step: gradients add up over them,
+    #: DDP synchronizing only on the last. Steps, the cursor and checkpoints count optimizer
+    #: steps, so a checkpoint never holds a half-accumulated gradient.
+    grad_accumulation: PositiveInt = 1
+    #: Clip the gradients' total norm to this before each optimizer step (after fp16's
+    #: unscaling); the norm before clipping is recorded as ``grad_norm``. None: no clipping.
+    clip_grad_norm: Annotated[float, Field(gt=0)] | None = None
+
+
+class EarlyStoppingSection(_Section):
+    """Stop when ``metric`` (a validation metric, measured at the end of every epoch) has not
+    improved by more than ``min_delta`` for ``patience`` epochs in a row."""
+
+    metric: str = "val_loss"
+    mode: Literal["min", "max"] = "min"
+    patience: PositiveInt = 3
+    min_delta: Annotated[float, Field(ge=0)] = 0.0
 
 
 class ScheduleSection(_Section):
@@ -218,6 +243,9 @@ class ScheduleSection(_Section):
     #: For lr_schedule "step": multiply the rate by ``gamma`` every ``step_size`` steps.
     step_size: PositiveInt = 100
     gamma: Annotated[float, Field(gt=0, le=1)] = 0.5
+    #: Stop before ``epochs`` when a validation metric stops improving (its state is
+    #: checkpointed, so a retry does not reset the patience). None: train every epoch.
+    early_stopping: EarlyStoppingSection | None = None
 
 
 class ScalingSection(_Section):
@@ -299,6 +327,14 @@ class RunSpec(_Section):
     #: The built-in loop's arithmetic: fp32, or autocast to bf16 or fp16 (fp16 with a gradient
     #: scaler whose state is checkpointed). Parameters and optimizer state stay fp32.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    #: The built-in loop's loss, ``package.module:function`` called as ``fn(output, target)``
+    #: and returning the batch's mean loss as a scalar tensor. None: cross-entropy for
+    #: classification, mean squared error for regression.
+    loss: str | None = None
+    #: Validation metrics, each ``package.module:function`` called as ``fn(output, target)``
+    #: and returning the batch's mean (a number or a scalar tensor); recorded as
+    #: ``val_<function name>``, averaged over every validation sample of every rank.
+    metrics: list[str] = Field(default_factory=list)
     #: Import path of a user's own Ray Train ``train_loop_per_worker``.
     train_loop: str | None = None
     train_loop_config: dict[str, Any] = Field(default_factory=dict)
@@ -311,6 +347,38 @@ class RunSpec(_Section):
             raise ValueError(
                 f"train_loop {value!r} is not an import path: use 'package.module:function'"
             )
+        return value
+
+    @field_validator("loss")
+    @classmethod
+    def _loss(cls, value: str | None) -> str | None:
+        if value is not None and not IMPORT_PATH_PATTERN.fullmatch(value):
+            raise ValueError(
+                f"loss {value!r} is not an import path: use 'package.module:function', a "
+                "function fn(output, target) returning the batch's mean loss"
+            )
+        return value
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics(cls, value: list[str]) -> list[str]:
+        seen: dict[str, str] = {}
+        for i, path in enumerate(value):
+            if not IMPORT_PATH_PATTERN.fullmatch(path):
+                raise SpecError(
+                    f"metrics.{i} {path!r} is not an import path: use 'package.module:function', "
+                    "a function fn(output, target) returning the batch's mean",
+                    field=f"metrics.{i}",
+                )
+            name = metric_name(path)
+            if name in BUILTIN_VALIDATION_METRICS or name in seen:
+                other = seen.get(name, "the built-in loop")
+                raise SpecError(
+                    f"metrics.{i} {path!r} would be recorded as {name!r}, which {other} already "
+                    "records: rename the function (the metric is val_<function name>)",
+                    field=f"metrics.{i}",
+                )
+            seen[name] = path
         return value
 
     @model_validator(mode="after")
@@ -326,6 +394,7 @@ class RunSpec(_Section):
             ignored = [s for s in ("model", "data", "schedule") if getattr(self, s) is not None]
             if self.precision != "fp32":
                 ignored.append(f"precision={self.precision}")  # your loop autocasts itself
+            ignored += [key for key in ("loss", "metrics") if getattr(self, key)]
             if ignored:
                 warnings.warn(
                     f"train_loop is set, so {ignored} are ignored: pass what your loop needs "
@@ -350,6 +419,16 @@ class RunSpec(_Section):
                     f"> 0, val_accuracy needs data.task classification): use one of {metrics}",
                     field="checkpoint.best_metric",
                 )
+            assert self.schedule is not None
+            stopping = self.schedule.early_stopping
+            if stopping is not None and stopping.metric not in metrics[1:]:
+                raise SpecError(
+                    f"schedule.early_stopping.metric {stopping.metric!r} is not a validation "
+                    f"metric of this spec (early stopping compares the metrics measured at the "
+                    f"end of every epoch; val_* need data.validation_fraction > 0): use one of "
+                    f"{metrics[1:]}",
+                    field="schedule.early_stopping.metric",
+                )
         if self.scaling.use_gpu:
             warnings.warn(
                 "scaling.use_gpu is true: the workers will need GPUs (CPU runs use gloo)",
@@ -366,7 +445,12 @@ class RunSpec(_Section):
         data = self.data.resolved()
         if data.validation_fraction == 0:
             return ["loss"]
-        return ["loss", "val_loss", *(["val_accuracy"] if data.task == "classification" else [])]
+        return [
+            "loss",
+            "val_loss",
+            *(["val_accuracy"] if data.task == "classification" else []),
+            *(metric_name(path) for path in self.metrics),
+        ]
 
     def with_run_name(self, name: str) -> RunSpec:
         """This spec with ``run.name`` set (validated)."""
@@ -414,7 +498,7 @@ class RunSpec(_Section):
         data = (
             self.data.resolved().model_dump(exclude={"validation_fraction"}) if self.data else None
         )
-        return {
+        identity = {
             "model": self.model.model_dump() if self.model else None,
             "data": data,
             "train_loop": self.train_loop,
@@ -422,6 +506,9 @@ class RunSpec(_Section):
             "seed": self.run.seed,
             "sharded": self.checkpoint.sharded,
         }
+        if self.optimizer.grad_accumulation != 1:  # the cursor counts optimizer steps
+            identity["grad_accumulation"] = self.optimizer.grad_accumulation
+        return identity
 
     def fingerprint(self) -> str:
         """sha256 of the spec's identity (what must not change across a run's attempts)."""

@@ -67,6 +67,8 @@ class TrainingResult(_Frozen):
     wall_time_s: float
     storage_bytes: int
     target_epochs: int | None = None
+    #: Why training ended before ``target_epochs`` (early stopping); None when it did not.
+    stop_reason: str | None = None
 
 
 def attempt_summaries(records: Sequence[dict[str, Any]]) -> list[AttemptSummary]:
@@ -185,6 +187,9 @@ def build_result(
         wall_time_s=round(ended - started, 3),
         storage_bytes=storage_bytes(run_dir),
         target_epochs=spec.schedule.epochs if spec.schedule else None,
+        stop_reason=(newest.manifest.get("early_stopping") or {}).get("stopped")
+        if newest
+        else None,
     )
 
 
@@ -228,6 +233,7 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         f"{spec.checkpoint.keep_last}, best {spec.checkpoint.keep_best} by "
         f"`{spec.checkpoint.best_metric}` ({spec.checkpoint.best_mode})",
         f"- steps completed: {result.steps_completed}; epochs: {result.epochs_completed}",
+        *([f"- stopped early: {result.stop_reason}"] if result.stop_reason else []),
         f"- run directory: `{result.run_uri}` ({result.storage_bytes / 1e6:.2f} MB)",
         f"- wall time: {result.wall_time_s:.1f} s",
     ]

@@ -12,13 +12,14 @@ import math
 import pickle
 import random
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from trainer_core.errors import CheckpointCorruptError
-from trainer_core.spec import OptimizerSection, ScheduleSection
+from trainer_core.spec import EarlyStoppingSection, OptimizerSection, ScheduleSection
 
 
 def save(value: Any, stream: Any) -> None:
@@ -120,3 +121,51 @@ def make_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, schedule, total_steps)
     )
+
+
+@dataclass
+class EarlyStopping:
+    """Early stopping's state, checkpointed in the manifest so a retry keeps its patience.
+
+    ``update`` is called with the metric measured at the end of each epoch. Pure.
+    """
+
+    best: float | None = None
+    #: Epochs completed when ``best`` was measured, and since then without improvement.
+    best_epoch: int = 0
+    bad_epochs: int = 0
+    #: Why training stopped (None: it did not).
+    stopped: str | None = None
+
+    def update(self, section: EarlyStoppingSection, epochs_done: int, value: float | None) -> bool:
+        """Take the metric measured after ``epochs_done`` epochs; True when training stops."""
+        if value is None:  # not measured (no validation rows on this split): no verdict
+            return False
+        if math.isfinite(value) and (self.best is None or _improves(value, self.best, section)):
+            self.best, self.best_epoch, self.bad_epochs = value, epochs_done, 0
+            return False
+        self.bad_epochs += 1  # no improvement, or not a number
+        if self.bad_epochs < section.patience:
+            return False
+        best = (
+            "none finite" if self.best is None else f"{self.best:.6g} after epoch {self.best_epoch}"
+        )
+        self.stopped = (
+            f"early stopping after epoch {epochs_done}: {section.metric} has not improved by "
+            f"more than {section.min_delta} ({section.mode}) for {self.bad_epochs} epoch(s); "
+            f"best {best}"
+        )
+        return True
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any] | None) -> EarlyStopping:
+        return cls(**value) if value else cls()
+
+
+def _improves(value: float, best: float, section: EarlyStoppingSection) -> bool:
+    if section.mode == "min":
+        return value < best - section.min_delta
+    return value > best + section.min_delta

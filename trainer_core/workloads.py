@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from trainer_core.errors import SpecError
-from trainer_core.spec import ModelSection
+from trainer_core.spec import ModelSection, metric_name
 
 
 def import_object(path: str, field: str) -> Any:
@@ -187,7 +187,78 @@ def _parameters(builder: Callable[..., Any]) -> list[str]:
         return []
 
 
-def loss_function(task: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+Metric = Callable[[torch.Tensor, torch.Tensor], Any]
+
+
+def loss_function(
+    task: str, path: str | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The spec's ``loss`` by import path, else the task's: cross-entropy or mean squared error."""
+    if path is not None:
+        return import_object(path, "loss")
     if task == "classification":
         return nn.functional.cross_entropy
     return lambda output, target: nn.functional.mse_loss(output.squeeze(-1), target)
+
+
+def metric_functions(paths: list[str]) -> dict[str, Metric]:
+    """The spec's ``metrics`` by the name each is recorded under (``val_<function>``)."""
+    return {metric_name(p): import_object(p, f"metrics.{i}") for i, p in enumerate(paths)}
+
+
+def check_loss_and_metrics(
+    model: nn.Module,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    loss: str | None,
+    metrics: list[str],
+    task: str,
+) -> None:
+    """Call the spec's own loss and metrics on the model's output for a few training rows, as
+    the loop will: SpecError, naming the function, for one that raises or returns what the
+    loop cannot use (before any worker starts)."""
+    output = model(features)
+    if loss is not None:
+        value = _call(loss_function(task, loss), output, labels, "loss", loss)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise SpecError(
+                f"loss {loss!r} returned {_describe(value)}: return the batch's mean loss as a "
+                "scalar tensor (e.g. torch.nn.functional.l1_loss(output, target))",
+                field="loss",
+            )
+        if not value.requires_grad:
+            raise SpecError(
+                f"loss {loss!r} returned a tensor that does not depend on the model's output "
+                "(no gradient flows back): compute it from `output` with torch operations, "
+                "without .item(), .detach() or numpy",
+                field="loss",
+            )
+    with torch.no_grad():
+        for i, (name, fn) in enumerate(metric_functions(metrics).items()):
+            value = _call(fn, output.detach(), labels, f"metrics.{i}", metrics[i])
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise SpecError(
+                    f"metrics.{i} {metrics[i]!r} (recorded as {name}) returned "
+                    f"{_describe(value)}: return the batch's mean as a number or a scalar tensor",
+                    field=f"metrics.{i}",
+                )
+
+
+def _call(fn: Callable[..., Any], output: Any, labels: Any, field: str, path: str) -> Any:
+    try:
+        return fn(output, labels)
+    except Exception as e:
+        raise SpecError(
+            f"{field} {path!r} raised {type(e).__name__} on the model's output (shape "
+            f"{list(output.shape)}) and target (shape {list(labels.shape)}, {labels.dtype}) of "
+            f"the first training rows: {e}. Fix the function: it is called as fn(output, target)",
+            field=field,
+        ) from e
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return f"{type(value).__name__} {value!r}"[:80]

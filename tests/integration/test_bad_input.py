@@ -232,6 +232,27 @@ CASES = [
         "spec",
         broken(checkpoint={"best_metric": "val_accuracy", "best_mode": "max"}),
     ),
+    Case(
+        "grad-accumulation-zero",
+        "optimizer.grad_accumulation",
+        GREATER,
+        "spec",
+        broken(optimizer={"grad_accumulation": 0}),
+    ),
+    Case(
+        "early-stopping-on-training-loss",
+        "schedule.early_stopping.metric",
+        "use one of ['val_loss']",
+        "spec",
+        broken(schedule={"early_stopping": {"metric": "loss"}}),
+    ),
+    Case(
+        "metric-shadows-val-loss",
+        "metrics.0",
+        "rename the function",
+        "spec",
+        broken(metrics=["tests.own_functions:loss"]),
+    ),
     Case("seed-negative", "run.seed", "from 0 to 4294967295", "spec", overrides=("run.seed=-5",)),
     Case(
         "dataset-csv",
@@ -421,6 +442,43 @@ CASES = [
         "features must be numeric",
         "setup",
         lambda w: w.parquet(features=["name"]),
+    ),
+    Case(
+        "loss-per-sample",
+        "loss",
+        "scalar tensor",
+        "setup",
+        broken(loss="tests.own_functions:per_sample_loss"),
+    ),
+    Case(
+        "loss-without-gradient",
+        "loss",
+        "without .item(), .detach() or numpy",
+        "setup",
+        broken(loss="tests.own_functions:detached_loss"),
+    ),
+    Case(
+        "loss-raises-on-the-target",
+        "loss",
+        "called as fn(output, target)",
+        "setup",
+        broken(loss="tests.own_functions:loss_for_labels"),
+    ),
+    Case(
+        "loss-module-missing",
+        "loss",
+        "check the spelling",
+        "setup",
+        broken(loss="tests.no_such_module:huber"),
+    ),
+    Case(
+        "metric-not-a-number",
+        "metrics.1",
+        "as a number or a scalar tensor",
+        "setup",
+        broken(
+            metrics=["tests.own_functions:mean_abs_error", "tests.own_functions:metric_as_text"]
+        ),
     ),
     Case(
         "resume-changed-model-shape",

@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
+from tasks.setup import is_finished
+from tests import own_functions
 from tests.conftest import tiny_raw
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
+from trainer_core import data as data_mod
+from trainer_core import workloads
 from trainer_core.engine import run_attempt
 from trainer_core.errors import (
     ClusterCapacityError,
@@ -20,6 +25,7 @@ from trainer_core.errors import (
     TrainingCodeError,
 )
 from trainer_core.spec import build_spec
+from trainer_core.summary import build_result
 
 pytestmark = pytest.mark.integration
 
@@ -245,3 +251,95 @@ def test_mixed_precision_resumes_exactly(reference, tmp_path, precision):
     assert losses(whole) != reference["losses"]  # autocast did change the arithmetic
     files = set(resumed.scan().newest.files)
     assert ("scaler.pt" in files) == (precision == "fp16")
+
+
+def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tmp_path):
+    """Two micro-batches of 8 per optimizer step (DDP all-reduces once per step), gradients
+    clipped, a Huber loss and two validation metrics of the user's own. The cursor counts
+    optimizer steps, so a checkpoint never holds half a step: the run interrupted at step 17
+    resumes from step 10 and ends bit-identical to the uninterrupted one."""
+    essentials = {
+        "data": {"batch_size": 8},
+        "optimizer": {"grad_accumulation": 2, "clip_grad_norm": 0.5},
+        "loss": "tests.own_functions:huber",
+        "metrics": ["tests.own_functions:mean_abs_error", "tests.own_functions:within_half"],
+        "checkpoint": {"best_metric": "val_mean_abs_error"},
+    }
+    whole_spec = build_spec(tiny_raw(tmp_path, "accumulate-whole", **essentials))
+    whole = run_attempt(whole_spec)
+    # 205 rows per rank: 26 micro-batches of 8 (the last of 5), 13 optimizer steps per epoch.
+    assert whole.steps_completed == 39
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "accumulate-resumed",
+            faults=[{"kind": "raise", "at_step": 17}],
+            **essentials,
+        )
+    )
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    assert run_attempt(spec).resumed_from_step == 10
+    whole_dir, resumed_dir = run_dir_of(whole_spec), run_dir_of(spec)
+    final = final_state(resumed_dir)
+    assert_same_tensors(final, final_state(whole_dir))
+    assert losses(resumed_dir) == losses(whole_dir)
+    assert losses(whole_dir) != reference["losses"]  # the Huber loss was used
+    history = resumed_dir.read_metrics_history()
+    assert [row["step"] for row in history] == list(range(1, 40))
+    assert all(row["grad_norm"] > 0 for row in history)  # the norm before clipping
+    # The metrics, all-reduced over both ranks' validation rows, equal the final model's
+    # measured here on the whole validation split.
+    metrics = resumed_dir.scan().newest.metrics
+    assert {"val_loss", "val_mean_abs_error", "val_within_half"} <= metrics.keys()
+    model = workloads.build_model(spec.model, 6, 1)
+    model.load_state_dict(final["model"])
+    model.eval()
+    _, val = data_mod.split(data_mod.load_arrays(spec.data), 0.2, spec.run.seed)
+    with torch.no_grad():
+        output = model(torch.from_numpy(val.features))
+    target = torch.from_numpy(val.labels)
+    expected = {
+        "val_mean_abs_error": float(own_functions.mean_abs_error(output, target)),
+        "val_within_half": own_functions.within_half(output, target),
+        "val_loss": float(own_functions.huber(output, target)),
+    }
+    for name, value in expected.items():
+        assert metrics[name] == pytest.approx(value, rel=1e-5), name
+
+
+def test_early_stopping_keeps_its_patience_across_a_retry(reference, tmp_path):
+    """val_loss never improves by min_delta after epoch 1, and patience is 1: training stops
+    after epoch 2 (step 26), a completed run with its reason. The first attempt fails at
+    step 23, after epoch 1's verdict was checkpointed at step 20; the retry restores it. (A
+    retry that reset the patience would take epoch 2's loss as a new best and train on.)"""
+    stopping = {"early_stopping": {"metric": "val_loss", "patience": 1, "min_delta": 1e6}}
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "early-stop",
+            schedule=stopping,
+            faults=[{"kind": "raise", "at_step": 23}],
+        )
+    )
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    events: list = []
+    second = run_attempt(spec, on_event=events.append)
+    assert second.status == "completed" and second.resumed_from_step == 20
+    assert second.steps_completed == 26
+    (finished,) = [e for e in events if e["kind"] == "finished"]
+    assert "early stopping after epoch 2: val_loss has not improved" in finished["stopped"]
+    run_dir = run_dir_of(spec)
+    newest = run_dir.scan().newest
+    assert newest.step == 26 and newest.manifest["cursor"] == {"epoch": 2, "batch": 0}
+    assert newest.manifest["early_stopping"]["bad_epochs"] == 1
+    # Until it stopped, the run is the reference run, step for step, across the retry.
+    assert losses(run_dir) == reference["losses"][:26]
+    result = build_result(spec, run_dir, str(tmp_path), "completed")
+    assert result.stop_reason == finished["stopped"] and result.epochs_completed == 2
+    assert is_finished(spec, result)  # the flow returns it as it is
+    # Run again, it trains nothing: the newest checkpoint says the run stopped.
+    third = run_attempt(spec, on_event=events.append)
+    assert third.steps_completed == 26
+    assert [e["step"] for e in events if e["kind"] == "already_complete"] == [26]

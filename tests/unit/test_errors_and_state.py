@@ -1,3 +1,5 @@
+import contextlib
+import json
 import pickle
 import random
 
@@ -142,3 +144,70 @@ def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_fi
     live.apply(restarting)
     live.apply({**lost, "group": 1, "last_step": 30})
     assert live.restarts[0]["last_step"] == 22 and live.step == 30
+
+
+def test_early_stopping_counts_epochs_without_improvement_and_survives_json():
+    from trainer_core.spec import EarlyStoppingSection
+    from trainer_core.training_state import EarlyStopping
+
+    section = EarlyStoppingSection(metric="val_loss", mode="min", patience=2, min_delta=0.1)
+    state = EarlyStopping()
+    assert not state.update(section, 1, 1.0)  # the first measure is the best so far
+    assert not state.update(section, 2, 0.95)  # better, but not by more than min_delta
+    assert state.bad_epochs == 1 and state.best == 1.0
+    restored = EarlyStopping.from_json(json.loads(json.dumps(state.to_json())))
+    assert restored == state
+    assert not restored.update(section, 3, None)  # not measured: no verdict
+    assert not restored.update(section, 3, 0.8)  # improved: patience starts again
+    assert (restored.best, restored.best_epoch, restored.bad_epochs) == (0.8, 3, 0)
+    assert not restored.update(section, 4, float("nan"))  # not a number: no improvement
+    assert restored.update(section, 5, 0.75) and restored.stopped
+    assert "after epoch 5" in restored.stopped and "best 0.8 after epoch 3" in restored.stopped
+    rising = EarlyStoppingSection(metric="val_accuracy", mode="max", patience=1)
+    state = EarlyStopping()
+    assert not state.update(rising, 1, 0.5) and not state.update(rising, 2, 0.6)
+    assert state.update(rising, 3, 0.6)  # equal is not better
+
+
+def test_gradients_accumulated_over_micro_batches_equal_one_batch_of_them_all():
+    from trainer_core.loop import accumulate_gradients
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    features, labels = torch.randn(13, 5), torch.randint(0, 3, (13,))
+    loss_fn = torch.nn.functional.cross_entropy
+
+    def gradients(parts: list[tuple[int, int]]) -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        batches = [(features[a:b], labels[a:b]) for a, b in parts]
+        loss = accumulate_gradients(model, batches, loss_fn)
+        return float(loss), [p.grad.clone() for p in model.parameters()]
+
+    whole_loss, whole = gradients([(0, 13)])
+    assert whole_loss == float(loss_fn(model(features), labels).detach())
+    for parts in ([(0, 8), (8, 13)], [(0, 4), (4, 8), (8, 12), (12, 13)]):
+        loss, grads = gradients(parts)  # unequal micro-batches weigh by their samples
+        assert abs(loss - whole_loss) < 1e-6
+        for a, b in zip(grads, whole, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    class Replica(torch.nn.Module):
+        """Records which backward passes ran under no_sync, as DDP would skip their all-reduce."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.synced, self.syncing = model, [], True
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.syncing = False
+            yield
+            self.syncing = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.synced.append(self.syncing)
+            return self.inner(x)
+
+    replica = Replica()
+    accumulate_gradients(replica, [(features[:4], labels[:4])] * 3, loss_fn)
+    assert replica.synced == [False, False, True]

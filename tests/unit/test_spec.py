@@ -117,3 +117,49 @@ def test_default_run_name_is_valid():
     spec = load_spec("examples/digits_cnn.yaml")
     assert spec.default_run_name("20261122-030000") == "digits-cnn-20261122-030000"
     assert spec.with_run_name("abc").run.name == "abc"
+
+
+def test_training_essentials_parse_and_refuse_what_cannot_work(tmp_path):
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "essentials",
+            optimizer={"grad_accumulation": 4, "clip_grad_norm": 1.0},
+            loss="tests.own_functions:huber",
+            metrics=["tests.own_functions:mean_abs_error"],
+            schedule={"early_stopping": {"metric": "val_mean_abs_error", "patience": 2}},
+            checkpoint={"best_metric": "val_mean_abs_error"},
+        )
+    )
+    assert spec.builtin_metrics() == ["loss", "val_loss", "val_mean_abs_error"]
+    assert spec.schedule.early_stopping.mode == "min"
+    # Accumulation changes what the cursor counts: it is part of what a resume must share.
+    plain = build_spec(tiny_raw(tmp_path, "essentials"))
+    assert "grad_accumulation" not in plain.identity()
+    assert spec.identity()["grad_accumulation"] == 4
+    refused = {
+        "optimizer.grad_accumulation": {"optimizer": {"grad_accumulation": 0}},
+        "optimizer.clip_grad_norm": {"optimizer": {"clip_grad_norm": -1}},
+        "loss": {"loss": "huber"},
+        "metrics.0": {"metrics": ["not a path"]},
+        "metrics.1": {"metrics": ["a.b:mae", "c.d:mae"]},
+        "schedule.early_stopping.metric": {"schedule": {"early_stopping": {"metric": "loss"}}},
+        "schedule.early_stopping.patience": {"schedule": {"early_stopping": {"patience": 0}}},
+        "schedule.early_stopping.mode": {"schedule": {"early_stopping": {"mode": "down"}}},
+    }
+    for field, sections in refused.items():
+        with pytest.raises(SpecError) as error:
+            build_spec(tiny_raw(tmp_path, "bad", **sections))
+        assert error.value.field == field, (field, error.value.field, str(error.value))
+    with pytest.raises(SpecError, match="'val_loss', which the built-in loop already records"):
+        build_spec(tiny_raw(tmp_path, "bad", metrics=["pkg.mod:loss"]))
+    with pytest.raises(SpecError, match=r"data\.validation_fraction > 0"):
+        build_spec(
+            tiny_raw(
+                tmp_path,
+                "bad",
+                data={"validation_fraction": 0},
+                schedule={"early_stopping": {"metric": "val_loss"}},
+                checkpoint={"best_metric": "loss"},
+            )
+        )

@@ -1,0 +1,40 @@
+"""A loss and validation metrics of a user's own, for the built-in loop's tests (importable by
+Ray workers), and ones that are wrong in the ways setup must refuse."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional
+
+
+def huber(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return functional.smooth_l1_loss(output.squeeze(-1), target, beta=0.5)
+
+
+def mean_abs_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output.squeeze(-1).float() - target).abs().mean()
+
+
+def within_half(output: torch.Tensor, target: torch.Tensor) -> float:
+    """The share of predictions within 0.5 of the target (a plain float is fine too)."""
+    return float(((output.squeeze(-1).float() - target).abs() < 0.5).float().mean())
+
+
+def per_sample_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Wrong: a loss per sample, not the batch's mean."""
+    return (output.squeeze(-1) - target) ** 2
+
+
+def detached_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Wrong: computed through numpy, so no gradient reaches the model."""
+    return torch.tensor(float(((output.detach().squeeze(-1) - target) ** 2).mean()))
+
+
+def loss_for_labels(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Wrong for a regression target: cross-entropy wants class indices."""
+    return functional.cross_entropy(output, target)
+
+
+def metric_as_text(output: torch.Tensor, target: torch.Tensor) -> str:
+    """Wrong: a metric must be a number."""
+    return "fine"
