@@ -224,10 +224,21 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         + (f", {spec.schedule.epochs} epochs" if spec.schedule else ""),
     ]
     if spec.data and spec.schedule:
+        optimizer = spec.optimizer
+        accumulation = optimizer.grad_accumulation
         lines.append(
-            f"- batch {spec.data.batch_size} per worker, {spec.optimizer.name} "
-            f"lr {spec.optimizer.lr}, schedule {spec.schedule.lr_schedule}"
+            f"- batch {spec.data.batch_size} per worker"
+            + (f" x {accumulation} micro-batches per step" if accumulation > 1 else "")
+            + f", {optimizer.name} lr {optimizer.lr}, schedule {spec.schedule.lr_schedule}"
+            + (
+                f", gradients clipped to norm {optimizer.clip_grad_norm}"
+                if optimizer.clip_grad_norm
+                else ""
+            )
+            + (f", {spec.precision}" if spec.precision != "fp32" else "")
         )
+        if spec.loss or spec.metrics:
+            lines.append(f"- loss `{spec.loss or 'built-in'}`; metrics {spec.metrics}")
     lines += [
         f"- checkpoints every {spec.checkpoint.every} steps; keep last "
         f"{spec.checkpoint.keep_last}, best {spec.checkpoint.keep_best} by "

@@ -177,3 +177,18 @@ def test_epoch_table_and_markdown(tmp_path):
     text = render_markdown(spec, result, "fresh start")
     assert "| 1 | failed | - | - | - | 1.0 | X: a / b c |" in text and "fresh start" in text
     assert "| 2.1 | restarted in place | 5 | 9 | 4 |  | Y: z |" in text
+    essentials = build_spec(
+        tiny_spec_dict(
+            tmp_path,
+            "md",
+            optimizer={"grad_accumulation": 4, "clip_grad_norm": 1.0},
+            precision="bf16",
+            metrics=["tests.own_functions:mean_abs_error"],
+        )
+    )
+    stopped = result.model_copy(update={"stop_reason": "early stopping after epoch 2: why"})
+    text = render_markdown(essentials, stopped)
+    assert "batch 16 per worker x 4 micro-batches per step" in text
+    assert "gradients clipped to norm 1.0, bf16" in text
+    assert "metrics ['tests.own_functions:mean_abs_error']" in text
+    assert "- stopped early: early stopping after epoch 2: why" in text
