@@ -55,7 +55,8 @@ def compatible(spec: RunSpec, checkpoint_uri: str) -> tuple[bool, str]:
 
 @torch.no_grad()
 def evaluate(spec: RunSpec, checkpoint_uri: str, rows: data_mod.Arrays) -> dict[str, float]:
-    """val_loss (and val_accuracy for classification) of a checkpoint on ``rows``."""
+    """What the loop measures on validation, for a checkpoint on ``rows``: val_loss (the spec's
+    ``loss``), val_accuracy for classification, and the spec's own ``metrics``."""
     assert spec.data is not None
     task = spec.data.resolved().task or "classification"
     outputs = int(rows.labels.max()) + 1 if task == "classification" else 1
@@ -64,7 +65,9 @@ def evaluate(spec: RunSpec, checkpoint_uri: str, rows: data_mod.Arrays) -> dict[
     features = torch.from_numpy(rows.features)
     labels = torch.from_numpy(rows.labels)
     output = model(features)
-    metrics = {"val_loss": float(workloads.loss_function(task)(output, labels))}
+    metrics = {"val_loss": float(workloads.loss_function(task, spec.loss)(output, labels))}
     if task == "classification":
         metrics["val_accuracy"] = float((output.argmax(dim=1) == labels).float().mean())
+    for name, fn in workloads.metric_functions(list(spec.metrics)).items():
+        metrics[name] = float(fn(output, labels))
     return metrics

@@ -16,7 +16,7 @@ from tests import own_functions
 from tests.conftest import tiny_raw
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
 from trainer_core import data as data_mod
-from trainer_core import workloads
+from trainer_core import evaluate, workloads
 from trainer_core.engine import run_attempt
 from trainer_core.errors import (
     ClusterCapacityError,
@@ -306,6 +306,9 @@ def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tm
     }
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value, rel=1e-5), name
+    # Retraining's champion/challenger comparison measures the same metrics.
+    measured = evaluate.evaluate(spec, resumed_dir.scan().newest.uri, val)
+    assert measured == pytest.approx(expected, rel=1e-5)
 
 
 def test_early_stopping_keeps_its_patience_across_a_retry(reference, tmp_path):
