@@ -88,7 +88,7 @@ def _read_table(data: DataSection) -> pa.Table:
                 f"{names}. Fix data.features / data.label.",
                 field=field,
             )
-        _check_column_types(dataset.schema, data, location.uri)  # before reading any rows
+        check_column_types(dataset.schema, data, location.uri)  # before reading any rows
         return dataset.read(columns=columns)
     except FileNotFoundError as e:
         raise SpecError(
@@ -108,7 +108,7 @@ def _is_number(kind: pa.DataType) -> bool:
     return pa.types.is_integer(kind) or pa.types.is_floating(kind)
 
 
-def _check_column_types(schema: pa.Schema, data: DataSection, uri: str) -> None:
+def check_column_types(schema: pa.Schema, data: DataSection, uri: str) -> None:
     """Refuse label and feature columns of the wrong type from the schema alone (no rows read)."""
     assert data.label is not None and data.features is not None
     label = schema.field(data.label).type
@@ -172,8 +172,12 @@ def load_arrays(data: DataSection) -> Arrays:
     if data.dataset == "synthetic":
         s = data.synthetic
         return synthetic_arrays(s.num_samples, s.num_features, s.noise)
+    return table_arrays(_read_table(data), data)
+
+
+def table_arrays(table: pa.Table, data: DataSection) -> Arrays:
+    """The features and labels of a table holding ``data``'s (resolved) columns."""
     assert data.features is not None and data.label is not None
-    table = _read_table(data)
     features = _features_matrix(table, data.features)
     if data.dataset == "digits":
         features = features / 16.0

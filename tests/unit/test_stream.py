@@ -1,0 +1,103 @@
+"""The streaming reader's metadata scan and row reads, on Parquet files written here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trainer_core import sample_order, stream
+from trainer_core.errors import SpecError
+from trainer_core.spec import DataSection
+
+
+def write(path: Path, first_id: int, rows: int, row_group_size: int, **extra) -> None:
+    """A file whose features hold each row's id (x = [id, -id]) and label id % 3."""
+    ids = np.arange(first_id, first_id + rows)
+    columns = {
+        "x": pa.array(list(np.stack([ids, -ids], axis=1).astype(np.float32))),
+        "y": pa.array(ids % 3),
+        **extra,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+
+
+def section(path: Path, **changes) -> DataSection:
+    values = {"dataset": str(path), "features": "x", "label": "y", "task": "classification"}
+    return DataSection(**{**values, **changes})
+
+
+@pytest.fixture
+def dataset(tmp_path) -> Path:
+    root = tmp_path / "table"
+    write(root / "part-0.parquet", 0, 300, 64)
+    write(root / "part-1.parquet", 300, 130, 50)
+    (root / "_SUCCESS").write_text("")
+    return root
+
+
+def test_scan_reads_the_layout_from_footers(dataset):
+    layout = stream.scan(section(dataset))
+    assert layout.num_rows == 430
+    assert [g.rows for g in layout.row_groups] == [64, 64, 64, 64, 44, 50, 50, 30]
+    assert [g.first_row for g in layout.row_groups][:6] == [0, 64, 128, 192, 256, 300]
+
+
+def test_every_epoch_sample_is_the_row_its_position_names(dataset):
+    data = section(dataset, validation_fraction=0.25)
+    layout = stream.scan(data)
+    readers = [stream.Reader(layout, data, seed=4, cache_row_groups=4) for _ in range(3)]
+    reader = readers[0]
+    counts = reader.train_counts()
+    order = sample_order.epoch_order(
+        counts, seed=4, epoch=1, batch_size=20, partitions=4, window=32
+    )
+    trained = []
+    for step in range(order.steps):
+        for rank in range(3):
+            groups, index = order.locate(order.rank_positions(step, 3, rank))
+            ids, rows = readers[rank].take(groups, index)
+            assert np.array_equal(rows.features[:, 0], ids.astype(np.float32))  # x holds the id
+            assert np.array_equal(rows.labels, ids % 3)
+            trained += ids.tolist()
+    validation = {
+        int(reader.layout.row_groups[g].first_row + r)
+        for g in range(len(counts))
+        for r in reader.validation_rows(g)
+    }
+    assert len(trained) == len(set(trained)) == order.steps * 20
+    assert not validation & set(trained)
+    assert len(set(trained)) + len(validation) > 430 - 20  # all but the epoch's remainder
+    # Each rank reads the row groups of its own partitions (once each, its windows in order),
+    # not the dataset: 8 row groups, read 14 times by 3 ranks when this was written.
+    reads = [r.row_groups_read for r in readers]
+    assert max(reads) < len(counts) and sum(reads) <= 2 * len(counts)
+
+
+def test_bad_datasets_are_refused_from_metadata(tmp_path, dataset):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SpecError, match="is an empty directory"):
+        stream.scan(section(empty))
+    with pytest.raises(SpecError, match="does not exist"):
+        stream.scan(section(tmp_path / "nowhere"))
+    with pytest.raises(SpecError, match=r"no column\(s\) \['label'\]") as error:
+        stream.scan(section(dataset, label="label"))
+    assert error.value.field == "data.label"
+    mixed = tmp_path / "mixed"
+    write(mixed / "a.parquet", 0, 10, 5)
+    ids = np.arange(10, 20)
+    pq.write_table(
+        pa.table({"x": pa.array(list(np.stack([ids, ids], 1).astype(np.float64))), "y": ids % 3}),
+        mixed / "b.parquet",
+    )
+    with pytest.raises(SpecError, match="have different schemas") as error:
+        stream.scan(section(mixed))
+    assert "a.parquet" in str(error.value) and "b.parquet" in str(error.value)
+    (dataset / "part-2.parquet").write_text("x,y\n1,2\n")
+    with pytest.raises(SpecError, match=r"part-2\.parquet' is not Parquet"):
+        stream.scan(section(dataset))
