@@ -10,6 +10,7 @@ A second call on the same run resumes from the newest committed checkpoint.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import platform
@@ -25,7 +26,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from trainer_core import __version__, lazyfs, storage, workloads
+from trainer_core import __version__, lazyfs, storage, stream, workloads
 from trainer_core import data as data_mod
 from trainer_core.checkpoints import RunDirectory, open_checkpoint
 from trainer_core.classify import classify
@@ -137,6 +138,8 @@ def validate_workload(spec: RunSpec) -> int | None:
     worker starts. Returns the run's total optimizer steps (None for a user's own loop)."""
     if spec.train_loop is not None:
         workloads.resolve_train_loop(spec.train_loop)
+        for name, uri in spec.datasets.items():  # footers only: the files are Parquet
+            stream.scan_files(storage.resolve(uri), None, None, f"datasets.{name}")
         return None
     assert spec.model is not None and spec.data is not None and spec.schedule is not None
     arrays = data_mod.load_arrays(spec.data)
@@ -588,6 +591,7 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
     credentials = [ray.put(storage.credential_env())]
     loop = user_train_loop if user_loop else builtin_train_loop
     trainer = _abortable_trainer_class()(
+        datasets=_ray_datasets(spec, credentials),
         train_loop_per_worker=_with_credentials(loop, credentials),
         train_loop_config=worker_config.to_dict(),
         # Ray's TorchConfig, minus its module's torch import in the controller.
@@ -617,6 +621,28 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
     trainer.in_place = spec.retries.in_place
     trainer.relay = relay
     return trainer
+
+
+def _ray_datasets(spec: RunSpec, credentials: list[Any]) -> dict[str, Any]:
+    """``spec.datasets`` as Ray Train's ``datasets``: each read by Ray Data when the worker
+    group starts (in the controller, which has the credentials), its files through a
+    filesystem that sets them in every read task first."""
+    from trainer_core.controller import apply_credentials
+
+    found = {}
+    for name, uri in spec.datasets.items():
+        location = storage.resolve(uri)
+        filesystem = lazyfs.for_tasks(
+            uri, location.filesystem, functools.partial(apply_credentials, credentials)
+        )
+        found[name] = functools.partial(_read_parquet, location.path, filesystem)
+    return found
+
+
+def _read_parquet(path: str, filesystem: Any) -> Any:
+    import ray.data
+
+    return ray.data.read_parquet(path, filesystem=filesystem)
 
 
 def _fit(spec: RunSpec, plan: Plan, handle: EventHandler, poll_interval_s: float) -> None:

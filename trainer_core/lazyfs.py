@@ -11,11 +11,16 @@ the storage URI and builds the real filesystem (``storage.resolve``) at its firs
 
 Local paths and ``s3://`` pass through unwrapped: the local filesystem needs no credentials, and
 the AWS SDK reads them at each request (Ray also special-cases ``S3FileSystem`` for uploads).
+
+``for_tasks`` is for processes relaytrain's code never runs in first, such as Ray Data's read
+tasks: its handler also carries a ``prepare`` step (setting the credentials) that runs before
+the filesystem is built, for every store but the local one.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -30,25 +35,38 @@ def for_ray(uri: str, filesystem: pafs.FileSystem) -> pafs.FileSystem:
     return pafs.PyFileSystem(LazyHandler(uri))
 
 
+def for_tasks(
+    uri: str, filesystem: pafs.FileSystem, prepare: Callable[[], None]
+) -> pafs.FileSystem:
+    """``filesystem`` (``uri``'s) for any Ray process: built there at its first call, after
+    ``prepare`` (which must pickle) has run; the local filesystem as it is."""
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return filesystem
+    return pafs.PyFileSystem(LazyHandler(uri, prepare))
+
+
 class LazyHandler(pafs.FileSystemHandler):
     """Every call goes to ``storage.resolve(uri).filesystem``, built at the first call in each
-    process. Pickles as the URI alone."""
+    process (after ``prepare``). Pickles as the URI and ``prepare``."""
 
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, prepare: Callable[[], None] | None = None):
         self.uri = uri
+        self.prepare = prepare
         self._filesystem: pafs.FileSystem | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"uri": self.uri}
+        return {"uri": self.uri, "prepare": self.prepare}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["uri"])  # type: ignore[misc]
+        self.__init__(state["uri"], state.get("prepare"))  # type: ignore[misc]
 
     @property
     def filesystem(self) -> pafs.FileSystem:
         with self._lock:
             if self._filesystem is None:
+                if self.prepare is not None:
+                    self.prepare()
                 self._filesystem = storage.resolve(self.uri).filesystem
             return self._filesystem
 

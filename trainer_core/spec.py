@@ -338,6 +338,10 @@ class RunSpec(_Section):
     #: Import path of a user's own Ray Train ``train_loop_per_worker``.
     train_loop: str | None = None
     train_loop_config: dict[str, Any] = Field(default_factory=dict)
+    #: Parquet datasets for a user's own loop, by name (``{train: URI, validation: URI}``):
+    #: Ray Data reads them and Ray Train shards them across the workers, so the loop's
+    #: ``ray.train.get_dataset_shard(name)`` works unchanged.
+    datasets: dict[str, str] = Field(default_factory=dict)
     faults: list[FaultSection] = Field(default_factory=list)
 
     @field_validator("train_loop")
@@ -347,6 +351,26 @@ class RunSpec(_Section):
             raise ValueError(
                 f"train_loop {value!r} is not an import path: use 'package.module:function'"
             )
+        return value
+
+    @field_validator("datasets")
+    @classmethod
+    def _datasets(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, uri in value.items():
+            if not re.fullmatch(r"[A-Za-z_][\w-]*", name):
+                raise SpecError(
+                    f"datasets.{name}: a dataset name is what your loop passes to "
+                    "ray.train.get_dataset_shard: use letters, digits, '_' and '-'",
+                    field=f"datasets.{name}",
+                )
+            suffix = posixpath.splitext(uri.split("?", 1)[0].rstrip("/"))[1].lower()
+            if not uri.strip() or suffix in NOT_PARQUET_SUFFIXES:
+                raise SpecError(
+                    f"datasets.{name} {uri!r} is not a Parquet file or directory: give the URI "
+                    "of Parquet data (local or on any run.storage URI); convert other formats "
+                    "with pyarrow first",
+                    field=f"datasets.{name}",
+                )
         return value
 
     @field_validator("loss")
@@ -383,6 +407,13 @@ class RunSpec(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunSpec:
+        if self.train_loop is None and self.datasets:
+            raise SpecError(
+                f"datasets {sorted(self.datasets)} feed a Ray Train loop of your own "
+                "(ray.train.get_dataset_shard): set train_loop, or give the built-in loop its "
+                "data with data.dataset",
+                field="datasets",
+            )
         if self.train_loop is None:
             missing = [s for s in ("model", "data", "schedule") if getattr(self, s) is None]
             if missing:
@@ -506,6 +537,8 @@ class RunSpec(_Section):
             "seed": self.run.seed,
             "sharded": self.checkpoint.sharded,
         }
+        if self.datasets:
+            identity["datasets"] = dict(self.datasets)
         if self.optimizer.grad_accumulation != 1:  # the cursor counts optimizer steps
             identity["grad_accumulation"] = self.optimizer.grad_accumulation
         return identity

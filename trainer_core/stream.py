@@ -63,39 +63,51 @@ def scan(data: DataSection) -> Layout:
     data = data.resolved()
     uri = data_mod.digits_uri() if data.dataset == "digits" else data.dataset
     location = storage.resolve(uri)
-    files = _parquet_files(location)
-    wanted = columns_of(data)
+    row_groups, schema = scan_files(location, columns_of(data), data.label, "data.dataset")
+    data_mod.check_column_types(schema, data, location.uri)
+    return Layout(location.uri, location, tuple(row_groups), schema)
+
+
+def scan_files(
+    location: storage.Location,
+    columns: list[str] | None,
+    label: str | None,
+    field: str,
+) -> tuple[list[RowGroup], pa.Schema]:
+    """Every file's row groups and the schema of ``columns`` (None: all of them), the same in
+    every file; SpecError naming ``field`` and the file otherwise."""
     row_groups: list[RowGroup] = []
     schema: pa.Schema | None = None
     first_file = ""
-    for path in files:
+    for path in _parquet_files(location, field):
         try:
             metadata = pq.read_metadata(location.filesystem.open_input_file(path))
         except (pa.ArrowInvalid, OSError) as e:
             raise SpecError(
-                f"dataset {location.uri}: file {path!r} is not Parquet ({str(e).rstrip('.')}). "
+                f"{field} {location.uri}: file {path!r} is not Parquet ({str(e).rstrip('.')}). "
                 f"Remove it or convert it: relaytrain reads {DATASET_FORMATS}.",
-                field="data.dataset",
+                field=field,
             ) from e
         file_schema = metadata.schema.to_arrow_schema()
+        wanted = file_schema.names if columns is None else columns
         missing = [c for c in wanted if c not in file_schema.names]
         if missing:
-            field = "data.label" if data.label in missing else "data.features"
+            named = "data.label" if label in missing else "data.features"
             raise SpecError(
-                f"dataset {location.uri}: file {path!r} has no column(s) {missing}, named by "
-                f"{field}; it has {file_schema.names}. Fix data.features / data.label.",
-                field=field,
+                f"{field} {location.uri}: file {path!r} has no column(s) {missing}, named by "
+                f"{named}; it has {file_schema.names}. Fix data.features / data.label.",
+                field=named,
             )
-        columns = pa.schema([file_schema.field(c) for c in wanted])
+        found = pa.schema([file_schema.field(c) for c in wanted])
         if schema is None:
-            schema, first_file = columns, path
-        elif not columns.equals(schema):
+            schema, first_file = found, path
+        elif not found.equals(schema):
             raise SpecError(
-                f"dataset {location.uri}: files {first_file!r} and {path!r} have different "
+                f"{field} {location.uri}: files {first_file!r} and {path!r} have different "
                 f"schemas for the columns relaytrain reads ({_types(schema)} against "
-                f"{_types(columns)}). Rewrite them with one schema, or point data.dataset at "
-                "files that share one.",
-                field="data.dataset",
+                f"{_types(found)}). Rewrite them with one schema, or point {field} at files "
+                "that share one.",
+                field=field,
             )
         first_row = sum(g.rows for g in row_groups)
         for index in range(metadata.num_row_groups):
@@ -103,22 +115,21 @@ def scan(data: DataSection) -> Layout:
             row_groups.append(RowGroup(path, index, rows, first_row))
             first_row += rows
     assert schema is not None
-    data_mod.check_column_types(schema, data, location.uri)
-    return Layout(location.uri, location, tuple(row_groups), schema)
+    return row_groups, schema
 
 
 def _types(schema: pa.Schema) -> str:
     return ", ".join(f"{f.name}: {f.type}" for f in schema)
 
 
-def _parquet_files(location: storage.Location) -> list[str]:
+def _parquet_files(location: storage.Location, field: str) -> list[str]:
     """The dataset's files, in name order: the file itself, or every file below a directory
     except hidden ones and markers (``_SUCCESS``, ``.crc``)."""
     info = location.info()
     if info.type == storage.pafs.FileType.NotFound:
         raise SpecError(
-            f"dataset {location.uri} does not exist: fix data.dataset ({DATASET_FORMATS})",
-            field="data.dataset",
+            f"{field} {location.uri} does not exist: fix {field} ({DATASET_FORMATS})",
+            field=field,
         )
     if info.type == storage.pafs.FileType.File:
         return [location.path]
@@ -131,9 +142,9 @@ def _parquet_files(location: storage.Location) -> list[str]:
     )
     if not files:
         raise SpecError(
-            f"dataset {location.uri} is an empty directory: no Parquet files below it. Fix "
-            f"data.dataset ({DATASET_FORMATS}).",
-            field="data.dataset",
+            f"{field} {location.uri} is an empty directory: no Parquet files below it. Fix "
+            f"{field} ({DATASET_FORMATS}).",
+            field=field,
         )
     return files
 

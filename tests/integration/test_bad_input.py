@@ -152,6 +152,17 @@ def own_loop(path: str) -> Callable[[World], dict[str, Any]]:
     return make
 
 
+def ray_data_loop(w: World, train: str) -> dict[str, Any]:
+    """The Ray Data example loop, its train dataset at ``train``."""
+    return {**own_loop("examples.ray_data_loop:train_func")(w), "datasets": {"train": train}}
+
+
+def empty_directory(w: World) -> Path:
+    path = w.table.parent / "empty"
+    path.mkdir(exist_ok=True)
+    return path
+
+
 def typo(w: World) -> dict[str, Any]:
     raw = w.raw()
     raw["schedul"] = raw.pop("schedule")
@@ -252,6 +263,20 @@ CASES = [
         "rename the function",
         "spec",
         broken(metrics=["tests.own_functions:loss"]),
+    ),
+    Case(
+        "datasets-for-the-builtin-loop",
+        "datasets",
+        "set train_loop",
+        "spec",
+        broken(datasets={"train": "train.parquet"}),
+    ),
+    Case(
+        "datasets-csv",
+        "datasets.train",
+        "convert other formats",
+        "spec",
+        lambda w: ray_data_loop(w, "train.csv"),
     ),
     Case("seed-negative", "run.seed", "from 0 to 4294967295", "spec", overrides=("run.seed=-5",)),
     Case(
@@ -479,6 +504,20 @@ CASES = [
         broken(
             metrics=["tests.own_functions:mean_abs_error", "tests.own_functions:metric_as_text"]
         ),
+    ),
+    Case(
+        "datasets-empty-directory",
+        "datasets.train",
+        "empty directory",
+        "setup",
+        lambda w: ray_data_loop(w, str(empty_directory(w))),
+    ),
+    Case(
+        "datasets-not-parquet-inside",
+        "datasets.train",
+        "is not Parquet",
+        "setup",
+        lambda w: ray_data_loop(w, str(w.table.parent / "table.data")),
     ),
     Case(
         "resume-changed-model-shape",

@@ -16,6 +16,9 @@ def test_examples_load_and_are_frozen():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_spec("examples/ray_loop.yaml")
+        assert load_spec("examples/ray_data_loop.yaml").datasets == {
+            "train": "trainer_core/builtin_data/digits.parquet"
+        }
 
 
 def test_overrides_parse_json_else_string():
