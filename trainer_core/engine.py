@@ -252,9 +252,18 @@ class LiveState:
     timings: dict[str, float] = field(default_factory=dict)
     #: In-place restarts of the worker group: when, after what, and where each resumed.
     restarts: list[dict[str, Any]] = field(default_factory=list)
+    #: Workers in the group, and the largest peak resident memory any of them reported (MB).
+    world_size: int | None = None
+    peak_worker_rss_mb: float | None = None
 
     def apply(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
+        if event.get("world_size"):
+            self.world_size = event["world_size"]
+        if kind == "memory":
+            self.peak_worker_rss_mb = max(
+                self.peak_worker_rss_mb or 0.0, event["peak_worker_rss_mb"]
+            )
         if kind == "metrics" and event["rows"]:
             self.step = max(self.step, event["rows"][-1]["step"])
             self.metrics = {**self.metrics, **event["rows"][-1]}
@@ -340,6 +349,8 @@ def run_attempt(
                     "resumed_from_step": live.resumed_from,
                     "resumed_at": live.resumed_at,
                     "restarts": live.restarts,
+                    "world_size": live.world_size,
+                    "peak_worker_rss_mb": live.peak_worker_rss_mb,
                     "last_step": max(live.step, getattr(classified, "step", None) or 0),
                     "error_class": type(classified).__name__,
                     "error_budget": getattr(classified, "budget", "none"),
@@ -374,6 +385,8 @@ def run_attempt(
                 "resumed_from_step": live.resumed_from,
                 "resumed_at": live.resumed_at,
                 "restarts": live.restarts,
+                "world_size": live.world_size,
+                "peak_worker_rss_mb": live.peak_worker_rss_mb,
                 "last_step": result.steps_completed,
             }
         )

@@ -54,6 +54,7 @@ from trainer_core.worker import (
     all_reduce,
     collective_device,
     is_peer_failure,
+    peak_rss_mb,
 )
 
 logger = logging.getLogger("relaytrain.worker")
@@ -244,6 +245,7 @@ class BuiltinLoop:
                 checkpoint_uri=checkpoint.uri,
                 skipped=skipped,
                 group=self.group,
+                world_size=self.world_size,
             )
             return
         warm_start = self.spec.run.init_from
@@ -253,7 +255,13 @@ class BuiltinLoop:
             self.model.load_state_dict(
                 training_state.from_bytes(source_dir.read_verified(source, name))
             )
-        self.relay.send("fresh_start", skipped=skipped, warm_start=warm_start, group=self.group)
+        self.relay.send(
+            "fresh_start",
+            skipped=skipped,
+            warm_start=warm_start,
+            group=self.group,
+            world_size=self.world_size,
+        )
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -327,6 +335,7 @@ class BuiltinLoop:
             if self.stopping.stopped:
                 break
         self._aggregate({}, flush=True)
+        self._share_peak_rss()
         started = time.perf_counter()
         self.background.wait()
         self.timings.checkpoint_wait_s += time.perf_counter() - started
@@ -517,6 +526,14 @@ class BuiltinLoop:
         self.timings.checkpoint_s += time.perf_counter() - started
         self.timings.checkpoint_wait_s += waited - started
         self.timings.num_checkpoints += 1
+        self._share_peak_rss()
+
+    def _share_peak_rss(self) -> None:
+        """The largest peak resident memory of any rank so far, to the driver (one small
+        collective, at each checkpoint and at the end)."""
+        peak = torch.tensor([peak_rss_mb()], dtype=torch.float64, device=collective_device())
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        self.relay.send("memory", peak_worker_rss_mb=round(float(peak), 1))
 
     def _say_if_writes_are_slow(self, step: int, wait_s: float, now: float) -> None:
         if self.slow_writes_said or self.last_submit is None:  # said, or no earlier write

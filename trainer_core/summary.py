@@ -48,6 +48,11 @@ class AttemptSummary(_Frozen):
     retry_decision: str | None = None
     #: In-place restarts of the worker group within this attempt (retries.in_place).
     restarts: list[InPlaceRestart] = []
+    #: Workers the attempt trained on, and the largest peak resident memory of any of them
+    #: (MB; the built-in loop measures every rank, a user's loop rank 0), as of its last
+    #: checkpoint or its end.
+    world_size: int | None = None
+    peak_worker_rss_mb: float | None = None
 
 
 class TrainingResult(_Frozen):
@@ -97,6 +102,8 @@ def attempt_summaries(records: Sequence[dict[str, Any]]) -> list[AttemptSummary]
                 duration_s=(ended - started) if started and ended else None,
                 retry_decision=record.get("retry_decision"),
                 restarts=[_restart(r) for r in record.get("restarts") or []],
+                world_size=record.get("world_size"),
+                peak_worker_rss_mb=record.get("peak_worker_rss_mb"),
             )
         )
     return summaries

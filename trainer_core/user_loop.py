@@ -18,7 +18,7 @@ from trainer_core.errors import (
     TrainingCodeError,
 )
 from trainer_core.spec import RunSpec
-from trainer_core.worker import Faults, Relay, WorkerConfig
+from trainer_core.worker import Faults, Relay, WorkerConfig, peak_rss_mb
 
 
 class ReportHook:
@@ -52,6 +52,7 @@ class ReportHook:
         if self.rank == 0 and checkpoint is not None:
             self.flush()
             self.relay.send("checkpoint", step=step, metrics=row)
+            self.relay.send("memory", peak_worker_rss_mb=round(peak_rss_mb(), 1))  # rank 0's
         return result
 
     def flush(self) -> None:
@@ -85,6 +86,7 @@ def user_train_loop(config: dict[str, Any]) -> None:
             "resumed" if resumed else "fresh_start",
             checkpoint_uri=resumed.path if resumed else None,
             skipped=[],
+            world_size=ray.train.get_context().get_world_size(),
         )
         try:
             if _takes_config(fn):
@@ -106,6 +108,7 @@ def user_train_loop(config: dict[str, Any]) -> None:
                 traceback="".join(traceback.format_exception(e)),
             ) from e
         hook.flush()
+        hook.relay.send("memory", peak_worker_rss_mb=round(peak_rss_mb(), 1))
         hook.relay.send("finished", step=hook.calls, metrics={})
     finally:
         ray.train.report = hook.original

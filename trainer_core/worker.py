@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import signal
 import threading
 import time
@@ -123,6 +124,11 @@ class Relay:
             self.handle.push.remote({"kind": "metrics", "time": now, "rows": self.rows})
             self.rows = []
         self.last_push = now
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def collective_device() -> torch.device:

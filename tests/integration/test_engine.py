@@ -69,6 +69,10 @@ def test_golden_exact_resume_after_raise(reference, tmp_path):
     assert attempts[0]["error_class"] == "TrainingCodeError" and attempts[0]["error_step"] == 17
     assert attempts[0]["restarts"] == []
     assert attempts[1]["resumed_from_step"] == 10
+    # Each attempt's world size and its workers' peak memory (every rank's, max-reduced at
+    # each checkpoint: the failed attempt's as of step 10). A Ray worker with torch: > 100 MB.
+    assert [a["world_size"] for a in attempts] == [2, 2]
+    assert all(a["peak_worker_rss_mb"] > 100 for a in attempts)
 
 
 def test_kill_mid_epoch_then_resume(reference, tmp_path):
@@ -159,6 +163,7 @@ def test_stock_ray_train_loop_runs_and_resumes(ray_cluster, tmp_path):
     assert epochs == [0, 1, 2, 3]  # epoch 2 onwards ran again after the resume, once each
     reported = [e["rows"][0]["epoch"] for e in events if e["kind"] == "metrics"]
     assert reported == [2, 3]
+    assert [a["world_size"] for a in run_dir_of(spec).read_attempts()] == [2, 2]
 
 
 def test_more_workers_than_cluster_fails_fast(ray_cluster, tmp_path):
@@ -343,6 +348,8 @@ def test_early_stopping_keeps_its_patience_across_a_retry(reference, tmp_path):
     assert losses(run_dir) == reference["losses"][:26]
     result = build_result(spec, run_dir, str(tmp_path), "completed")
     assert result.stop_reason == finished["stopped"] and result.epochs_completed == 2
+    assert [a.world_size for a in result.attempts] == [2, 2]
+    assert all(a.peak_worker_rss_mb > 100 for a in result.attempts)
     assert is_finished(spec, result)  # the flow returns it as it is
     # Run again, it trains nothing: the newest checkpoint says the run stopped.
     third = run_attempt(spec, on_event=events.append)
