@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import collections
 import posixpath
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -39,12 +42,14 @@ class RowGroup:
 
 @dataclass(frozen=True)
 class Layout:
-    """What a dataset holds, from its Parquet footers alone."""
+    """What a dataset holds, from its Parquet footers alone (or, for the generated
+    ``synthetic`` set, the table itself, cut into row groups of ``MEMORY_ROW_GROUP`` rows)."""
 
     uri: str
-    location: storage.Location
+    location: storage.Location | None
     row_groups: tuple[RowGroup, ...]
     schema: pa.Schema
+    table: pa.Table | None = None
 
     @property
     def num_rows(self) -> int:
@@ -61,11 +66,35 @@ def scan(data: DataSection) -> Layout:
     file and the fix for an empty directory, differing schemas, a missing column or a file
     that is not Parquet. Reads footers only."""
     data = data.resolved()
+    if data.dataset == "synthetic":
+        return _synthetic_layout(data)
     uri = data_mod.digits_uri() if data.dataset == "digits" else data.dataset
     location = storage.resolve(uri)
     row_groups, schema = scan_files(location, columns_of(data), data.label, "data.dataset")
     data_mod.check_column_types(schema, data, location.uri)
     return Layout(location.uri, location, tuple(row_groups), schema)
+
+
+#: Rows per row group of a dataset relaytrain generates in memory.
+MEMORY_ROW_GROUP = 1024
+
+
+def _synthetic_layout(data: DataSection) -> Layout:
+    """The synthetic set as a table (features ``x``, label ``y``), read like Parquet."""
+    s = data.synthetic
+    arrays = data_mod.synthetic_arrays(s.num_samples, s.num_features, s.noise)
+    width = arrays.features.shape[1]
+    table = pa.table(
+        {
+            "x": pa.FixedSizeListArray.from_arrays(pa.array(arrays.features.reshape(-1)), width),
+            "y": pa.array(arrays.labels),
+        }
+    )
+    row_groups = tuple(
+        RowGroup("<memory>", i, min(MEMORY_ROW_GROUP, len(arrays) - start), start)
+        for i, start in enumerate(range(0, len(arrays), MEMORY_ROW_GROUP))
+    )
+    return Layout("synthetic", None, row_groups, table.schema, table)
 
 
 def scan_files(
@@ -191,8 +220,12 @@ class Reader:
             self._decoded.move_to_end(group)
             return found
         g = self.layout.row_groups[group]
-        with self.layout.location.filesystem.open_input_file(g.file) as f:
-            table = pq.ParquetFile(f).read_row_group(g.index, columns=columns_of(self.data))
+        if self.layout.table is not None:
+            table = self.layout.table.slice(g.first_row, g.rows)
+        else:
+            assert self.layout.location is not None
+            with self.layout.location.filesystem.open_input_file(g.file) as f:
+                table = pq.ParquetFile(f).read_row_group(g.index, columns=columns_of(self.data))
         arrays = data_mod.table_arrays(table, self.data)
         self.row_groups_read += 1
         self._decoded[group] = arrays
@@ -221,3 +254,73 @@ class Reader:
         if features is None or labels is None:
             return ids, data_mod.Arrays(np.zeros((0, 0), np.float32), np.zeros(0, np.float32))
         return ids, data_mod.Arrays(features, labels)
+
+
+_END = object()
+
+
+class Prefetcher:
+    """One rank's rows for global batches ``first..order.steps-1`` of an epoch, read ahead by a
+    background thread: at most ``depth`` batches wait in memory. Iterate for
+    ``(batch index, row ids, rows)``; a read error is raised where the batch would have been.
+    The reader is the thread's alone while it runs."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        order: sample_order.EpochOrder,
+        world_size: int,
+        rank: int,
+        first: int = 0,
+        depth: int = 2,
+    ):
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._read,
+            args=(reader, order, world_size, rank, first),
+            name="relaytrain-prefetch",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _read(
+        self,
+        reader: Reader,
+        order: sample_order.EpochOrder,
+        world_size: int,
+        rank: int,
+        first: int,
+    ) -> None:
+        try:
+            for index in range(first, order.steps):
+                groups, rows = order.locate(order.rank_positions(index, world_size, rank))
+                if not self._put((index, *reader.take(groups, rows))):
+                    return
+        except BaseException as error:  # handed to the consumer
+            self._put(error)
+            return
+        self._put(_END)
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray, data_mod.Arrays]]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        """Stop reading ahead and let the thread end (also mid-epoch)."""
+        self._stop.set()
+        self._thread.join(timeout=10)

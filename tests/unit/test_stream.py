@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from trainer_core import data as data_mod
 from trainer_core import sample_order, stream
 from trainer_core.errors import SpecError
 from trainer_core.spec import DataSection
@@ -101,3 +102,50 @@ def test_bad_datasets_are_refused_from_metadata(tmp_path, dataset):
     (dataset / "part-2.parquet").write_text("x,y\n1,2\n")
     with pytest.raises(SpecError, match=r"part-2\.parquet' is not Parquet"):
         stream.scan(section(dataset))
+
+
+def test_the_synthetic_set_is_read_like_parquet():
+    data = DataSection(dataset="synthetic", synthetic={"num_samples": 2500, "num_features": 6})
+    layout = stream.scan(data)
+    assert [g.rows for g in layout.row_groups] == [1024, 1024, 452]
+    reader = stream.Reader(layout, data, seed=1)
+    whole = data_mod.load_arrays(data)
+    groups = np.array([2, 0, 1, 2])
+    ids, rows = reader.take(groups, np.array([0, 5, 7, 3]))
+    assert np.array_equal(rows.features, whole.features[ids])
+    assert np.array_equal(rows.labels, whole.labels[ids])
+
+
+def test_the_prefetcher_yields_what_direct_reads_give_and_stops_cleanly(dataset):
+    data = section(dataset, validation_fraction=0.1)
+    layout = stream.scan(data)
+    direct = stream.Reader(layout, data, seed=2)
+    order = sample_order.epoch_order(
+        direct.train_counts(), seed=2, epoch=0, batch_size=16, partitions=4, window=40
+    )
+    ahead = stream.Prefetcher(stream.Reader(layout, data, seed=2), order, 2, 1, first=3)
+    seen = []
+    for index, ids, rows in ahead:
+        groups, positions = order.locate(order.rank_positions(index, 2, 1))
+        expected_ids, expected = direct.take(groups, positions)
+        assert np.array_equal(ids, expected_ids)
+        assert np.array_equal(rows.features, expected.features)
+        seen.append(index)
+    assert seen == list(range(3, order.steps))  # resumed at batch 3
+    early = stream.Prefetcher(stream.Reader(layout, data, seed=2), order, 2, 0, depth=1)
+    next(iter(early))
+    early.close()  # mid-epoch: the thread ends although the queue is full
+    assert not early._thread.is_alive()
+
+
+def test_a_read_error_reaches_the_consumer(dataset):
+    data = section(dataset)
+    layout = stream.scan(data)
+    reader = stream.Reader(layout, data, seed=0)
+    order = sample_order.epoch_order(
+        reader.train_counts(), seed=0, epoch=0, batch_size=8, partitions=2, window=8
+    )
+    (dataset / "part-1.parquet").unlink()  # gone after the scan: a storage failure mid-epoch
+    with pytest.raises(FileNotFoundError, match=r"part-1\.parquet"):
+        for _ in stream.Prefetcher(reader, order, 1, 0):
+            pass
