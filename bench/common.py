@@ -43,6 +43,7 @@ BENCHMARKS = (
     "scaling",
     "memory",
     "precision",
+    "data",
 )
 TABLES_START = "<!-- bench:tables:start -->"
 TABLES_END = "<!-- bench:tables:end -->"

@@ -194,6 +194,7 @@ class Reader:
         self.fraction = self.data.validation_fraction
         self.cache_row_groups = cache_row_groups
         self._decoded: collections.OrderedDict[int, data_mod.Arrays] = collections.OrderedDict()
+        self._train_rows: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.row_groups_read = 0
 
     def _row_ids(self, group: int) -> np.ndarray:
@@ -201,9 +202,18 @@ class Reader:
         return np.arange(g.first_row, g.first_row + g.rows, dtype=np.int64)
 
     def train_rows(self, group: int) -> np.ndarray:
-        """Indices within row group ``group`` of its training rows."""
-        ids = self._row_ids(group)
-        return np.flatnonzero(~sample_order.is_validation(ids, self.seed, self.fraction))
+        """Indices within row group ``group`` of its training rows (the last few row groups'
+        kept: a batch asks again for the row groups of its window)."""
+        found = self._train_rows.get(group)
+        if found is None:
+            ids = self._row_ids(group)
+            found = np.flatnonzero(~sample_order.is_validation(ids, self.seed, self.fraction))
+            self._train_rows[group] = found
+            while len(self._train_rows) > self.cache_row_groups:
+                self._train_rows.popitem(last=False)
+        else:
+            self._train_rows.move_to_end(group)
+        return found
 
     def validation_rows(self, group: int) -> np.ndarray:
         ids = self._row_ids(group)

@@ -1,0 +1,249 @@
+"""Data: the streaming reader against a raw ``pyarrow.dataset`` scan of the same files, and a
+reading worker's peak memory on a small and a large dataset.
+
+Datasets are generated once per run: Parquet files of ``x`` (64 float32 features, a
+fixed-size list) and ``y`` (int64), 65,536-row row groups, 4 files per dataset.
+
+Variants, per store (``local``: a directory; ``s3``: a moto server on loopback):
+- ``<store>/reader``: ``trainer_core.stream``'s ``Prefetcher`` reading one epoch of every
+  global batch (batch 1024, 8 partitions, one rank of one), rows as numpy arrays;
+- ``<store>/reader_rank0of2``: rank 0 of 2: what one worker of two reads;
+- ``<store>/raw_scan``: ``pyarrow.dataset(...).to_batches()`` over the same columns, each
+  batch turned into the same arrays (``data.table_arrays``): the storage and decode ceiling.
+
+``rss/<MB>``: a fresh process reads one epoch with the reader (rank 0 of 1) and reports its
+peak resident memory (``ru_maxrss``), for a small and a large dataset.
+
+Targets: reader samples/s / raw scan >= 0.8 (per store); peak RSS of the large dataset within
+10 % of the small one's.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from bench import common, harness
+from bench.common import Result, Sample, Target, Variant
+from trainer_core import data as data_mod
+from trainer_core import sample_order, storage, stream
+from trainer_core.spec import DataSection
+
+NAME = "data"
+FEATURES = 64
+ROW_GROUP = 65_536
+FILES = 4
+BATCH = 1024
+PARTITIONS = 8
+WINDOW = 65_536
+COLUMNS = ["samples_per_s", "mb_per_s", "seconds", "peak_rss_mb"]
+THROUGHPUT_TARGET = Target(
+    "reader/raw scan", "streaming reader samples/s / raw pyarrow.dataset scan", ">=", 0.8
+)
+RSS_TARGET = Target("rss large/small", "reader peak RSS, large dataset / small dataset", "<=", 1.10)
+
+
+def write_dataset(uri: str, megabytes: float) -> int:
+    """Generated Parquet files at ``uri`` of about ``megabytes``; returns the rows."""
+    location = storage.resolve(uri)
+    rows = int(megabytes * 2**20 / (FEATURES * 4 + 8))
+    per_file = -(-rows // FILES)
+    rng = np.random.default_rng(0)
+    location.filesystem.create_dir(location.path, recursive=True)
+    for index, start in enumerate(range(0, rows, per_file)):
+        count = min(per_file, rows - start)
+        features = rng.standard_normal((count, FEATURES), dtype=np.float32)
+        table = pa.table(
+            {
+                "x": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), FEATURES),
+                "y": pa.array(rng.integers(0, 10, count)),
+            }
+        )
+        path = f"{location.path}/part-{index:03d}.parquet"
+        with location.filesystem.open_output_stream(path) as f:
+            pq.write_table(table, f, row_group_size=ROW_GROUP)
+    return rows
+
+
+def section(uri: str) -> DataSection:
+    return DataSection(
+        dataset=uri,
+        features="x",
+        label="y",
+        task="classification",
+        batch_size=BATCH,
+        validation_fraction=0.0,
+    )
+
+
+def read_epoch(uri: str, world_size: int = 1, rank: int = 0) -> Sample:
+    """One rank's epoch through the prefetching reader."""
+    data = section(uri)
+    started = time.perf_counter()
+    reader = stream.Reader(stream.scan(data), data, seed=0)
+    order = sample_order.epoch_order(
+        reader.train_counts(),
+        seed=0,
+        epoch=0,
+        batch_size=BATCH,
+        partitions=PARTITIONS,
+        window=WINDOW,
+    )
+    samples = 0
+    ahead = stream.Prefetcher(reader, order, world_size, rank)
+    try:
+        for _, _, rows in ahead:
+            samples += len(rows.labels)
+    finally:
+        ahead.close()
+    return _rate(samples, time.perf_counter() - started)
+
+
+def raw_scan(uri: str) -> Sample:
+    """The same files through ``pyarrow.dataset``'s own scanner, to the same arrays."""
+    data = section(uri)
+    location = storage.resolve(uri)
+    started = time.perf_counter()
+    dataset = pads.dataset(location.path, filesystem=location.filesystem, format="parquet")
+    samples = 0
+    for batch in dataset.to_batches(columns=["x", "y"], batch_size=BATCH):
+        arrays = data_mod.table_arrays(pa.Table.from_batches([batch]), data)
+        samples += len(arrays.labels)
+    return _rate(samples, time.perf_counter() - started)
+
+
+def _rate(samples: int, seconds: float) -> Sample:
+    return {
+        "samples_per_s": samples / seconds,
+        "mb_per_s": samples * (FEATURES * 4 + 8) / 2**20 / seconds,
+        "seconds": seconds,
+        "samples": samples,
+    }
+
+
+def peak_rss(uri: str) -> Sample:
+    """A fresh process reads one epoch; its peak RSS (and its rate)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.data", "--child-read", uri],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=common.REPO,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _child_read(uri: str) -> None:
+    sample = read_epoch(uri)
+    sample["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(sample))
+
+
+@contextmanager
+def stores(names: list[str], scratch: Path) -> Iterator[dict[str, str]]:
+    """Where each store keeps its datasets: a URI prefix."""
+    with ExitStack() as stack:
+        found = {}
+        for name in names:
+            if name == "local":
+                found[name] = str(scratch / "local")
+            elif name == "s3":
+                from tests.s3 import moto_s3
+
+                server = stack.enter_context(moto_s3(scratch))
+                stack.enter_context(harness.env(**server.credential_env()))
+                found[name] = server.uri("bench-data")
+            else:
+                raise SystemExit(f"unknown store {name!r}: use local and/or s3")
+        yield found
+
+
+def _under(prefix: str, name: str) -> str:
+    base, _, query = prefix.partition("?")
+    return f"{base}/{name}" + (f"?{query}" if query else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["--child-read"]:
+        _child_read(sys.argv[2])
+        return 0
+    cli = common.parser(NAME, __doc__ or "", repetitions=3)
+    cli.add_argument("--stores", default="local,s3", help="local and/or s3")
+    cli.add_argument("--megabytes", type=float, default=None, help="throughput dataset (256)")
+    cli.add_argument("--rss-sizes", default=None, help="small,large in MB (200,2048)")
+    args = cli.parse_args(argv)
+    size = args.megabytes or (8 if args.quick else 256)
+    small, large = (
+        float(s) for s in (args.rss_sizes or ("4,16" if args.quick else "200,2048")).split(",")
+    )
+    result = Result(NAME, args.quick, columns=COLUMNS)
+    repetitions = common.repetitions_of(args)
+    with (
+        tempfile.TemporaryDirectory(prefix="relaytrain-bench-data-") as tmp,
+        stores(args.stores.split(","), Path(tmp)) as chosen,
+    ):
+        variants: list[Variant] = []
+        rows: dict[str, Any] = {}
+        for name, prefix in chosen.items():
+            uri = _under(prefix, "throughput")
+            rows[name] = write_dataset(uri, size)
+            variants += [
+                Variant(
+                    f"{name}/reader", "Prefetcher, rank 0 of 1", lambda r, u=uri: read_epoch(u)
+                ),
+                Variant(
+                    f"{name}/reader_rank0of2",
+                    "Prefetcher, rank 0 of 2",
+                    lambda r, u=uri: read_epoch(u, 2, 0),
+                ),
+                Variant(f"{name}/raw_scan", "pyarrow.dataset scan", lambda r, u=uri: raw_scan(u)),
+            ]
+        local = str(Path(tmp) / "rss")
+        for megabytes in (small, large):
+            uri = f"{local}/{megabytes:g}mb"
+            rows[f"rss/{megabytes:g}"] = write_dataset(uri, megabytes)
+            variants.append(
+                Variant(
+                    f"rss/{megabytes:g}MB",
+                    "a fresh process reading one epoch",
+                    lambda r, u=uri: peak_rss(u),
+                )
+            )
+        result.settings.update(
+            dataset_mb=size,
+            rows=rows,
+            features=FEATURES,
+            row_group=ROW_GROUP,
+            batch=BATCH,
+            partitions=PARTITIONS,
+            window=WINDOW,
+            rss_sizes_mb=[small, large],
+        )
+        result.variants = common.alternate(variants, repetitions, only=args.only)
+    summarize(result, list(chosen), small, large)
+    return common.finish(result, args)
+
+
+def summarize(result: Result, store_names: list[str], small: float, large: float) -> None:
+    for name in store_names:
+        value = common.ratio(result.variants, f"{name}/reader", f"{name}/raw_scan", "samples_per_s")
+        result.targets.append(THROUGHPUT_TARGET.check(value, name))
+    rss = common.ratio(result.variants, f"rss/{large:g}MB", f"rss/{small:g}MB", "peak_rss_mb")
+    result.targets.append(RSS_TARGET.check(rss, f"{large:g} MB vs {small:g} MB"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
