@@ -93,7 +93,10 @@ def read_epoch(uri: str, world_size: int = 1, rank: int = 0) -> Sample:
     """One rank's epoch through the prefetching reader."""
     data = section(uri)
     started = time.perf_counter()
-    reader = stream.Reader(stream.scan(data), data, seed=0)
+    # Every partition's window is live at once: cache the row groups they span, or a batch
+    # re-reads them (cache 4 on 16 row groups: 14,877 reads an epoch instead of 16).
+    cache = PARTITIONS * (WINDOW // ROW_GROUP + 2)
+    reader = stream.Reader(stream.scan(data), data, seed=0, cache_row_groups=cache)
     order = sample_order.epoch_order(
         reader.train_counts(),
         seed=0,
