@@ -174,11 +174,6 @@ def stores(names: list[str], scratch: Path) -> Iterator[dict[str, str]]:
         yield found
 
 
-def _under(prefix: str, name: str) -> str:
-    base, _, query = prefix.partition("?")
-    return f"{base}/{name}" + (f"?{query}" if query else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["--child-read"]:
         _child_read(sys.argv[2])
@@ -201,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         variants: list[Variant] = []
         rows: dict[str, Any] = {}
         for name, prefix in chosen.items():
-            uri = _under(prefix, "throughput")
+            uri = storage.join_uri(prefix, "throughput")
             rows[name] = write_dataset(uri, size)
             variants += [
                 Variant(

@@ -88,6 +88,12 @@ class _Section(BaseModel):
         return value
 
 
+def not_parquet_format(uri: str) -> str | None:
+    """The tabular format a URI's suffix names when it is not Parquet (``.csv``: "CSV")."""
+    suffix = posixpath.splitext(uri.split("?", 1)[0].rstrip("/"))[1].lower()
+    return NOT_PARQUET_SUFFIXES.get(suffix)
+
+
 def metric_name(path: str) -> str:
     """The name a validation metric ``package.module:function`` is recorded under."""
     return "val_" + path.rsplit(":", 1)[1]
@@ -178,10 +184,10 @@ class DataSection(_Section):
     @field_validator("dataset")
     @classmethod
     def _dataset(cls, value: str) -> str:
-        suffix = posixpath.splitext(value.split("?", 1)[0].rstrip("/"))[1].lower()
-        if suffix in NOT_PARQUET_SUFFIXES:
+        kind = not_parquet_format(value)
+        if kind:
             raise ValueError(
-                f"data.dataset {value!r} is a {NOT_PARQUET_SUFFIXES[suffix]} file, not Parquet: "
+                f"data.dataset {value!r} is a {kind} file, not Parquet: "
                 f"relaytrain reads {DATASET_FORMATS}. Convert it to Parquet (e.g. "
                 "pyarrow.parquet.write_table(pyarrow.csv.read_csv(path), 'data.parquet')) and "
                 "point data.dataset at that"
@@ -363,8 +369,7 @@ class RunSpec(_Section):
                     "ray.train.get_dataset_shard: use letters, digits, '_' and '-'",
                     field=f"datasets.{name}",
                 )
-            suffix = posixpath.splitext(uri.split("?", 1)[0].rstrip("/"))[1].lower()
-            if not uri.strip() or suffix in NOT_PARQUET_SUFFIXES:
+            if not uri.strip() or not_parquet_format(uri):
                 raise SpecError(
                     f"datasets.{name} {uri!r} is not a Parquet file or directory: give the URI "
                     "of Parquet data (local or on any run.storage URI); convert other formats "

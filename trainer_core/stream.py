@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from trainer_core import data as data_mod
@@ -155,19 +156,18 @@ def _parquet_files(location: storage.Location, field: str) -> list[str]:
     """The dataset's files, in name order: the file itself, or every file below a directory
     except hidden ones and markers (``_SUCCESS``, ``.crc``)."""
     info = location.info()
-    if info.type == storage.pafs.FileType.NotFound:
+    if info.type == pafs.FileType.NotFound:
         raise SpecError(
             f"{field} {location.uri} does not exist: fix {field} ({DATASET_FORMATS})",
             field=field,
         )
-    if info.type == storage.pafs.FileType.File:
+    if info.type == pafs.FileType.File:
         return [location.path]
-    selector = storage.pafs.FileSelector(location.path, recursive=True)
+    selector = pafs.FileSelector(location.path, recursive=True)
     files = sorted(
         f.path
         for f in location.filesystem.get_file_info(selector)
-        if f.type == storage.pafs.FileType.File
-        and not posixpath.basename(f.path).startswith(("_", "."))
+        if f.type == pafs.FileType.File and not posixpath.basename(f.path).startswith(("_", "."))
     )
     if not files:
         raise SpecError(

@@ -143,6 +143,18 @@ def test_sharded_checkpoints_resume_exactly(reference, tmp_path):
     assert losses(run_dir) == reference["losses"]
 
 
+def fail_then_resume(spec) -> list[dict]:
+    """A user loop's first attempt fails at its fault; the second resumes from a Ray checkpoint
+    and completes. Returns the second attempt's events."""
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    events: list[dict] = []
+    assert run_attempt(spec, on_event=events.append).status == "completed"
+    resumed = next(e for e in events if e["kind"] in ("resumed", "fresh_start"))
+    assert resumed["kind"] == "resumed" and resumed["checkpoint_uri"]
+    return events
+
+
 def test_stock_ray_train_loop_runs_and_resumes(ray_cluster, tmp_path):
     raw = {
         "run": {"name": "stock", "storage": str(tmp_path)},
@@ -152,13 +164,7 @@ def test_stock_ray_train_loop_runs_and_resumes(ray_cluster, tmp_path):
         "faults": [{"kind": "raise", "at_step": 3}],
     }
     spec = build_spec(raw)
-    with pytest.raises(TrainingCodeError):
-        run_attempt(spec)
-    events = []
-    second = run_attempt(spec, on_event=events.append)
-    assert second.status == "completed"
-    resumed = next(e for e in events if e["kind"] in ("resumed", "fresh_start"))
-    assert resumed["kind"] == "resumed" and resumed["checkpoint_uri"]
+    events = fail_then_resume(spec)
     epochs = [row["epoch"] for row in run_dir_of(spec).read_metrics_history()]
     assert epochs == [0, 1, 2, 3]  # epoch 2 onwards ran again after the resume, once each
     reported = [e["rows"][0]["epoch"] for e in events if e["kind"] == "metrics"]
@@ -367,13 +373,7 @@ def test_ray_data_datasets_reach_a_stock_loop_and_resume_at_an_epoch(ray_cluster
     raw["datasets"]["train"] = str(REPO / raw["datasets"]["train"])
     raw["faults"] = [{"kind": "raise", "at_step": 2}]
     spec = build_spec(raw)
-    with pytest.raises(TrainingCodeError):
-        run_attempt(spec)
-    events = []
-    second = run_attempt(spec, on_event=events.append)
-    assert second.status == "completed"
-    resumed = next(e for e in events if e["kind"] in ("resumed", "fresh_start"))
-    assert resumed["kind"] == "resumed"
+    fail_then_resume(spec)
     history = run_dir_of(spec).read_metrics_history()
     assert [row["epoch"] for row in history] == [0, 1, 2]
     # 1797 digits, split equally between 2 workers: at most one row left out an epoch.
