@@ -79,7 +79,9 @@ def steps_per_epoch(spec: RunSpec) -> int:
     data = spec.data.resolved()
     arrays = data_mod.load_arrays(data)
     train, _ = data_mod.split(arrays, data.validation_fraction, spec.run.seed)
-    return data_mod.batches_per_epoch(len(train), data.batch_size, spec.scaling.num_workers)
+    return data_mod.steps_per_epoch(
+        len(train), data.batch_size, spec.scaling.num_workers, spec.optimizer.grad_accumulation
+    )
 
 
 class Workload:

@@ -256,6 +256,16 @@ class LiveState:
     world_size: int | None = None
     peak_worker_rss_mb: float | None = None
 
+    def outcome(self) -> dict[str, Any]:
+        """What an ended attempt's record says of its workers, failed or completed."""
+        return {
+            "resumed_from_step": self.resumed_from,
+            "resumed_at": self.resumed_at,
+            "restarts": self.restarts,
+            "world_size": self.world_size,
+            "peak_worker_rss_mb": self.peak_worker_rss_mb,
+        }
+
     def apply(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
         if event.get("world_size"):
@@ -346,11 +356,7 @@ def run_attempt(
                     **record,
                     "status": "failed",
                     "ended_at": time.time(),
-                    "resumed_from_step": live.resumed_from,
-                    "resumed_at": live.resumed_at,
-                    "restarts": live.restarts,
-                    "world_size": live.world_size,
-                    "peak_worker_rss_mb": live.peak_worker_rss_mb,
+                    **live.outcome(),
                     "last_step": max(live.step, getattr(classified, "step", None) or 0),
                     "error_class": type(classified).__name__,
                     "error_budget": getattr(classified, "budget", "none"),
@@ -382,11 +388,7 @@ def run_attempt(
                 **record,
                 "status": "completed",
                 "ended_at": time.time(),
-                "resumed_from_step": live.resumed_from,
-                "resumed_at": live.resumed_at,
-                "restarts": live.restarts,
-                "world_size": live.world_size,
-                "peak_worker_rss_mb": live.peak_worker_rss_mb,
+                **live.outcome(),
                 "last_step": result.steps_completed,
             }
         )

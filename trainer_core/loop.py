@@ -126,10 +126,9 @@ class BuiltinLoop:
         )
         #: Micro-batches per optimizer step; steps, the cursor and checkpoints count steps.
         self.accumulation = self.spec.optimizer.grad_accumulation
-        self.steps_per_epoch = data_mod.steps_per_epoch(
+        self.total_steps = self.spec.schedule.epochs * data_mod.steps_per_epoch(
             len(self.train), self.data_spec.batch_size, self.world_size, self.accumulation
         )
-        self.total_steps = self.steps_per_epoch * self.spec.schedule.epochs
         training_state.seed_everything(self.spec.run.seed)  # identical initial weights
         self.model = workloads.build_model(self.spec.model, info.num_features, info.num_outputs)
         self.optimizer = training_state.make_optimizer(self.model.parameters(), self.spec.optimizer)
