@@ -375,20 +375,9 @@ class BuiltinLoop:
             None if self.scaler is None else self.scaler.scale,
         )
         self._await_staging()
-        grad_norm = None
-        if self.spec.optimizer.clip_grad_norm is not None:
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)  # clip the true gradients
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.spec.optimizer.clip_grad_norm
-                )
-            )
-        if self.scaler is None:
-            self.optimizer.step()
-        else:
-            self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
-            self.scaler.update()
+        grad_norm = optimizer_step(
+            self.optimizer, self.model, self.spec.optimizer.clip_grad_norm, self.scaler
+        )
         self.scheduler.step()
         value = loss.item()
         if not math.isfinite(value):
@@ -690,6 +679,28 @@ def accumulate_gradients(
             (part if scale is None else scale(part)).backward()
         loss += part.detach().float()
     return loss
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    clip: float | None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> float | None:
+    """Clip the gradients' total norm to ``clip`` (after fp16's unscaling), then step (through
+    the scaler, which skips a step whose gradients overflowed). Returns the norm before
+    clipping, or None without ``clip``."""
+    grad_norm = None
+    if clip is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+    return grad_norm
 
 
 def builtin_train_loop(config: dict[str, Any]) -> None:

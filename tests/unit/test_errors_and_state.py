@@ -211,3 +211,19 @@ def test_gradients_accumulated_over_micro_batches_equal_one_batch_of_them_all():
     replica = Replica()
     accumulate_gradients(replica, [(features[:4], labels[:4])] * 3, loss_fn)
     assert replica.synced == [False, False, True]
+
+
+def test_the_optimizer_step_clips_the_gradients_total_norm():
+    from trainer_core.loop import optimizer_step
+
+    model = torch.nn.Linear(3, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.weight.grad = torch.tensor([[3.0, 4.0, 0.0]])  # norm 5
+    assert optimizer_step(optimizer, model, 0.5) == pytest.approx(5.0)
+    # SGD with lr 1 moves the weights by the clipped gradient: norm 0.5, same direction.
+    assert torch.allclose(model.weight, torch.tensor([[-0.3, -0.4, 0.0]]))
+    model.weight.grad = torch.tensor([[0.3, 0.4, 0.0]])  # within the bound: untouched
+    assert optimizer_step(optimizer, model, 0.5) == pytest.approx(0.5)
+    assert torch.allclose(model.weight, torch.tensor([[-0.6, -0.8, 0.0]]))
+    assert optimizer_step(optimizer, model, None) is None  # no clipping: no norm
