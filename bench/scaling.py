@@ -73,7 +73,7 @@ def throughput(spec: RunSpec, wall: float, step_s: float | None = None) -> Sampl
     assert spec.run.name is not None and spec.data is not None
     events = read_probe(spec.run.name)
     measured = span(events)
-    per_step = spec.scaling.num_workers * spec.data.batch_size
+    per_step = spec.data.batch_size  # the global batch
     sample = {
         "samples_per_s": measured["steps_per_s"] * per_step,
         "steps_per_s": measured["steps_per_s"],

@@ -2,8 +2,8 @@
 outside relaytrain (for the bare Ray Train loop and the plain PyTorch script).
 
 ``Workload`` rebuilds what ``trainer_core.loop.BuiltinLoop`` sets up, with relaytrain's own
-helpers (data split and per-epoch batches, model builders, optimizer, LR schedule, seeding), so a
-step of every variant does the same arithmetic on the same rows.
+helpers (the rank's stream of its slices of the global batches, model builders, optimizer, LR
+schedule, seeding), so a step of every variant does the same arithmetic on the same rows.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from trainer_core import data as data_mod
-from trainer_core import training_state, workloads
+from trainer_core import stream, training_state, workloads
 from trainer_core.spec import RunSpec, build_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,14 +36,15 @@ def mlp_spec(
     **sections: Any,
 ) -> RunSpec:
     """A compute-bound synthetic regression MLP (about 12 ms a step on one EPYC core at the
-    defaults), relaytrain's default checkpoint and report cadence. ``sections`` replace or
+    defaults), relaytrain's default checkpoint and report cadence. ``batch_size`` is each
+    worker's share: the global batch is ``batch_size * num_workers``. ``sections`` replace or
     extend whole spec sections."""
     raw: dict[str, Any] = {
         "run": {"name": name, "storage": str(storage), "seed": 0},
         "model": {"name": "mlp", "kwargs": {"hidden": list(hidden)}},
         "data": {
             "dataset": "synthetic",
-            "batch_size": batch_size,
+            "batch_size": batch_size * num_workers,
             "validation_fraction": 0.1,
             "synthetic": {"num_samples": num_samples, "num_features": num_features},
         },
@@ -74,13 +74,12 @@ def digits_spec(storage: str | Path, name: str, *, epochs: int, **sections: Any)
 
 
 def steps_per_epoch(spec: RunSpec) -> int:
-    """Optimizer steps per epoch (every rank takes the same number)."""
+    """Optimizer steps per epoch (the same for every worker count)."""
     assert spec.data is not None
     data = spec.data.resolved()
-    arrays = data_mod.load_arrays(data)
-    train, _ = data_mod.split(arrays, data.validation_fraction, spec.run.seed)
+    counts = stream.Reader(stream.scan(data), data, spec.run.seed).train_counts()
     return data_mod.steps_per_epoch(
-        len(train), data.batch_size, spec.scaling.num_workers, spec.optimizer.grad_accumulation
+        sum(counts) // data.batch_size, spec.optimizer.grad_accumulation
     )
 
 
@@ -93,12 +92,10 @@ class Workload:
         self.rank = rank
         self.world_size = world_size
         self.data = spec.data.resolved()
-        arrays = data_mod.load_arrays(self.data)
-        info = data_mod.describe(self.data, arrays)
-        self.train, self.val = data_mod.split(arrays, self.data.validation_fraction, spec.run.seed)
-        self.num_batches = data_mod.batches_per_epoch(
-            len(self.train), self.data.batch_size, world_size
-        )
+        layout = stream.scan(self.data)
+        info = stream.describe(layout, self.data)
+        self.stream = stream.RankStream(layout, self.data, spec.run.seed, world_size, rank)
+        self.num_batches = self.stream.batches_per_epoch
         self.total_steps = self.num_batches * spec.schedule.epochs
         training_state.seed_everything(spec.run.seed)  # identical initial weights on every rank
         self.model = workloads.build_model(spec.model, info.num_features, info.num_outputs)
@@ -112,28 +109,27 @@ class Workload:
         self.scaler = torch.amp.GradScaler("cpu") if spec.precision == "fp16" else None
         training_state.seed_everything(spec.run.seed * 1009 + rank + 1)
 
-    def batches(self, epoch: int) -> list[np.ndarray]:
-        return data_mod.epoch_batches(
-            len(self.train),
-            self.data.batch_size,
-            self.spec.run.seed,
-            epoch,
-            self.rank,
-            self.world_size,
-        )
+    def batches(self, epoch: int) -> list[data_mod.Arrays]:
+        """This rank's slices of the epoch's global batches, read before the epoch trains (the
+        baselines' data costs nothing while they step)."""
+        ahead = self.stream.epoch(epoch)
+        try:
+            return [rows for _, _, rows in ahead]
+        finally:
+            ahead.close()
 
-    def step(self, model: torch.nn.Module, index: np.ndarray) -> float:
-        """One optimizer step on the rows ``index``; the loss as a float (a sync, as in
-        relaytrain's loop)."""
-        features = torch.from_numpy(self.train.features[index])
-        labels = torch.from_numpy(self.train.labels[index])
+    def step(self, model: torch.nn.Module, batch: data_mod.Arrays) -> float:
+        """One optimizer step on ``batch``; the loss as a float (a sync, as in relaytrain's
+        loop)."""
+        features = torch.from_numpy(batch.features)
+        labels = torch.from_numpy(batch.labels)
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(
             "cpu",
             dtype=self.autocast_dtype or torch.float32,
             enabled=self.autocast_dtype is not None,
         ):
-            loss = self.loss_fn(model(features), labels)
+            loss = self.loss_fn(model(features), labels) * self.stream.weight
         if self.scaler is None:
             loss.backward()
             self.optimizer.step()
@@ -148,15 +144,12 @@ class Workload:
     def evaluate(self) -> float:
         """Validation loss over every rank's share (one all-reduce, as relaytrain's loop)."""
         self.model.eval()
-        index = data_mod.shard(len(self.val), self.rank, self.world_size)
-        total = 0.0
-        for start in range(0, len(index), 256):
-            part = index[start : start + 256]
-            output = self.model(torch.from_numpy(self.val.features[part]))
-            total += float(self.loss_fn(output, torch.from_numpy(self.val.labels[part]))) * len(
-                part
-            )
-        sums = torch.tensor([total, float(len(index))], dtype=torch.float64)
+        total, count = 0.0, 0
+        for part in self.stream.validation():
+            output = self.model(torch.from_numpy(part.features))
+            total += float(self.loss_fn(output, torch.from_numpy(part.labels))) * len(part)
+            count += len(part)
+        sums = torch.tensor([total, float(count)], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(sums)
         self.model.train()

@@ -34,8 +34,8 @@ def tiny_spec_dict(storage: str | Path, name: str, **sections: Any) -> dict[str,
         "model": {"name": "mlp", "kwargs": {"hidden": [16, 16], "dropout": 0.1}},
         "data": {
             "dataset": "synthetic",
-            "batch_size": 16,
-            "synthetic": {"num_samples": 512, "num_features": 6},
+            "batch_size": 32,  # the global batch: 13 steps an epoch
+            "synthetic": {"num_samples": 560, "num_features": 6},
         },
         "optimizer": {"name": "adam", "lr": 0.01},
         "schedule": {"epochs": 3, "lr_schedule": "cosine", "warmup_steps": 5},

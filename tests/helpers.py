@@ -1,6 +1,9 @@
 """Workloads for tests that need training to last long enough to be interrupted."""
 
+import json
+import os
 import time
+from pathlib import Path
 
 from torch import nn
 
@@ -20,3 +23,30 @@ class SlowMLP(MLP):
 
 def slow_mlp(num_inputs: int, num_outputs: int, **kwargs) -> nn.Module:
     return SlowMLP(num_inputs, num_outputs, **kwargs)
+
+
+class RecordingMLP(MLP):
+    """An MLP over features 1.. that records feature 0, each row's id, of every training
+    forward pass in a worker: one JSON line ``{"rank", "world_size", "ids"}`` a micro-batch,
+    in ``log_dir/<pid>.jsonl`` (what a rank trained on, in order)."""
+
+    def __init__(self, num_inputs: int, num_outputs: int, log_dir: str = "", **kwargs):
+        super().__init__(num_inputs - 1, num_outputs, **kwargs)
+        self.log_dir = log_dir
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if self.training and dist.is_initialized():
+            line = {
+                "rank": dist.get_rank(),
+                "world_size": dist.get_world_size(),
+                "ids": [int(i) for i in x[:, 0].tolist()],
+            }
+            with open(Path(self.log_dir) / f"{os.getpid()}.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+        return super().forward(x[:, 1:])
+
+
+def recording_mlp(num_inputs: int, num_outputs: int, **kwargs) -> nn.Module:
+    return RecordingMLP(num_inputs, num_outputs, **kwargs)

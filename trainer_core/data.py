@@ -1,8 +1,9 @@
-"""Datasets read with pyarrow, split and sharded deterministically, resumable mid-epoch.
+"""What the built-in loop's data is made of: typed arrays from Arrow tables, the built-in
+sets, and the cursor a checkpoint records.
 
-Every rank reads the (small) table, splits off the same validation rows, and takes its own
-share of a per-epoch permutation that depends only on (seed, epoch). A ``Cursor`` names the
-next batch; restoring it replays exactly the batches an uninterrupted run would have seen.
+Which rows a rank trains on, and when, is ``trainer_core.sample_order``'s; reading them is
+``trainer_core.stream``'s. A ``Cursor`` names the next global batch; restoring it replays
+exactly the batches an uninterrupted run would have trained, on any number of workers.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from trainer_core import storage
-from trainer_core.errors import SpecError, StorageError
-from trainer_core.spec import DATASET_FORMATS, DataSection
+from trainer_core.errors import SpecError
+from trainer_core.spec import DataSection
 
 #: The synthetic regression set does not depend on the run's seed: one dataset for every run.
 SYNTHETIC_DATA_SEED = 20240607
@@ -45,17 +44,19 @@ class DatasetInfo:
 
 @dataclass(frozen=True)
 class Cursor:
-    """The next batch to train: ``batch`` within ``epoch``."""
+    """The next global batch to train: ``batch`` within ``epoch``; ``samples`` global samples
+    of the epoch were trained before it (``batch`` times the global batch)."""
 
     epoch: int
     batch: int
+    samples: int = 0
 
     def to_json(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.batch}
+        return {"epoch": self.epoch, "batch": self.batch, "samples": self.samples}
 
     @classmethod
     def from_json(cls, value: dict[str, int]) -> Cursor:
-        return cls(int(value["epoch"]), int(value["batch"]))
+        return cls(int(value["epoch"]), int(value["batch"]), int(value.get("samples", 0)))
 
 
 def digits_uri() -> str:
@@ -69,39 +70,6 @@ def synthetic_arrays(num_samples: int, num_features: int, noise: float) -> Array
     weights = rng.standard_normal(num_features).astype(np.float32)
     y = x @ weights + 0.5 * np.sin(x[:, 0]) + noise * rng.standard_normal(num_samples)
     return Arrays(x, y.astype(np.float32))
-
-
-def _read_table(data: DataSection) -> pa.Table:
-    uri = digits_uri() if data.dataset == "digits" else data.dataset
-    location = storage.resolve(uri)
-    columns = [*([data.features] if isinstance(data.features, str) else data.features or [])]
-    if data.label:
-        columns.append(data.label)
-    try:
-        dataset = pq.ParquetDataset(location.path, filesystem=location.filesystem)
-        names = dataset.schema.names
-        missing = [c for c in columns if c not in names]
-        if missing:
-            field = "data.label" if data.label in missing else "data.features"
-            raise SpecError(
-                f"dataset {location.uri} has no column(s) {missing}, named by {field}; it has "
-                f"{names}. Fix data.features / data.label.",
-                field=field,
-            )
-        check_column_types(dataset.schema, data, location.uri)  # before reading any rows
-        return dataset.read(columns=columns)
-    except FileNotFoundError as e:
-        raise SpecError(
-            f"dataset {location.uri} does not exist: fix data.dataset ({DATASET_FORMATS})",
-            field="data.dataset",
-        ) from e
-    except (pa.ArrowInvalid, StorageError) as e:
-        what = "is not Parquet" if "magic bytes" in str(e) else "could not be read as Parquet"
-        raise SpecError(
-            f"dataset {location.uri} {what}: {str(e).rstrip('.')}. Fix data.dataset: "
-            f"relaytrain reads {DATASET_FORMATS}.",
-            field="data.dataset",
-        ) from e
 
 
 def _is_number(kind: pa.DataType) -> bool:
@@ -153,26 +121,17 @@ def _features_matrix(table: pa.Table, features: str | list[str]) -> np.ndarray:
                     "every row needs the same number of features",
                     field="data.features",
                 )
-            return values.reshape(len(column), width).astype(np.float32)
+            return values.reshape(len(column), width).astype(np.float32, copy=False)
         features = [features]
     try:
         return np.stack(
             [table.column(c).to_numpy(zero_copy_only=False) for c in features], axis=1
-        ).astype(np.float32)
+        ).astype(np.float32, copy=False)
     except (ValueError, TypeError, pa.ArrowInvalid) as e:
         raise SpecError(
             f"data.features {features} are not numeric scalar columns: {e}",
             field="data.features",
         ) from e
-
-
-def load_arrays(data: DataSection) -> Arrays:
-    """Read the whole dataset named by ``data`` into arrays (features float32, labels typed)."""
-    data = data.resolved()
-    if data.dataset == "synthetic":
-        s = data.synthetic
-        return synthetic_arrays(s.num_samples, s.num_features, s.noise)
-    return table_arrays(_read_table(data), data)
 
 
 def table_arrays(table: pa.Table, data: DataSection) -> Arrays:
@@ -195,7 +154,9 @@ def table_arrays(table: pa.Table, data: DataSection) -> Arrays:
             )
         if len(labels) and labels.min() < 0:
             raise SpecError(
-                f"data.label column {data.label!r} has negative classes", field="data.label"
+                f"data.label column {data.label!r} has negative classes (down to "
+                f"{labels.min()}): classes must be 0..K-1. Fix data.label.",
+                field="data.label",
             )
         labels = labels.astype(np.int64)
     else:
@@ -206,62 +167,10 @@ def table_arrays(table: pa.Table, data: DataSection) -> Arrays:
                 field="data.label",
             )
         labels = labels.astype(np.float32)
-    return Arrays(features.astype(np.float32), labels)
+    return Arrays(features.astype(np.float32, copy=False), labels)
 
 
-def describe(data: DataSection, arrays: Arrays | None = None) -> DatasetInfo:
-    """Validate the dataset and report its shape; raises SpecError naming the field to fix."""
-    arrays = arrays if arrays is not None else load_arrays(data)
-    resolved = data.resolved()
-    if len(arrays) == 0:
-        raise SpecError(f"dataset {data.dataset!r} has no rows", field="data.dataset")
-    outputs = int(arrays.labels.max()) + 1 if resolved.task == "classification" else 1
-    return DatasetInfo(len(arrays), int(arrays.features.shape[1]), outputs)
-
-
-def split(arrays: Arrays, validation_fraction: float, seed: int) -> tuple[Arrays, Arrays]:
-    """Deterministic train/validation split (the same on every rank and every attempt)."""
-    order = np.random.default_rng([seed, 7]).permutation(len(arrays))
-    num_val = round(len(arrays) * validation_fraction)
-    return arrays.take(np.sort(order[num_val:])), arrays.take(np.sort(order[:num_val]))
-
-
-def batches_per_epoch(num_samples: int, batch_size: int, world_size: int) -> int:
-    per_rank = num_samples // world_size
-    return -(-per_rank // batch_size)
-
-
-def steps_per_epoch(num_samples: int, batch_size: int, world_size: int, accumulation: int) -> int:
-    """Optimizer steps per epoch: each takes ``accumulation`` of a rank's batches (the last
-    step of an epoch takes what is left)."""
-    return -(-batches_per_epoch(num_samples, batch_size, world_size) // accumulation)
-
-
-def group_steps(batches: list[np.ndarray], accumulation: int) -> list[list[np.ndarray]]:
-    """An epoch's batches grouped into the micro-batches of each optimizer step."""
-    return [batches[i : i + accumulation] for i in range(0, len(batches), accumulation)]
-
-
-def epoch_batches(
-    num_samples: int, batch_size: int, seed: int, epoch: int, rank: int, world_size: int
-) -> list[np.ndarray]:
-    """This rank's batches for ``epoch``: equal counts and sizes on every rank (DDP stays in step).
-
-    The permutation depends only on (seed, epoch); rows beyond a multiple of world_size are
-    dropped for that epoch (they come back in other epochs' permutations).
-    """
-    per_rank = num_samples // world_size
-    if per_rank == 0:
-        raise SpecError(
-            f"{num_samples} training rows cannot be shared by {world_size} workers: lower "
-            "scaling.num_workers or data.validation_fraction",
-            field="scaling.num_workers",
-        )
-    order = np.random.default_rng([seed, epoch]).permutation(num_samples)
-    mine = order[: per_rank * world_size][rank::world_size]
-    return [mine[i : i + batch_size] for i in range(0, per_rank, batch_size)]
-
-
-def shard(num_samples: int, rank: int, world_size: int) -> np.ndarray:
-    """This rank's share of a dataset evaluated once (validation): every row, exactly once."""
-    return np.arange(num_samples)[rank::world_size]
+def steps_per_epoch(batches: int, accumulation: int) -> int:
+    """Optimizer steps in an epoch of ``batches`` global batches, ``accumulation`` a step (the
+    last step takes what is left)."""
+    return -(-batches // accumulation)

@@ -142,24 +142,33 @@ def validate_workload(spec: RunSpec) -> int | None:
             stream.scan_files(storage.resolve(uri), None, None, f"datasets.{name}")
         return None
     assert spec.model is not None and spec.data is not None and spec.schedule is not None
-    arrays = data_mod.load_arrays(spec.data)
-    info = data_mod.describe(spec.data, arrays)
-    train, _ = data_mod.split(arrays, spec.data.validation_fraction, spec.run.seed)
-    data_mod.epoch_batches(len(train), spec.data.batch_size, 0, 0, 0, spec.scaling.num_workers)
+    data = spec.data.resolved()
+    layout = stream.scan(data)  # footers only
+    info = stream.describe(layout, data)
+    reader = stream.Reader(layout, data, spec.run.seed)
+    counts = reader.train_counts()  # from row ids: no rows read
+    batches = sum(counts) // data.batch_size
+    if batches == 0:
+        raise SpecError(
+            f"dataset {layout.uri} has {sum(counts)} training rows, fewer than one global batch "
+            f"(data.batch_size={data.batch_size}): lower data.batch_size or "
+            f"data.validation_fraction ({data.validation_fraction})",
+            field="data.batch_size",
+        )
     model = workloads.build_model(spec.model, info.num_features, info.num_outputs)
-    rows = train.take(np.arange(min(len(train), 4)))
+    first = next(g for g, count in enumerate(counts) if count)  # one row group read
+    _, rows = reader.take(np.full(min(counts[first], 4), first), np.arange(min(counts[first], 4)))
     workloads.check_loss_and_metrics(
         model,
         torch.from_numpy(rows.features),
         torch.from_numpy(rows.labels),
         spec.loss,
         spec.metrics,
-        spec.data.resolved().task or "classification",
+        data.task or "classification",
     )
-    per_epoch = data_mod.steps_per_epoch(
-        len(train), spec.data.batch_size, spec.scaling.num_workers, spec.optimizer.grad_accumulation
+    return (
+        data_mod.steps_per_epoch(batches, spec.optimizer.grad_accumulation) * spec.schedule.epochs
     )
-    return per_epoch * spec.schedule.epochs
 
 
 def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDirectory]:

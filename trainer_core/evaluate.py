@@ -6,22 +6,33 @@ that a champion's weights fit the challenger's model before warm-starting from t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from trainer_core import data as data_mod
-from trainer_core import training_state, workloads
+from trainer_core import stream, training_state, workloads
 from trainer_core.checkpoints import open_checkpoint
 from trainer_core.errors import SpecError
 from trainer_core.spec import RunSpec
 
 
 def holdout(spec: RunSpec) -> data_mod.Arrays:
-    """The validation split of the spec's data: the same rows for every model evaluated."""
+    """The validation rows of the spec's data (at least a tenth of them): the same rows for
+    every model evaluated, and the rows the loop validates on."""
     assert spec.data is not None
-    arrays = data_mod.load_arrays(spec.data)
-    _, validation = data_mod.split(arrays, max(spec.data.validation_fraction, 0.1), spec.run.seed)
-    return validation
+    fraction = max(spec.data.validation_fraction, 0.1)
+    data = spec.data.resolved().model_copy(update={"validation_fraction": fraction})
+    rows = stream.RankStream(stream.scan(data), data, spec.run.seed, 1, 0)
+    parts = list(rows.validation())
+    return data_mod.Arrays(
+        np.concatenate([p.features for p in parts]), np.concatenate([p.labels for p in parts])
+    )
+
+
+def describe(spec: RunSpec) -> data_mod.DatasetInfo:
+    assert spec.data is not None
+    return stream.describe(stream.scan(spec.data), spec.data)
 
 
 def load_model(spec: RunSpec, checkpoint_uri: str, num_inputs: int, num_outputs: int) -> nn.Module:
@@ -45,7 +56,7 @@ def load_model(spec: RunSpec, checkpoint_uri: str, num_inputs: int, num_outputs:
 def compatible(spec: RunSpec, checkpoint_uri: str) -> tuple[bool, str]:
     """Whether ``checkpoint_uri``'s weights load into the spec's model, and why not."""
     assert spec.data is not None
-    info = data_mod.describe(spec.data)
+    info = describe(spec)
     try:
         load_model(spec, checkpoint_uri, info.num_features, info.num_outputs)
     except SpecError as e:
@@ -60,7 +71,7 @@ def evaluate(spec: RunSpec, checkpoint_uri: str, rows: data_mod.Arrays) -> dict[
     assert spec.data is not None
     task = spec.data.resolved().task or "classification"
     outputs = int(rows.labels.max()) + 1 if task == "classification" else 1
-    info = data_mod.describe(spec.data)
+    info = describe(spec)
     model = load_model(spec, checkpoint_uri, rows.features.shape[1], max(outputs, info.num_outputs))
     features = torch.from_numpy(rows.features)
     labels = torch.from_numpy(rows.labels)

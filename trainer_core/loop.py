@@ -20,7 +20,7 @@ import math
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_core import data as data_mod
-from trainer_core import storage, training_state, workloads
+from trainer_core import storage, stream, training_state, workloads
 from trainer_core.checkpoints import (
     CheckpointInfo,
     FileEntry,
@@ -119,15 +119,17 @@ class BuiltinLoop:
         self.relay = Relay(config.relay, self.rank)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.data_spec = self.spec.data.resolved()
-        arrays = data_mod.load_arrays(self.data_spec)
-        info = data_mod.describe(self.data_spec, arrays)
-        self.train, self.val = data_mod.split(
-            arrays, self.data_spec.validation_fraction, self.spec.run.seed
+        layout = stream.scan(self.data_spec)
+        info = stream.describe(layout, self.data_spec)
+        #: This rank's slice of every global batch, and its share of the validation rows.
+        self.data = stream.RankStream(
+            layout, self.data_spec, self.spec.run.seed, self.world_size, self.rank
         )
-        #: Micro-batches per optimizer step; steps, the cursor and checkpoints count steps.
+        #: Micro-batches (global batches) per optimizer step; steps and checkpoints count
+        #: optimizer steps, the cursor global batches.
         self.accumulation = self.spec.optimizer.grad_accumulation
         self.total_steps = self.spec.schedule.epochs * data_mod.steps_per_epoch(
-            len(self.train), self.data_spec.batch_size, self.world_size, self.accumulation
+            self.data.batches_per_epoch, self.accumulation
         )
         training_state.seed_everything(self.spec.run.seed)  # identical initial weights
         self.model = workloads.build_model(self.spec.model, info.num_features, info.num_outputs)
@@ -276,61 +278,17 @@ class BuiltinLoop:
         # An early-stopped run's last checkpoint says so: nothing is left to train.
         first_epoch = schedule.epochs if self.stopping.stopped else cursor.epoch
         for epoch in range(first_epoch, schedule.epochs):
-            steps = data_mod.group_steps(
-                data_mod.epoch_batches(
-                    len(self.train),
-                    self.data_spec.batch_size,
-                    self.spec.run.seed,
-                    epoch,
-                    self.rank,
-                    self.world_size,
-                ),
-                self.accumulation,
-            )
             first = cursor.batch if epoch == cursor.epoch else 0
             ddp_model.train()
-            for index in range(first, len(steps)):
-                step += 1
-                started = time.perf_counter()
-                copy_wait = self.timings.checkpoint_copy_wait_s
-                loss, grad_norm = self._step(ddp_model, steps[index], step)
-                self.completed_step = step
-                copy_wait = self.timings.checkpoint_copy_wait_s - copy_wait
-                self.timings.step_s += time.perf_counter() - started - copy_wait
-                if step == self.progress.step + 1:  # the optimizer state exists now
-                    self._reserve_staging()
-                if self.background.failed():
-                    self.background.wait()  # raises the checkpoint's error
-                self.timings.num_steps += 1
-                lr = self.optimizer.param_groups[0]["lr"]
-                row = {"step": step, "epoch": epoch, "batch": index, "loss": loss, "lr": lr}
-                if grad_norm is not None:
-                    row["grad_norm"] = grad_norm
-                self.pending.append(row)
-                end_of_epoch = index == len(steps) - 1
-                extra: dict[str, float] = {}
-                stop = False
-                if end_of_epoch:
-                    extra = self._evaluate()
-                    stop = self._should_stop(epoch, extra)
-                    ddp_model.train()
-                should_checkpoint = (
-                    step % self.spec.checkpoint.every == 0
-                    or (end_of_epoch and epoch == schedule.epochs - 1)
-                    or stop
-                )
-                if step % self.spec.report.every == 0 or end_of_epoch or should_checkpoint:
-                    started = time.perf_counter()
-                    self._aggregate(extra, flush=should_checkpoint)
-                    self.timings.aggregate_s += time.perf_counter() - started
-                    self.timings.num_aggregates += 1
-                if should_checkpoint:
-                    next_cursor = (
-                        data_mod.Cursor(epoch + 1, 0)
-                        if end_of_epoch
-                        else data_mod.Cursor(epoch, index + 1)
-                    )
-                    self._checkpoint(step, next_cursor)
+            ahead = self.data.epoch(epoch, first)
+            try:
+                for end, micro_batches in optimizer_steps(ahead, self.accumulation):
+                    step += 1
+                    self._train_step(ddp_model, step, epoch, end, micro_batches)
+                    if self.stopping.stopped:
+                        break
+            finally:
+                ahead.close()
             if self.stopping.stopped:
                 break
         self._aggregate({}, flush=True)
@@ -348,6 +306,62 @@ class BuiltinLoop:
             stopped=self.stopping.stopped,
         )
 
+    def _train_step(
+        self,
+        ddp_model: torch.nn.Module,
+        step: int,
+        epoch: int,
+        end: int,
+        micro_batches: list[data_mod.Arrays],
+    ) -> None:
+        """Optimizer step ``step``, which ends with global batch ``end - 1`` of ``epoch``; then
+        what is due after it: metrics, validation and early stopping at the end of the epoch,
+        a checkpoint."""
+        schedule = self.spec.schedule
+        assert schedule is not None
+        started = time.perf_counter()
+        copy_wait = self.timings.checkpoint_copy_wait_s
+        loss, grad_norm = self._step(ddp_model, micro_batches, step)
+        self.completed_step = step
+        copy_wait = self.timings.checkpoint_copy_wait_s - copy_wait
+        self.timings.step_s += time.perf_counter() - started - copy_wait
+        if step == self.progress.step + 1:  # the optimizer state exists now
+            self._reserve_staging()
+        if self.background.failed():
+            self.background.wait()  # raises the checkpoint's error
+        self.timings.num_steps += 1
+        lr = self.optimizer.param_groups[0]["lr"]
+        index = (end - 1) // self.accumulation  # the step's place in its epoch
+        row = {"step": step, "epoch": epoch, "batch": index, "loss": loss, "lr": lr}
+        if grad_norm is not None:
+            row["grad_norm"] = grad_norm
+        self.pending.append(row)
+        end_of_epoch = end == self.data.batches_per_epoch
+        extra: dict[str, float] = {}
+        stop = False
+        if end_of_epoch:
+            extra = self._evaluate()
+            stop = self._should_stop(epoch, extra)
+            ddp_model.train()
+        should_checkpoint = (
+            step % self.spec.checkpoint.every == 0
+            or (end_of_epoch and epoch == schedule.epochs - 1)
+            or stop
+        )
+        if step % self.spec.report.every == 0 or end_of_epoch or should_checkpoint:
+            started = time.perf_counter()
+            self._aggregate(extra, flush=should_checkpoint)
+            self.timings.aggregate_s += time.perf_counter() - started
+            self.timings.num_aggregates += 1
+        if should_checkpoint:
+            batch = self.data_spec.batch_size
+            next_cursor = (
+                data_mod.Cursor(epoch + 1, 0)
+                if end_of_epoch
+                else data_mod.Cursor(epoch, end, end * batch)
+            )
+            self._checkpoint(step, next_cursor)
+
     def _should_stop(self, epoch: int, measured: dict[str, float]) -> bool:
         """Early stopping's verdict after ``epoch`` (the same on every rank: the metrics are
         all-reduced); the state goes into every later checkpoint."""
@@ -357,7 +371,7 @@ class BuiltinLoop:
         return self.stopping.update(section, epoch + 1, measured.get(section.metric))
 
     def _step(
-        self, model: torch.nn.Module, micro_batches: list[np.ndarray], step: int
+        self, model: torch.nn.Module, micro_batches: list[data_mod.Arrays], step: int
     ) -> tuple[float, float | None]:
         """One optimizer step over ``micro_batches``: the loss (mean over the step's samples)
         and, with clipping, the gradients' norm before it."""
@@ -366,13 +380,11 @@ class BuiltinLoop:
         self.optimizer.zero_grad(set_to_none=True)
         loss = accumulate_gradients(
             model,
-            [
-                (self._to_device(self.train.features[i]), self._to_device(self.train.labels[i]))
-                for i in micro_batches
-            ],
+            [(self._to_device(m.features), self._to_device(m.labels)) for m in micro_batches],
             self.loss_fn,
             self._autocast,
             None if self.scaler is None else self.scaler.scale,
+            self.data.weight,
         )
         self._await_staging()
         grad_norm = optimizer_step(
@@ -406,15 +418,14 @@ class BuiltinLoop:
     @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:
         self.model.eval()
-        index = data_mod.shard(len(self.val), self.rank, self.world_size)
         classification = self.data_spec.task == "classification"
         names = ["val_loss", *(["val_accuracy"] if classification else []), *self.metric_fns]
         # Per-sample means, as sums over this rank's rows: all-reduced once, then divided.
         sums = dict.fromkeys(names, 0.0)
-        for start in range(0, len(index), 256):
-            part = index[start : start + 256]
-            features = self._to_device(self.val.features[part])
-            labels = self._to_device(self.val.labels[part])
+        seen = 0
+        for part in self.data.validation():
+            features = self._to_device(part.features)
+            labels = self._to_device(part.labels)
             with self._autocast():
                 output = self.model(features)
                 sums["val_loss"] += float(self.loss_fn(output, labels)) * len(part)
@@ -422,7 +433,8 @@ class BuiltinLoop:
                 sums["val_accuracy"] += float((output.argmax(dim=1) == labels).sum())
             for name, fn in self.metric_fns.items():
                 sums[name] += float(fn(output, labels)) * len(part)
-        *totals, count = all_reduce([*sums.values(), float(len(index))])
+            seen += len(part)
+        *totals, count = all_reduce([*sums.values(), float(seen)])
         if count == 0:
             return {}
         return {name: total / count for name, total in zip(names, totals, strict=True)}
@@ -661,12 +673,14 @@ def accumulate_gradients(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     autocast: Callable[[], Any] = contextlib.nullcontext,
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    weight: float = 1.0,
 ) -> torch.Tensor:
     """Forward and backward over one optimizer step's micro-batches; returns the step's loss.
 
     Each micro-batch's mean loss is weighted by its share of the step's samples, so the
     gradients are those of one batch of all of them. DDP's all-reduce runs once, in the last
-    backward: the others run under ``no_sync``. ``scale`` is fp16's loss scaling.
+    backward: the others run under ``no_sync``. ``scale`` is fp16's loss scaling; ``weight``
+    the rank's (``sample_order.rank_weight``: 1 unless the workers do not divide the batch).
     """
     total = sum(len(labels) for _, labels in micro_batches)
     loss = torch.zeros((), device=micro_batches[0][1].device)
@@ -675,10 +689,27 @@ def accumulate_gradients(
         last = position == len(micro_batches) - 1
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
             with autocast():
-                part = loss_fn(model(features), labels) * (len(labels) / total)
+                part = loss_fn(model(features), labels) * (weight * len(labels) / total)
             (part if scale is None else scale(part)).backward()
         loss += part.detach().float()
     return loss
+
+
+def optimizer_steps(
+    batches: Iterable[tuple[int, np.ndarray, data_mod.Arrays]], accumulation: int
+) -> Iterator[tuple[int, list[data_mod.Arrays]]]:
+    """An epoch's (global batch index, row ids, rows) grouped into optimizer steps: (the
+    index after the step's last batch, its micro-batches). A step ends where a multiple of
+    ``accumulation`` batches of the epoch does, or at the epoch's end."""
+    group: list[data_mod.Arrays] = []
+    index = -1
+    for index, _, rows in batches:
+        group.append(rows)
+        if (index + 1) % accumulation == 0:
+            yield index + 1, group
+            group = []
+    if group:
+        yield index + 1, group
 
 
 def optimizer_step(

@@ -8,7 +8,8 @@ batches from the same sample: none skipped, none repeated.
   ``validation_fraction``: decided per row, from its id alone, the same on every rank and
   attempt, without reading the data.
 - **The epoch's stream.** The dataset's row groups in a per-epoch shuffled order, each giving
-  its training rows in file order: positions 0..N-1.
+  its training rows in file order, read from a per-epoch offset and wrapping around to it:
+  positions 0..N-1.
 - **Canonical partitions.** The stream is cut into ``partitions`` contiguous parts. Partition p
   gives ``shares[p]`` samples to every global batch (the global batch split as evenly as it
   goes), so its part is ``steps * shares[p]`` long, and the epoch's last ``N % batch_size``
@@ -83,6 +84,8 @@ class EpochOrder:
     #: Row groups in stream order, and the stream position each begins at (one more: the end).
     row_groups: np.ndarray
     starts: np.ndarray
+    #: Where in the row groups' concatenation position 0 lies (the stream wraps around).
+    offset: int
     shares: np.ndarray
     #: The stream position each partition's part begins at.
     part_starts: np.ndarray
@@ -155,6 +158,7 @@ class EpochOrder:
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(row group in dataset order, index among that row group's training rows) of each
         stream position."""
+        positions = (positions + self.offset) % self.starts[-1]
         slot = np.searchsorted(self.starts, positions, side="right") - 1
         return self.row_groups[slot], positions - self.starts[slot]
 
@@ -174,6 +178,7 @@ def epoch_order(
     row_groups = np.random.default_rng([seed, epoch, 3]).permutation(len(counts))
     starts = np.concatenate([[0], np.cumsum(counts[row_groups])]).astype(np.int64)
     total = int(starts[-1])
+    offset = int(np.random.default_rng([seed, epoch, 5]).integers(total)) if total else 0
     steps = total // batch_size
     shares = batch_shares(batch_size, partitions)
     part_starts = np.concatenate([[0], np.cumsum(steps * shares)[:-1]]).astype(np.int64)
@@ -184,6 +189,7 @@ def epoch_order(
         window=window,
         row_groups=row_groups,
         starts=starts,
+        offset=offset,
         shares=shares,
         part_starts=part_starts,
         steps=steps,

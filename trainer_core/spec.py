@@ -177,8 +177,21 @@ class DataSection(_Section):
     features: str | list[str] | None = None
     label: str | None = None
     task: Literal["classification", "regression"] | None = None
+    #: The global batch: samples per micro-batch summed over every worker (each worker takes
+    #: a slice; slices differ by one sample when the workers do not divide it, their losses
+    #: weighted so the gradient is the whole batch's mean). The same for every worker count.
     batch_size: PositiveInt = 32
+    #: Rows whose hash of (run.seed, row id) falls below this are validation rows.
     validation_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    #: Rows shuffled together: each of the ``partitions`` parts of an epoch is shuffled within
+    #: consecutive windows of this many samples. A worker holds about one window (plus a row
+    #: group each side) per partition it reads.
+    shuffle_window: PositiveInt = 8192
+    #: An epoch is read as this many contiguous parts side by side: every global batch draws
+    #: from each. A worker reads only the parts its slice overlaps (about partitions/workers).
+    partitions: PositiveInt = 8
+    #: Micro-batches each worker reads ahead in a background thread.
+    prefetch: PositiveInt = 2
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
 
     @field_validator("dataset")
@@ -447,6 +460,14 @@ class RunSpec(_Section):
                     field=f"faults.{i}.rank",
                 )
         if self.train_loop is None:
+            assert self.data is not None
+            if self.data.batch_size < workers:
+                raise SpecError(
+                    f"data.batch_size={self.data.batch_size} is the global batch, shared by "
+                    f"scaling.num_workers={workers} workers: each needs a sample. Raise "
+                    f"data.batch_size to at least {workers}, or use fewer workers.",
+                    field="data.batch_size",
+                )
             metrics = self.builtin_metrics()
             if self.checkpoint.best_metric not in metrics:
                 raise SpecError(
@@ -531,17 +552,18 @@ class RunSpec(_Section):
 
     def identity(self) -> dict[str, Any]:
         """The parts a resumed run must share with the run that wrote its checkpoints."""
-        data = (
-            self.data.resolved().model_dump(exclude={"validation_fraction"}) if self.data else None
-        )
+        data = self.data.resolved().model_dump(exclude={"prefetch"}) if self.data else None
         identity = {
             "model": self.model.model_dump() if self.model else None,
             "data": data,
             "train_loop": self.train_loop,
-            "num_workers": self.scaling.num_workers,
             "seed": self.run.seed,
             "sharded": self.checkpoint.sharded,
         }
+        # The built-in loop's order and cursor do not depend on the worker count: a run may
+        # resume on another. Rank-named shards and a loop of your own need the same count.
+        if self.checkpoint.sharded or self.train_loop is not None:
+            identity["num_workers"] = self.scaling.num_workers
         if self.datasets:
             identity["datasets"] = dict(self.datasets)
         if self.optimizer.grad_accumulation != 1:  # the cursor counts optimizer steps

@@ -1,12 +1,14 @@
 """Parquet read a row group at a time: a dataset's layout from metadata, and the rows one rank
-trains on at each step (issue 15's reader; the loop does not use it yet).
+trains and validates on (the built-in loop's only data path: the built-in sets too).
 
-``scan`` reads only footers: the files, their row groups and row counts, and the schema, which
-it checks (an empty directory, files whose schemas differ, a missing column, a file that is not
-Parquet) before any worker starts. ``Reader`` turns the positions of
+``scan`` reads only footers: the files, their row groups and row counts, the label's range and
+the schema, which it checks (an empty directory, files whose schemas differ, a missing column,
+a file that is not Parquet) before any worker starts. ``Reader`` turns the positions of
 ``trainer_core.sample_order`` into feature and label arrays, reading each row group it needs
-once and keeping at most ``cache_row_groups`` of them decoded: a worker's memory follows those
-settings, not the dataset's size.
+once and keeping decoded only the row groups the live shuffle windows span. ``RankStream`` is
+one rank's view: its slice of every global batch, read ahead by a background thread, and its
+share of the validation rows. A worker's memory follows ``data.partitions``,
+``data.shuffle_window`` and the row group size, not the dataset's size.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class RowGroup:
     index: int
     rows: int
     first_row: int
+    #: The label column's (min, max) from the footer's statistics, when it has them.
+    label_range: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -141,11 +145,27 @@ def scan_files(
             )
         first_row = sum(g.rows for g in row_groups)
         for index in range(metadata.num_row_groups):
-            rows = metadata.row_group(index).num_rows
-            row_groups.append(RowGroup(path, index, rows, first_row))
-            first_row += rows
+            group = metadata.row_group(index)
+            row_groups.append(
+                RowGroup(path, index, group.num_rows, first_row, _range(group, label))
+            )
+            first_row += group.num_rows
     assert schema is not None
     return row_groups, schema
+
+
+def _range(group: pq.RowGroupMetaData, column: str | None) -> tuple[float, float] | None:
+    """(min, max) of ``column`` in a row group, from its statistics (None without them)."""
+    for index in range(group.num_columns):
+        chunk = group.column(index)
+        if chunk.path_in_schema != column:
+            continue
+        stats = chunk.statistics
+        numeric = isinstance(stats.min, int | float) if stats and stats.has_min_max else False
+        if stats is None or not numeric or stats.null_count:
+            return None  # the label column's type is checked from the schema
+        return float(stats.min), float(stats.max)
+    return None
 
 
 def _types(schema: pa.Schema) -> str:
@@ -179,20 +199,19 @@ def _parquet_files(location: storage.Location, field: str) -> list[str]:
 
 
 class Reader:
-    """Rows of a layout by (row group, training row), for one rank."""
+    """Rows of a layout by (row group, training row), for one rank.
 
-    def __init__(
-        self,
-        layout: Layout,
-        data: DataSection,
-        seed: int,
-        cache_row_groups: int = 4,
-    ):
+    Decoded row groups are kept, most recently used last, while they hold at most
+    ``cache_rows`` rows (the newest always stays): size it to the row groups the live shuffle
+    windows span (``RankStream`` does), or a batch re-reads them.
+    """
+
+    def __init__(self, layout: Layout, data: DataSection, seed: int, cache_rows: int = 0):
         self.layout = layout
         self.data = data.resolved()
         self.seed = seed
         self.fraction = self.data.validation_fraction
-        self.cache_row_groups = cache_row_groups
+        self.cache_rows = cache_rows
         self._decoded: collections.OrderedDict[int, data_mod.Arrays] = collections.OrderedDict()
         self._train_rows: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.row_groups_read = 0
@@ -202,14 +221,14 @@ class Reader:
         return np.arange(g.first_row, g.first_row + g.rows, dtype=np.int64)
 
     def train_rows(self, group: int) -> np.ndarray:
-        """Indices within row group ``group`` of its training rows (the last few row groups'
-        kept: a batch asks again for the row groups of its window)."""
+        """Indices within row group ``group`` of its training rows (kept for the row groups
+        that are decoded, and a few more)."""
         found = self._train_rows.get(group)
         if found is None:
             ids = self._row_ids(group)
             found = np.flatnonzero(~sample_order.is_validation(ids, self.seed, self.fraction))
             self._train_rows[group] = found
-            while len(self._train_rows) > self.cache_row_groups:
+            while len(self._train_rows) > len(self._decoded) + 8:
                 self._train_rows.popitem(last=False)
         else:
             self._train_rows.move_to_end(group)
@@ -221,14 +240,13 @@ class Reader:
 
     def train_counts(self) -> list[int]:
         """Training rows per row group, from row ids alone (no data read)."""
-        return [len(self.train_rows(g)) for g in range(len(self.layout.row_groups))]
+        return [
+            int((~sample_order.is_validation(self._row_ids(g), self.seed, self.fraction)).sum())
+            for g in range(len(self.layout.row_groups))
+        ]
 
-    def row_group(self, group: int) -> data_mod.Arrays:
-        """Row group ``group`` decoded (every row), from a small most-recently-used cache."""
-        found = self._decoded.get(group)
-        if found is not None:
-            self._decoded.move_to_end(group)
-            return found
+    def read(self, group: int) -> data_mod.Arrays:
+        """Row group ``group`` decoded (every row), bypassing the cache."""
         g = self.layout.row_groups[group]
         if self.layout.table is not None:
             table = self.layout.table.slice(g.first_row, g.rows)
@@ -236,11 +254,20 @@ class Reader:
             assert self.layout.location is not None
             with self.layout.location.filesystem.open_input_file(g.file) as f:
                 table = pq.ParquetFile(f).read_row_group(g.index, columns=columns_of(self.data))
-        arrays = data_mod.table_arrays(table, self.data)
+        return data_mod.table_arrays(table, self.data)
+
+    def row_group(self, group: int) -> data_mod.Arrays:
+        """Row group ``group`` decoded (every row), through the cache."""
+        found = self._decoded.get(group)
+        if found is not None:
+            self._decoded.move_to_end(group)
+            return found
+        arrays = self.read(group)
         self.row_groups_read += 1
         self._decoded[group] = arrays
-        while len(self._decoded) > self.cache_row_groups:
-            self._decoded.popitem(last=False)
+        held = sum(len(a) for a in self._decoded.values())
+        while len(self._decoded) > 1 and held > self.cache_rows:
+            held -= len(self._decoded.popitem(last=False)[1])
         return arrays
 
     def take(
@@ -264,6 +291,102 @@ class Reader:
         if features is None or labels is None:
             return ids, data_mod.Arrays(np.zeros((0, 0), np.float32), np.zeros(0, np.float32))
         return ids, data_mod.Arrays(features, labels)
+
+
+def describe(layout: Layout, data: DataSection) -> data_mod.DatasetInfo:
+    """Rows, features and outputs of a dataset: from its schema and footers, reading at most
+    the first row group (for the width of a variable-length feature list) and, for a
+    classification label without statistics, the label column."""
+    data = data.resolved()
+    assert data.features is not None and data.label is not None
+    if layout.num_rows == 0:
+        raise SpecError(f"dataset {layout.uri} has no rows: fix data.dataset", field="data.dataset")
+    reader = Reader(layout, data, seed=0)
+    if isinstance(data.features, str):
+        kind = layout.schema.field(data.features).type
+        if pa.types.is_fixed_size_list(kind):
+            width = kind.list_size
+        elif pa.types.is_list(kind):
+            first = next(i for i, g in enumerate(layout.row_groups) if g.rows)
+            width = reader.read(first).features.shape[1]
+        else:
+            width = 1
+    else:
+        width = len(data.features)
+    outputs = 1
+    if data.task == "classification":
+        ranges = [g.label_range for g in layout.row_groups if g.rows]
+        if layout.table is None and all(r is not None for r in ranges):
+            low = min(r[0] for r in ranges if r is not None)
+            high = max(r[1] for r in ranges if r is not None)
+        else:
+            labels = [reader.read(i).labels for i, g in enumerate(layout.row_groups) if g.rows]
+            low, high = min(int(x.min()) for x in labels), max(int(x.max()) for x in labels)
+        if low < 0:
+            raise SpecError(
+                f"data.label column {data.label!r} of {layout.uri} has negative classes "
+                f"(down to {int(low)}): classes must be 0..K-1. Fix data.label.",
+                field="data.label",
+            )
+        outputs = int(high) + 1
+    return data_mod.DatasetInfo(layout.num_rows, int(width), outputs)
+
+
+class RankStream:
+    """What rank ``rank`` of ``world_size`` trains and validates on: its slice of each global
+    batch of ``data.batch_size`` samples, in the order of ``trainer_core.sample_order``, and
+    the validation rows of every ``world_size``-th row group from ``rank`` on."""
+
+    def __init__(self, layout: Layout, data: DataSection, seed: int, world_size: int, rank: int):
+        self.data = data.resolved()
+        self.seed, self.world_size, self.rank = seed, world_size, rank
+        self.reader = Reader(layout, self.data, seed)
+        self.train_counts = self.reader.train_counts()
+        self.train_rows = sum(self.train_counts)
+        #: Global batches in every epoch (the last ``train_rows % batch_size`` positions of an
+        #: epoch's stream are left out; each epoch leaves out others).
+        self.batches_per_epoch = self.train_rows // self.data.batch_size
+        self.slice = sample_order.rank_slice(self.data.batch_size, world_size, rank)
+        #: This rank's mean loss times this: DDP's average is then the global batch's mean.
+        self.weight = sample_order.rank_weight(self.data.batch_size, world_size, rank)
+        # Every partition this rank reads has a window live, spanning its rows and, at most,
+        # a row group beyond each end.
+        largest = max(g.rows for g in layout.row_groups)
+        partitions = len(self.order(0).partitions_of(world_size, rank))
+        self.reader.cache_rows = partitions * (self.data.shuffle_window + 2 * largest)
+
+    def order(self, epoch: int) -> sample_order.EpochOrder:
+        return sample_order.epoch_order(
+            self.train_counts,
+            seed=self.seed,
+            epoch=epoch,
+            batch_size=self.data.batch_size,
+            partitions=self.data.partitions,
+            window=self.data.shuffle_window,
+        )
+
+    def epoch(self, epoch: int, first: int = 0) -> Prefetcher:
+        """Global batches ``first..`` of ``epoch``, this rank's slice of each, read ahead."""
+        return Prefetcher(
+            self.reader,
+            self.order(epoch),
+            self.world_size,
+            self.rank,
+            first=first,
+            depth=self.data.prefetch,
+        )
+
+    def validation(self, chunk: int = 256) -> Iterator[data_mod.Arrays]:
+        """This rank's validation rows in chunks of at most ``chunk``, a row group at a time
+        (not cached: the training windows keep theirs)."""
+        groups = self.reader.layout.row_groups
+        for group in range(self.rank, len(groups), self.world_size):
+            rows = self.reader.validation_rows(group)
+            if not len(rows):
+                continue
+            arrays = self.reader.read(group).take(rows)
+            for start in range(0, len(arrays), chunk):
+                yield arrays.take(np.arange(start, min(start + chunk, len(arrays))))
 
 
 _END = object()

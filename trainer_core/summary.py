@@ -234,8 +234,8 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         optimizer = spec.optimizer
         accumulation = optimizer.grad_accumulation
         lines.append(
-            f"- batch {spec.data.batch_size} per worker"
-            + (f" x {accumulation} micro-batches per step" if accumulation > 1 else "")
+            f"- global batch {spec.data.batch_size}"
+            + (f" x {accumulation} per optimizer step" if accumulation > 1 else "")
             + f", {optimizer.name} lr {optimizer.lr}, schedule {spec.schedule.lr_schedule}"
             + (
                 f", gradients clipped to norm {optimizer.clip_grad_norm}"

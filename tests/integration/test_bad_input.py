@@ -163,6 +163,17 @@ def empty_directory(w: World) -> Path:
     return path
 
 
+def mixed_schemas(w: World) -> Path:
+    """A directory of two Parquet files whose feature columns differ in type."""
+    path = w.table.parent / "mixed"
+    path.mkdir(exist_ok=True)
+    table = pq.read_table(w.table, columns=["x", "y"])
+    pq.write_table(table, path / "a.parquet")
+    as_doubles = pa.array([[float(v) for v in row] for row in table["x"].to_pylist()])
+    pq.write_table(table.set_column(0, "x", as_doubles), path / "b.parquet")
+    return path
+
+
 def typo(w: World) -> dict[str, Any]:
     raw = w.raw()
     raw["schedul"] = raw.pop("schedule")
@@ -183,6 +194,13 @@ CASES = [
         overrides=("scaling.num_workers=-1",),
     ),
     Case("batch-size-zero", "data.batch_size", GREATER, "spec", overrides=("data.batch_size=0",)),
+    Case(
+        "batch-smaller-than-the-workers",
+        "data.batch_size",
+        "is the global batch",
+        "spec",
+        overrides=("data.batch_size=1",),
+    ),
     Case("epochs-zero", "schedule.epochs", GREATER, "spec", broken(schedule={"epochs": 0})),
     Case("lr-zero", "optimizer.lr", GREATER, "spec", broken(optimizer={"lr": 0})),
     Case("lr-negative", "optimizer.lr", GREATER, "spec", overrides=("optimizer.lr=-0.01",)),
@@ -432,6 +450,27 @@ CASES = [
         "is not Parquet",
         "setup",
         lambda w: w.parquet(dataset=str(w.table.parent / "table.data")),
+    ),
+    Case(
+        "dataset-empty-directory",
+        "data.dataset",
+        "empty directory",
+        "setup",
+        lambda w: w.parquet(dataset=str(empty_directory(w))),
+    ),
+    Case(
+        "dataset-schemas-differ",
+        "data.dataset",
+        "have different schemas",
+        "setup",
+        lambda w: w.parquet(dataset=str(mixed_schemas(w))),
+    ),
+    Case(
+        "fewer-rows-than-a-global-batch",
+        "data.batch_size",
+        "fewer than one global batch",
+        "setup",
+        lambda w: w.parquet(batch_size=64),
     ),
     Case(
         "label-column-missing",

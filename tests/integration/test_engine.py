@@ -16,7 +16,6 @@ from tasks.setup import is_finished
 from tests import own_functions
 from tests.conftest import tiny_raw
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
-from trainer_core import data as data_mod
 from trainer_core import evaluate, workloads
 from trainer_core.engine import run_attempt
 from trainer_core.errors import (
@@ -173,7 +172,8 @@ def test_stock_ray_train_loop_runs_and_resumes(ray_cluster, tmp_path):
 
 
 def test_more_workers_than_cluster_fails_fast(ray_cluster, tmp_path):
-    spec = build_spec(tiny_raw(tmp_path, "too-big", scaling={"num_workers": 64}))
+    raw = tiny_raw(tmp_path, "too-big", scaling={"num_workers": 64}, data={"batch_size": 64})
+    spec = build_spec(raw)
     with pytest.raises(ClusterCapacityError, match=r"scaling\.num_workers=64"):
         run_attempt(spec)
     assert not (tmp_path / "too-big" / "attempts.jsonl").exists()
@@ -267,12 +267,12 @@ def test_mixed_precision_resumes_exactly(reference, tmp_path, precision):
 
 
 def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tmp_path):
-    """Two micro-batches of 8 per optimizer step (DDP all-reduces once per step), gradients
+    """Two global batches of 16 per optimizer step (DDP all-reduces once per step), gradients
     clipped, a Huber loss and two validation metrics of the user's own. The cursor counts
     optimizer steps, so a checkpoint never holds half a step: the run interrupted at step 17
     resumes from step 10 and ends bit-identical to the uninterrupted one."""
     essentials = {
-        "data": {"batch_size": 8},
+        "data": {"batch_size": 16},
         "optimizer": {"grad_accumulation": 2, "clip_grad_norm": 0.5},
         "loss": "tests.own_functions:huber",
         "metrics": ["tests.own_functions:mean_abs_error", "tests.own_functions:within_half"],
@@ -280,7 +280,7 @@ def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tm
     }
     whole_spec = build_spec(tiny_raw(tmp_path, "accumulate-whole", **essentials))
     whole = run_attempt(whole_spec)
-    # 205 rows per rank: 26 micro-batches of 8 (the last of 5), 13 optimizer steps per epoch.
+    # 429 training rows: 26 global batches of 16, 13 optimizer steps an epoch.
     assert whole.steps_completed == 39
     spec = build_spec(
         tiny_raw(
@@ -308,7 +308,7 @@ def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tm
     model = workloads.build_model(spec.model, 6, 1)
     model.load_state_dict(final["model"])
     model.eval()
-    _, val = data_mod.split(data_mod.load_arrays(spec.data), 0.2, spec.run.seed)
+    val = evaluate.holdout(spec)  # the validation rows, as the loop's hash split picks them
     with torch.no_grad():
         output = model(torch.from_numpy(val.features))
     target = torch.from_numpy(val.labels)
@@ -348,7 +348,8 @@ def test_early_stopping_keeps_its_patience_across_a_retry(reference, tmp_path):
     assert "early stopping after epoch 2: val_loss has not improved" in finished["stopped"]
     run_dir = run_dir_of(spec)
     newest = run_dir.scan().newest
-    assert newest.step == 26 and newest.manifest["cursor"] == {"epoch": 2, "batch": 0}
+    assert newest.step == 26
+    assert newest.manifest["cursor"] == {"epoch": 2, "batch": 0, "samples": 0}
     assert newest.manifest["early_stopping"]["bad_epochs"] == 1
     # Until it stopped, the run is the reference run, step for step, across the retry.
     assert losses(run_dir) == reference["losses"][:26]

@@ -11,7 +11,7 @@ import pytest
 
 from deployments.serve import cron_expression, positive_seconds
 from tests.conftest import tiny_raw
-from trainer_core import data
+from trainer_core import stream
 from trainer_core.checkpoints import RunDirectory, identity_changes
 from trainer_core.errors import IncompatibleRunError, SpecError
 from trainer_core.spec import DataSection, ModelSection, build_spec
@@ -121,14 +121,15 @@ def test_column_types_are_refused_before_any_row_is_read(
         **{"dataset": table_path, "features": "x", "label": "y", "task": "regression", **columns}
     )
     valid = {"features": "x", "label": "y", "task": "regression"}
-    assert len(data.load_arrays(section.model_copy(update=valid))) == 8
+    assert stream.scan(section.model_copy(update=valid)).num_rows == 8
 
     def no_reading(*args, **kwargs):
         raise AssertionError("rows were read before the columns were checked")
 
-    monkeypatch.setattr(pq.ParquetDataset, "read", no_reading)
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", no_reading)
+    monkeypatch.setattr(pq.ParquetFile, "read", no_reading)
     with pytest.raises(SpecError) as error:
-        data.load_arrays(section)
+        stream.scan(section)
     assert error.value.field == field and fix.lower() in str(error.value).lower()
 
 

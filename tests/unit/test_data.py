@@ -3,16 +3,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer_core import data
+from trainer_core import data, sample_order, stream
 from trainer_core.errors import SpecError
 from trainer_core.spec import DataSection
 
 
 def test_digits_are_bundled_and_shaped():
-    arrays = data.load_arrays(DataSection(dataset="digits"))
-    assert arrays.features.shape == (1797, 64) and arrays.features.max() <= 1.0
-    info = data.describe(DataSection(dataset="digits"), arrays)
+    section = DataSection(dataset="digits")
+    layout = stream.scan(section)
+    info = stream.describe(layout, section)
     assert (info.num_rows, info.num_features, info.num_outputs) == (1797, 64, 10)
+    assert len(layout.row_groups) > 1  # validation is shared by the workers
+    rows = stream.Reader(layout, section, seed=0).read(0)
+    assert rows.features.shape[1] == 64 and 0 <= rows.features.min() <= rows.features.max() <= 1
 
 
 def test_synthetic_is_deterministic():
@@ -21,65 +24,67 @@ def test_synthetic_is_deterministic():
     assert np.array_equal(a.features, b.features) and np.array_equal(a.labels, b.labels)
 
 
-def test_epoch_shards_are_disjoint_equal_and_seeded():
-    ranks = [data.epoch_batches(103, 8, seed=1, epoch=2, rank=r, world_size=2) for r in (0, 1)]
-    assert [len(b) for b in ranks[0]] == [len(b) for b in ranks[1]]
-    seen = np.concatenate([np.concatenate(r) for r in ranks])
-    assert len(seen) == len(set(seen.tolist())) == 102
-    again = data.epoch_batches(103, 8, seed=1, epoch=2, rank=0, world_size=2)
-    assert all(np.array_equal(x, y) for x, y in zip(ranks[0], again, strict=True))
-    other_epoch = data.epoch_batches(103, 8, seed=1, epoch=3, rank=0, world_size=2)
-    assert not np.array_equal(ranks[0][0], other_epoch[0])
-    assert data.batches_per_epoch(103, 8, 2) == len(ranks[0])
+def test_cursor_round_trips_with_the_samples_it_counts():
+    cursor = data.Cursor(epoch=1, batch=3, samples=96)
+    assert data.Cursor.from_json(cursor.to_json()) == cursor
+    assert data.Cursor.from_json({"epoch": 2, "batch": 0}) == data.Cursor(2, 0, 0)
 
 
-def test_cursor_resume_replays_the_remaining_batches():
-    full = data.epoch_batches(64, 4, seed=0, epoch=1, rank=1, world_size=2)
-    cursor = data.Cursor.from_json(data.Cursor(epoch=1, batch=3).to_json())
-    resumed = data.epoch_batches(64, 4, seed=0, epoch=cursor.epoch, rank=1, world_size=2)
-    assert all(np.array_equal(a, b) for a, b in zip(full[3:], resumed[cursor.batch :], strict=True))
-
-
-def test_split_is_deterministic_and_disjoint():
-    arrays = data.synthetic_arrays(50, 2, 0.0)
-    train, val = data.split(arrays, 0.2, seed=4)
-    assert (len(train), len(val)) == (40, 10)
-    train2, _ = data.split(arrays, 0.2, seed=4)
-    assert np.array_equal(train.features, train2.features)
-
-
-def write_table(path, **columns):
-    pq.write_table(pa.table(columns), path)
+def write_table(path, write_statistics=True, **columns):
+    pq.write_table(pa.table(columns), path, write_statistics=write_statistics)
     return str(path)
 
 
 def test_user_parquet_scalar_columns(tmp_path):
     uri = write_table(tmp_path / "d.parquet", a=[1.0, 2.0, 3.0], b=[0.5, 0.1, 0.2], y=[0, 1, 1])
     section = DataSection(dataset=uri, features=["a", "b"], label="y", task="classification")
-    arrays = data.load_arrays(section)
+    layout = stream.scan(section)
+    arrays = stream.Reader(layout, section, seed=0).read(0)
     assert arrays.features.shape == (3, 2) and arrays.labels.dtype == np.int64
-    assert data.describe(section, arrays).num_outputs == 2
+    assert stream.describe(layout, section).num_outputs == 2
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+def test_classes_come_from_statistics_or_the_label_column(tmp_path, statistics):
+    uri = write_table(tmp_path / "d.parquet", statistics, x=[1.0, 2.0, 3.0], y=[0, 4, 1])
+    section = DataSection(dataset=uri, features=["x"], label="y", task="classification")
+    assert stream.describe(stream.scan(section), section).num_outputs == 5
+    bad = write_table(tmp_path / "n.parquet", statistics, x=[1.0, 2.0], y=[0, -2])
+    section = section.model_copy(update={"dataset": bad})
+    with pytest.raises(SpecError, match=r"negative classes \(down to -2\)") as error:
+        stream.describe(stream.scan(section), section)
+    assert error.value.field == "data.label"
 
 
 def test_missing_dataset_and_columns_name_the_fix(tmp_path):
     with pytest.raises(SpecError, match="does not exist"):
-        data.load_arrays(
+        stream.scan(
             DataSection(
                 dataset=str(tmp_path / "none.parquet"), features="x", label="y", task="regression"
             )
         )
     uri = write_table(tmp_path / "d.parquet", x=[1.0, 2.0], target=[1.0, 2.0])
     with pytest.raises(SpecError, match=r"no column\(s\) \['y'\]") as error:
-        data.load_arrays(DataSection(dataset=uri, features="x", label="y", task="regression"))
+        stream.scan(DataSection(dataset=uri, features="x", label="y", task="regression"))
     assert error.value.field == "data.label"
 
 
 def test_mistyped_label_column(tmp_path):
     uri = write_table(tmp_path / "d.parquet", x=[1.0, 2.0], y=["cat", "dog"])
     with pytest.raises(SpecError, match="must be integers"):
-        data.load_arrays(DataSection(dataset=uri, features="x", label="y", task="classification"))
+        stream.scan(DataSection(dataset=uri, features="x", label="y", task="classification"))
 
 
-def test_too_few_rows_for_the_workers():
-    with pytest.raises(SpecError, match=r"scaling\.num_workers"):
-        data.epoch_batches(3, 2, seed=0, epoch=0, rank=0, world_size=4)
+def test_no_sample_is_left_out_of_every_epoch_even_in_one_row_group():
+    """The N % batch positions an epoch leaves out move with the epoch's offset."""
+    trained: set[int] = set()
+    for epoch in range(12):
+        order = sample_order.epoch_order(
+            [103], seed=1, epoch=epoch, batch_size=10, partitions=3, window=8
+        )
+        _, rows = order.locate(
+            np.concatenate([order.batch_positions(s) for s in range(order.steps)])
+        )
+        assert len(set(rows.tolist())) == 100
+        trained.update(rows.tolist())
+    assert trained == set(range(103))

@@ -188,7 +188,7 @@ def test_epoch_table_and_markdown(tmp_path):
     )
     stopped = result.model_copy(update={"stop_reason": "early stopping after epoch 2: why"})
     text = render_markdown(essentials, stopped)
-    assert "batch 16 per worker x 4 micro-batches per step" in text
+    assert "global batch 32 x 4 per optimizer step" in text
     assert "gradients clipped to norm 1.0, bf16" in text
     assert "metrics ['tests.own_functions:mean_abs_error']" in text
     assert "- stopped early: early stopping after epoch 2: why" in text

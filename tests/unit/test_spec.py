@@ -185,3 +185,22 @@ def test_the_readme_accumulation_example_is_a_valid_spec(tmp_path):
     spec = build_spec(raw)
     assert spec.optimizer.grad_accumulation == 4 and spec.metrics == ["mypkg.metrics:top5"]
     assert spec.schedule.early_stopping.metric == spec.checkpoint.best_metric == "val_top5"
+
+
+def test_the_worker_count_is_not_part_of_a_builtin_runs_identity(tmp_path):
+    """The built-in loop's order and cursor are the global batches': a run resumes on any
+    number of workers. Rank-named shards, and a loop of your own, need the same number; the
+    data's order settings are part of it, prefetching is not."""
+    two = build_spec(tiny_raw(tmp_path, "w"))
+    one = build_spec(tiny_raw(tmp_path, "w"), ["scaling.num_workers=1", "data.prefetch=5"])
+    assert "num_workers" not in two.identity() and two.fingerprint() == one.fingerprint()
+    sharded = build_spec(tiny_raw(tmp_path, "w", checkpoint={"sharded": True}))
+    assert sharded.identity()["num_workers"] == 2
+    for change in ("data.shuffle_window=64", "data.partitions=3", "data.validation_fraction=0.3"):
+        assert build_spec(tiny_raw(tmp_path, "w"), [change]).fingerprint() != two.fingerprint()
+
+
+def test_a_global_batch_smaller_than_the_workers_is_refused(tmp_path):
+    with pytest.raises(SpecError, match=r"data.batch_size=3 is the global batch") as error:
+        build_spec(tiny_raw(tmp_path, "b"), ["data.batch_size=3", "scaling.num_workers=4"])
+    assert error.value.field == "data.batch_size" and "at least 4" in str(error.value)

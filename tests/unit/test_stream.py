@@ -51,7 +51,7 @@ def test_scan_reads_the_layout_from_footers(dataset):
 def test_every_epoch_sample_is_the_row_its_position_names(dataset):
     data = section(dataset, validation_fraction=0.25)
     layout = stream.scan(data)
-    readers = [stream.Reader(layout, data, seed=4, cache_row_groups=4) for _ in range(3)]
+    readers = [stream.Reader(layout, data, seed=4, cache_rows=4 * 64) for _ in range(3)]
     reader = readers[0]
     counts = reader.train_counts()
     order = sample_order.epoch_order(
@@ -109,7 +109,7 @@ def test_the_synthetic_set_is_read_like_parquet():
     layout = stream.scan(data)
     assert [g.rows for g in layout.row_groups] == [1024, 1024, 452]
     reader = stream.Reader(layout, data, seed=1)
-    whole = data_mod.load_arrays(data)
+    whole = data_mod.synthetic_arrays(2500, 6, 0.1)
     groups = np.array([2, 0, 1, 2])
     ids, rows = reader.take(groups, np.array([0, 5, 7, 3]))
     assert np.array_equal(rows.features, whole.features[ids])
@@ -149,3 +149,40 @@ def test_a_read_error_reaches_the_consumer(dataset):
     with pytest.raises(FileNotFoundError, match=r"part-1\.parquet"):
         for _ in stream.Prefetcher(reader, order, 1, 0):
             pass
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ranks_train_the_global_batches_and_share_validation(dataset, world_size):
+    """Whatever the worker count, the ranks' slices joined are the one-worker global batches;
+    each rank validates on every world_size-th row group, and together on each row once."""
+    data = section(dataset, validation_fraction=0.2, batch_size=24, partitions=4)
+    layout = stream.scan(data)
+    ranks = [stream.RankStream(layout, data, 7, world_size, r) for r in range(world_size)]
+    one = stream.RankStream(layout, data, 7, 1, 0)
+    assert ranks[0].batches_per_epoch == one.batches_per_epoch == one.train_rows // 24
+    readers = [r.epoch(1, first=2) for r in ranks]
+    ahead = one.epoch(1, first=2)
+    batches = 0
+    for parts, (index, ids, _) in zip(zip(*readers, strict=True), ahead, strict=True):
+        assert [p[0] for p in parts] == [index] * world_size
+        assert np.array_equal(np.concatenate([p[1] for p in parts]), ids)
+        batches += 1
+    assert batches == one.batches_per_epoch - 2  # resumed at global batch 2
+    assert sum(r.weight * (r.slice[1] - r.slice[0]) for r in ranks) == pytest.approx(24)
+    validated = np.concatenate(
+        [np.concatenate([p.features[:, 0] for p in r.validation()]) for r in ranks]
+    )
+    expected = np.concatenate([p.features[:, 0] for p in one.validation(chunk=1000)])
+    assert sorted(validated.tolist()) == sorted(expected.tolist())
+    assert len(expected) == layout.num_rows - one.train_rows
+
+
+def test_a_rank_holds_the_row_groups_of_its_windows_not_the_dataset(dataset):
+    data = section(dataset, validation_fraction=0, batch_size=16, partitions=4, shuffle_window=32)
+    layout = stream.scan(data)
+    rank = stream.RankStream(layout, data, 3, 2, 1)
+    ahead = rank.epoch(0)
+    for _ in ahead:
+        held = sum(len(a) for a in rank.reader._decoded.values())
+        assert held <= rank.reader.cache_rows < layout.num_rows
+    assert rank.reader.row_groups_read <= len(layout.row_groups)
