@@ -5,8 +5,9 @@ Datasets are generated once per run: Parquet files of ``x`` (64 float32 features
 fixed-size list) and ``y`` (int64), 65,536-row row groups, 4 files per dataset.
 
 Variants, per store (``local``: a directory; ``s3``: a moto server on loopback):
-- ``<store>/reader``: ``trainer_core.stream``'s ``Prefetcher`` reading one epoch of every
-  global batch (batch 1024, 8 partitions, one rank of one), rows as numpy arrays;
+- ``<store>/reader``: ``trainer_core.stream.RankStream``, what feeds the built-in loop, reading
+  one epoch of every global batch (batch 1024, 8 partitions, one rank of one; row groups read
+  ahead a window at a time), rows as numpy arrays;
 - ``<store>/reader_rank0of2``: rank 0 of 2: what one worker of two reads;
 - ``<store>/raw_scan``: ``pyarrow.dataset(...).to_batches()`` over the same columns, each
   batch turned into the same arrays (``data.table_arrays``): the storage and decode ceiling.
@@ -39,7 +40,7 @@ import pyarrow.parquet as pq
 from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
 from trainer_core import data as data_mod
-from trainer_core import sample_order, storage, stream
+from trainer_core import storage, stream
 from trainer_core.spec import DataSection
 
 NAME = "data"
@@ -86,27 +87,19 @@ def section(uri: str) -> DataSection:
         task="classification",
         batch_size=BATCH,
         validation_fraction=0.0,
+        partitions=PARTITIONS,
+        shuffle_window=WINDOW,
     )
 
 
 def read_epoch(uri: str, world_size: int = 1, rank: int = 0) -> Sample:
-    """One rank's epoch through the prefetching reader."""
+    """One rank's epoch as the built-in loop reads it: ``stream.RankStream`` (which sizes its
+    row group cache to the windows it reads), read ahead."""
     data = section(uri)
     started = time.perf_counter()
-    # Every partition's window is live at once: cache the row groups they span, or a batch
-    # re-reads them (cache 4 on 16 row groups: 14,877 reads an epoch instead of 16).
-    cache = PARTITIONS * (WINDOW // ROW_GROUP + 2)
-    reader = stream.Reader(stream.scan(data), data, seed=0, cache_row_groups=cache)
-    order = sample_order.epoch_order(
-        reader.train_counts(),
-        seed=0,
-        epoch=0,
-        batch_size=BATCH,
-        partitions=PARTITIONS,
-        window=WINDOW,
-    )
+    ranks = stream.RankStream(stream.scan(data), data, 0, world_size, rank)
     samples = 0
-    ahead = stream.Prefetcher(reader, order, world_size, rank)
+    ahead = ranks.epoch(0)
     try:
         for _, _, rows in ahead:
             samples += len(rows.labels)
@@ -200,11 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = write_dataset(uri, size)
             variants += [
                 Variant(
-                    f"{name}/reader", "Prefetcher, rank 0 of 1", lambda r, u=uri: read_epoch(u)
+                    f"{name}/reader", "RankStream, rank 0 of 1", lambda r, u=uri: read_epoch(u)
                 ),
                 Variant(
                     f"{name}/reader_rank0of2",
-                    "Prefetcher, rank 0 of 2",
+                    "RankStream, rank 0 of 2",
                     lambda r, u=uri: read_epoch(u, 2, 0),
                 ),
                 Variant(f"{name}/raw_scan", "pyarrow.dataset scan", lambda r, u=uri: raw_scan(u)),

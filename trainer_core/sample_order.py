@@ -155,6 +155,17 @@ class EpochOrder:
             p for p in range(self.partitions) if max(start, bounds[p]) < min(stop, bounds[p + 1])
         ]
 
+    def window_row_groups(self, partition: int, index: int) -> np.ndarray:
+        """The row groups (dataset order) window ``index`` of ``partition`` reads, in the
+        order the stream meets them; empty past the partition's end."""
+        start = index * self.window
+        stop = min(start + self.window, self.part_length(partition))
+        if start >= stop:
+            return np.zeros(0, dtype=np.int64)
+        first = self.part_starts[partition] + start
+        groups, _ = self.locate(np.arange(first, first + stop - start))
+        return groups[np.sort(np.unique(groups, return_index=True)[1])]
+
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(row group in dataset order, index among that row group's training rows) of each
         stream position."""

@@ -14,6 +14,7 @@ share of the validation rows. A worker's memory follows ``data.partitions``,
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import posixpath
 import queue
 import threading
@@ -214,6 +215,9 @@ class Reader:
         self.cache_rows = cache_rows
         self._decoded: collections.OrderedDict[int, data_mod.Arrays] = collections.OrderedDict()
         self._train_rows: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        #: Row groups being read ahead (``prefetch``), by two threads: decoding overlaps use.
+        self._pending: dict[int, concurrent.futures.Future[data_mod.Arrays]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.row_groups_read = 0
 
     def _row_ids(self, group: int) -> np.ndarray:
@@ -256,13 +260,34 @@ class Reader:
                 table = pq.ParquetFile(f).read_row_group(g.index, columns=columns_of(self.data))
         return data_mod.table_arrays(table, self.data)
 
+    def prefetch(self, groups: Sequence[int] | np.ndarray) -> None:
+        """Start reading ``groups`` (those neither decoded nor on their way) in the background.
+        Files only: a table in memory is sliced when asked."""
+        if self.layout.table is not None:
+            return
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(2, "relaytrain-read")
+        for group in np.asarray(groups).tolist():
+            if group not in self._decoded and group not in self._pending:
+                self._pending[group] = self._pool.submit(self.read, group)
+
+    def close(self) -> None:
+        """Drop what is being read ahead and stop the reading threads."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
     def row_group(self, group: int) -> data_mod.Arrays:
         """Row group ``group`` decoded (every row), through the cache."""
         found = self._decoded.get(group)
         if found is not None:
             self._decoded.move_to_end(group)
             return found
-        arrays = self.read(group)
+        pending = self._pending.pop(group, None)
+        arrays = pending.result() if pending is not None else self.read(group)
         self.row_groups_read += 1
         self._decoded[group] = arrays
         held = sum(len(a) for a in self._decoded.values())
@@ -409,6 +434,7 @@ class Prefetcher:
     ):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self._reader = reader
         self._thread = threading.Thread(
             target=self._read,
             args=(reader, order, world_size, rank, first),
@@ -425,8 +451,17 @@ class Prefetcher:
         rank: int,
         first: int,
     ) -> None:
+        partitions = order.partitions_of(world_size, rank)
+        asked: set[tuple[int, int]] = set()
         try:
             for index in range(first, order.steps):
+                # The row groups of each partition's current and next window, read ahead.
+                for partition in partitions:
+                    window = index * int(order.shares[partition]) // order.window
+                    for ahead in (window, window + 1):
+                        if (partition, ahead) not in asked:
+                            asked.add((partition, ahead))
+                            reader.prefetch(order.window_row_groups(partition, ahead))
                 groups, rows = order.locate(order.rank_positions(index, world_size, rank))
                 if not self._put((index, *reader.take(groups, rows))):
                     return
@@ -457,3 +492,4 @@ class Prefetcher:
         """Stop reading ahead and let the thread end (also mid-epoch)."""
         self._stop.set()
         self._thread.join(timeout=10)
+        self._reader.close()
