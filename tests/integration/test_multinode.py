@@ -262,7 +262,11 @@ def test_prefect_cancel_through_a_worker_stops_the_job(
         assert committed_step(run_dir) >= before  # nothing committed was lost
     finally:
         worker.terminate()
-        worker.wait(60)
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:  # Prefect's worker, told to stop, sometimes goes on
+            worker.kill()  # polling: what this test checks was decided before
+            worker.wait(30)
         print(log.read_text()[-5000:])  # shown when the test fails
     result = training(build_spec(raw))  # run it again: it resumes
     assert result.status == "completed" and result.attempts[-1].resumed_from_step >= before
