@@ -77,10 +77,8 @@ def steps_per_epoch(spec: RunSpec) -> int:
     """Optimizer steps per epoch (the same for every worker count)."""
     assert spec.data is not None
     data = spec.data.resolved()
-    counts = stream.Reader(stream.scan(data), data, spec.run.seed).train_counts()
-    return data_mod.steps_per_epoch(
-        sum(counts) // data.batch_size, spec.optimizer.grad_accumulation
-    )
+    one = stream.RankStream(stream.scan(data), data, spec.run.seed, 1, 0)
+    return data_mod.steps_per_epoch(one.batches_per_epoch, spec.optimizer.grad_accumulation)
 
 
 class Workload:

@@ -2,8 +2,8 @@
 sets, and the cursor a checkpoint records.
 
 Which rows a rank trains on, and when, is ``trainer_core.sample_order``'s; reading them is
-``trainer_core.stream``'s. A ``Cursor`` names the next global batch; restoring it replays
-exactly the batches an uninterrupted run would have trained, on any number of workers.
+``trainer_core.stream``'s. A ``Cursor`` counts an epoch's global samples trained; restoring
+it replays exactly the batches an uninterrupted run would have trained, on any number of workers.
 """
 
 from __future__ import annotations
@@ -44,19 +44,22 @@ class DatasetInfo:
 
 @dataclass(frozen=True)
 class Cursor:
-    """The next global batch to train: ``batch`` within ``epoch``; ``samples`` global samples
-    of the epoch were trained before it (``batch`` times the global batch)."""
+    """Where an epoch's training resumes: ``samples`` global samples of ``epoch`` were trained
+    (a whole number of global batches: a checkpoint is taken only between steps)."""
 
     epoch: int
-    batch: int
-    samples: int = 0
+    samples: int
+
+    def batch(self, batch_size: int) -> int:
+        """The next global batch of ``epoch``."""
+        return self.samples // batch_size
 
     def to_json(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.batch, "samples": self.samples}
+        return {"epoch": self.epoch, "samples": self.samples}
 
     @classmethod
     def from_json(cls, value: dict[str, int]) -> Cursor:
-        return cls(int(value["epoch"]), int(value["batch"]), int(value.get("samples", 0)))
+        return cls(int(value["epoch"]), int(value["samples"]))
 
 
 def digits_uri() -> str:

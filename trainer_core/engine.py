@@ -145,19 +145,18 @@ def validate_workload(spec: RunSpec) -> int | None:
     data = spec.data.resolved()
     layout = stream.scan(data)  # footers only
     info = stream.describe(layout, data)
-    reader = stream.Reader(layout, data, spec.run.seed)
-    counts = reader.train_counts()  # from row ids: no rows read
-    batches = sum(counts) // data.batch_size
-    if batches == 0:
+    one = stream.RankStream(layout, data, spec.run.seed, 1, 0)  # row ids only: no rows read
+    if one.batches_per_epoch == 0:
         raise SpecError(
-            f"dataset {layout.uri} has {sum(counts)} training rows, fewer than one global batch "
+            f"dataset {layout.uri} has {one.train_rows} training rows, fewer than one global batch "
             f"(data.batch_size={data.batch_size}): lower data.batch_size or "
             f"data.validation_fraction ({data.validation_fraction})",
             field="data.batch_size",
         )
     model = workloads.build_model(spec.model, info.num_features, info.num_outputs)
-    first = next(g for g, count in enumerate(counts) if count)  # one row group read
-    _, rows = reader.take(np.full(min(counts[first], 4), first), np.arange(min(counts[first], 4)))
+    first = next(g for g, count in enumerate(one.train_counts) if count)  # one row group read
+    sample = np.arange(min(one.train_counts[first], 4))
+    _, rows = one.reader.take(np.full(len(sample), first), sample)
     workloads.check_loss_and_metrics(
         model,
         torch.from_numpy(rows.features),
@@ -167,7 +166,8 @@ def validate_workload(spec: RunSpec) -> int | None:
         data.task or "classification",
     )
     return (
-        data_mod.steps_per_epoch(batches, spec.optimizer.grad_accumulation) * spec.schedule.epochs
+        data_mod.steps_per_epoch(one.batches_per_epoch, spec.optimizer.grad_accumulation)
+        * spec.schedule.epochs
     )
 
 

@@ -278,7 +278,7 @@ class BuiltinLoop:
         # An early-stopped run's last checkpoint says so: nothing is left to train.
         first_epoch = schedule.epochs if self.stopping.stopped else cursor.epoch
         for epoch in range(first_epoch, schedule.epochs):
-            first = cursor.batch if epoch == cursor.epoch else 0
+            first = cursor.batch(self.data_spec.batch_size) if epoch == cursor.epoch else 0
             ddp_model.train()
             ahead = self.data.epoch(epoch, first)
             try:
@@ -354,11 +354,10 @@ class BuiltinLoop:
             self.timings.aggregate_s += time.perf_counter() - started
             self.timings.num_aggregates += 1
         if should_checkpoint:
-            batch = self.data_spec.batch_size
             next_cursor = (
                 data_mod.Cursor(epoch + 1, 0)
                 if end_of_epoch
-                else data_mod.Cursor(epoch, end, end * batch)
+                else data_mod.Cursor(epoch, end * self.data_spec.batch_size)
             )
             self._checkpoint(step, next_cursor)
 

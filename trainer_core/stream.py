@@ -224,13 +224,16 @@ class Reader:
         g = self.layout.row_groups[group]
         return np.arange(g.first_row, g.first_row + g.rows, dtype=np.int64)
 
+    def _is_train(self, group: int) -> np.ndarray:
+        """Which rows of ``group`` are training rows (from their ids: no data read)."""
+        return ~sample_order.is_validation(self._row_ids(group), self.seed, self.fraction)
+
     def train_rows(self, group: int) -> np.ndarray:
         """Indices within row group ``group`` of its training rows (kept for the row groups
         that are decoded, and a few more)."""
         found = self._train_rows.get(group)
         if found is None:
-            ids = self._row_ids(group)
-            found = np.flatnonzero(~sample_order.is_validation(ids, self.seed, self.fraction))
+            found = np.flatnonzero(self._is_train(group))
             self._train_rows[group] = found
             while len(self._train_rows) > len(self._decoded) + 8:
                 self._train_rows.popitem(last=False)
@@ -239,15 +242,11 @@ class Reader:
         return found
 
     def validation_rows(self, group: int) -> np.ndarray:
-        ids = self._row_ids(group)
-        return np.flatnonzero(sample_order.is_validation(ids, self.seed, self.fraction))
+        return np.flatnonzero(~self._is_train(group))
 
     def train_counts(self) -> list[int]:
         """Training rows per row group, from row ids alone (no data read)."""
-        return [
-            int((~sample_order.is_validation(self._row_ids(g), self.seed, self.fraction)).sum())
-            for g in range(len(self.layout.row_groups))
-        ]
+        return [int(self._is_train(g).sum()) for g in range(len(self.layout.row_groups))]
 
     def read(self, group: int) -> data_mod.Arrays:
         """Row group ``group`` decoded (every row), bypassing the cache."""

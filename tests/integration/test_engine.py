@@ -349,7 +349,7 @@ def test_early_stopping_keeps_its_patience_across_a_retry(reference, tmp_path):
     run_dir = run_dir_of(spec)
     newest = run_dir.scan().newest
     assert newest.step == 26
-    assert newest.manifest["cursor"] == {"epoch": 2, "batch": 0, "samples": 0}
+    assert newest.manifest["cursor"] == {"epoch": 2, "samples": 0}
     assert newest.manifest["early_stopping"]["bad_epochs"] == 1
     # Until it stopped, the run is the reference run, step for step, across the retry.
     assert losses(run_dir) == reference["losses"][:26]
