@@ -236,9 +236,9 @@ class OptimizerSection(_Section):
     lr: Annotated[float, Field(gt=0)] = 1e-3
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
-    #: Micro-batches (of data.batch_size each) per optimizer step: gradients add up over them,
-    #: DDP synchronizing only on the last. Steps, the cursor and checkpoints count optimizer
-    #: steps, so a checkpoint never holds a half-accumulated gradient.
+    #: Global batches per optimizer step: gradients add up over them, DDP synchronizing only
+    #: on the last. Steps and checkpoints count optimizer steps, so a checkpoint never holds a
+    #: half-accumulated gradient.
     grad_accumulation: PositiveInt = 1
     #: Clip the gradients' total norm to this before each optimizer step (after fp16's
     #: unscaling); the norm before clipping is recorded as ``grad_norm``. None: no clipping.
@@ -566,7 +566,7 @@ class RunSpec(_Section):
             identity["num_workers"] = self.scaling.num_workers
         if self.datasets:
             identity["datasets"] = dict(self.datasets)
-        if self.optimizer.grad_accumulation != 1:  # the cursor counts optimizer steps
+        if self.optimizer.grad_accumulation != 1:  # steps, and so checkpoints, depend on it
             identity["grad_accumulation"] = self.optimizer.grad_accumulation
         return identity
 
