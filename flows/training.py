@@ -54,7 +54,7 @@ def training(spec: RunSpec) -> TrainingResult:
         if prepared.stored_result is not None:
             return prepared.stored_result
         attempt = train.with_options(
-            retries=spec.retries.infrastructure + spec.retries.code,
+            retries=spec.retries.num_retries,
             retry_delay_seconds=spec.retries.delays() or 0,
             retry_jitter_factor=spec.retries.jitter,
         )

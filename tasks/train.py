@@ -53,12 +53,28 @@ class ProgressRelay:
     def __call__(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
         if kind == "restarting":
+            limit = "no limit" if event["limit"] is None else f"at most {event['limit']}"
             self.logger.warning(
-                "worker group restarting in place (%s of %s) after %s: %s",
+                "worker group restarting in place (restart %s; %s budget: %s) after %s: %s",
                 event["restart"],
-                event["limit"],
+                event.get("error_budget", "infrastructure"),
+                limit,
                 event["error_class"],
                 event["error_message"],
+            )
+        if kind == "resizing":
+            self.logger.warning(
+                "the cluster holds %s workers now: resizing the worker group from %s",
+                event["to"],
+                event["world_size"],
+            )
+        if kind == "preemption_notice":
+            self.logger.warning(
+                "node(s) of rank(s) %s drain for preemption in %.1f s: checkpoint committed at "
+                "step %s, just in time",
+                event["ranks"],
+                event["seconds_left"],
+                event["step"],
             )
         if kind == "slow_checkpoint_writes":
             self.logger.warning(
@@ -73,7 +89,12 @@ class ProgressRelay:
         if kind == "resumed":
             skipped = event.get("skipped") or []
             note = f" (skipped unusable {[s['step'] for s in skipped]})" if skipped else ""
-            self.logger.info("workers resumed from step %s%s", event.get("step", "?"), note)
+            self.logger.info(
+                "%s workers resumed from step %s%s",
+                event.get("world_size", "?"),
+                event.get("step", "?"),
+                note,
+            )
         elif kind == "fresh_start":
             self.logger.info("workers started from scratch")
         elif kind == "checkpoint":

@@ -98,6 +98,16 @@ def record_matrix_row(case: str, run_dir: RunDirectory, **extra: Any) -> dict[st
         "errors": [s.error_class for s in summaries if s.error_class],
         "recovery_s": [round(s.recovery_s, 1) for s in summaries if s.recovery_s is not None],
         "steps_lost": [s.steps_lost for s in summaries if s.steps_lost is not None],
+        "in_place": [
+            {
+                "reason": r.reason,
+                "workers": [r.world_size_before, r.world_size_after],
+                "recovery_s": None if r.recovery_s is None else round(r.recovery_s, 1),
+                "steps_lost": r.steps_lost,
+            }
+            for s in summaries
+            for r in s.restarts
+        ],
         **extra,
     }
     MATRIX_FILE.parent.mkdir(parents=True, exist_ok=True)

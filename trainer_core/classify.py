@@ -7,6 +7,7 @@ import ray
 from trainer_core.errors import (
     IncompatibleRunError,
     InfrastructureError,
+    PreemptedError,
     RelaytrainError,
     SpecError,
     StorageError,
@@ -61,14 +62,14 @@ def classify(error: BaseException) -> BaseException:
     if isinstance(error, RelaytrainError) or not isinstance(error, Exception):
         return error
     if isinstance(error, PreemptionError):
-        return InfrastructureError(f"preempted: {error}")
+        return PreemptedError(f"preempted: {error}")
     if isinstance(error, WorkerGroupError):
         raw = dict(sorted(error.worker_failures.items()))
         # A rank lost to a preempted node explains its peers' collateral errors too (Ray's own
         # failure policy makes the same call).
         preempted = [r for r, e in raw.items() if _was_preempted(e)]
         if preempted:
-            return InfrastructureError(
+            return PreemptedError(
                 f"preempted: the node of rank(s) {preempted} was reclaimed ({raw[preempted[0]]})"[
                     :4000
                 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,20 +24,29 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 from ray.exceptions import GetTimeoutError
-from ray.train import PreemptionError, WorkerGroupError
+from ray.train import ControllerError, PreemptionError, WorkerGroupError
 from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
 from ray.train.constants import (
     DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
     TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
 )
+from ray.train.v2._internal.exceptions import (
+    WorkerGroupStartupFailedError,
+    WorkerGroupStartupTimeoutError,
+)
 from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.controller.state import ResizingState
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.util import TrainingFramework
 
 from trainer_core.classify import classify
 
 logger = logging.getLogger("relaytrain.engine")
+
+#: A worker group that could not start: retried in place by elastic runs ("startup" budget).
+STARTUP_FAILURES = (WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError)
 
 
 def apply_credentials(credentials: list[Any]) -> None:
@@ -152,36 +162,69 @@ class ProcessGroupBackend(Backend):
 
 class CredentialedController(TrainController):
     """Ray Train's controller, with the storage credentials set before it touches storage
-    (its constructor already reads the run directory)."""
+    (its constructor already reads the run directory), that tells the relay when its elastic
+    scaling policy resizes a healthy worker group (a failed one is the failure policy's)."""
 
-    def __init__(self, *, storage_credentials: list[Any], **kwargs: Any) -> None:
+    def __init__(self, *, storage_credentials: list[Any], relay: Any, **kwargs: Any) -> None:
         apply_credentials(storage_credentials)
+        self._relay = relay
         super().__init__(**kwargs)
+
+    def _set_state(self, state: Any) -> None:
+        group = self.get_worker_group()
+        if isinstance(state, ResizingState) and group is not None:
+            self._relay.push.remote(
+                {
+                    "kind": "resizing",
+                    "time": time.time(),
+                    "world_size": len(group),
+                    "to": getattr(state.scaling_decision, "num_workers", None),
+                }
+            )
+        super()._set_state(state)
 
 
 class InPlacePolicy(FailurePolicy):
-    """Ray Train's failure policy for ``retries.in_place``: restart the worker group in place
-    after an infrastructure failure, up to the limit; anything else (the training code, storage
-    refusing access) ends the attempt as relaytrain classifies it."""
+    """Ray Train's failure policy: restart the worker group in place, within the attempt, after
+    a failure whose budget allows it; anything else (the training code, storage refusing access,
+    a spent budget) ends the attempt as relaytrain classifies it.
 
-    def __init__(self, failure_config: Any, limit: int, relay: Any):
+    ``limits`` maps a budget ("infrastructure", "preemption", "startup") to the restarts
+    allowed, None for no limit. Each restart is pushed to the relay; the new group resumes from
+    the newest commit.
+    """
+
+    def __init__(self, failure_config: Any, limits: dict[str, int | None], relay: Any):
         super().__init__(failure_config)
-        self.limit = limit
+        self.limits = limits
         self.relay = relay
+        self.used = dict.fromkeys(limits, 0)
         self.restarts = 0
 
     def make_decision(self, training_failed_error: Any) -> Any:
-        if not isinstance(training_failed_error, (WorkerGroupError, PreemptionError)):
+        if isinstance(training_failed_error, (WorkerGroupError, PreemptionError)):
+            classified = classify(training_failed_error)
+            budget = getattr(classified, "budget", "none")
+        elif isinstance(training_failed_error, ControllerError) and isinstance(
+            training_failed_error.controller_failure, STARTUP_FAILURES
+        ):
+            # A group sized to what the cluster held a moment ago could not start (a node
+            # went away meanwhile): an elastic run sizes it again.
+            classified, budget = training_failed_error.controller_failure, "startup"
+        else:
             return FailureDecision.RAISE  # the controller itself failed: end the attempt
-        classified = classify(training_failed_error)
-        infrastructure = getattr(classified, "budget", None) == "infrastructure"
-        if not infrastructure or self.restarts >= self.limit:
+        if budget not in self.limits:
             return FailureDecision.RAISE
+        limit = self.limits[budget]
+        if limit is not None and self.used[budget] >= limit:
+            return FailureDecision.RAISE
+        self.used[budget] += 1
         self.restarts += 1
         logger.warning(
-            "restarting the worker group in place (%d of %d): %s",
-            self.restarts,
-            self.limit,
+            "restarting the worker group in place (%s %d of %s): %s",
+            budget,
+            self.used[budget],
+            "unlimited" if limit is None else limit,
             classified,
         )
         self.relay.push.remote(
@@ -189,9 +232,64 @@ class InPlacePolicy(FailurePolicy):
                 "kind": "restarting",
                 "time": time.time(),
                 "restart": self.restarts,
-                "limit": self.limit,
+                "limit": limit,
+                "error_budget": budget,
                 "error_class": type(classified).__name__,
                 "error_message": str(classified)[:2000],
             }
         )
         return FailureDecision.RETRY
+
+
+class CurrentCapacityPolicy(ElasticScalingPolicy):
+    """Ray Train's elastic scaling policy, sizing a group that must start or restart to the
+    cluster as it is now.
+
+    Ray's autoscaling coordinator looks at the cluster's nodes every 20 s. A group restarted
+    sooner after a node loss was sized to the lost node too, and waited out Ray's worker-group
+    start timeout (60 s) before it was sized again. So before each such decision the
+    coordinator is asked to look again (its ``recompute``). And a node counts only if its
+    raylet still takes a connection: Ray declares a lost node dead only after its health checks
+    fail (about 15 s at Ray's defaults), and until then a healthy group would be grown onto it.
+    """
+
+    @classmethod
+    def replacing(cls, policy: Any) -> Any:
+        """This policy in place of Ray's elastic one; any other policy as it is."""
+        if isinstance(policy, ElasticScalingPolicy):
+            return cls(policy.scaling_config)
+        return policy
+
+    def make_decision_for_non_running_worker_group(self) -> Any:
+        if self._coordinator_client is not None:
+            try:
+                ray.get(
+                    self._autoscaling_coordinator.get_reserved_resources.remote(
+                        self._requester_id, recompute=True
+                    ),
+                    timeout=5,
+                )
+                self._latest_reserved_resources_query_time = float("-inf")
+            except Exception as e:  # Ray's view of 20 s ago still sizes the group
+                logger.warning("the autoscaling coordinator did not look again: %s", e)
+        return super().make_decision_for_non_running_worker_group()
+
+    def _count_possible_workers(self, reserved_resources: Any) -> int:
+        answering = _answering_nodes(set(reserved_resources))
+        reserved_resources = {n: r for n, r in reserved_resources.items() if n in answering}
+        return int(super()._count_possible_workers(reserved_resources))
+
+
+def _answering_nodes(node_ids: set[str], timeout_s: float = 1.0) -> set[str]:
+    """The nodes among ``node_ids`` whose raylet takes a TCP connection now."""
+    answering = set()
+    for node in ray.nodes():
+        if node["NodeID"] not in node_ids or not node.get("Alive"):
+            continue
+        address = (node["NodeManagerAddress"], node["NodeManagerPort"])
+        try:
+            with socket.create_connection(address, timeout=timeout_s):
+                answering.add(node["NodeID"])
+        except OSError:
+            logger.warning("node %s does not answer: not counted", node["NodeID"])
+    return answering

@@ -34,6 +34,7 @@ from trainer_core.errors import (
     ClusterCapacityError,
     IncompatibleRunError,
     InfrastructureError,
+    PreemptedError,
     SpecError,
 )
 from trainer_core.loop import builtin_train_loop
@@ -85,18 +86,22 @@ def ray_cluster(num_cpus: int | None = None) -> Iterator[bool]:
 
 
 def check_capacity(spec: RunSpec) -> None:
-    """Refuse a worker group the cluster can never hold (Ray would wait forever)."""
+    """Refuse a worker group the cluster can never hold (Ray would wait forever): the fixed
+    count, or an elastic run's MIN."""
     per_worker = dict(spec.scaling.resources_per_worker or {})
     per_worker.setdefault("GPU" if spec.scaling.use_gpu else "CPU", 1.0)
     total = ray.cluster_resources()
+    workers = spec.scaling.min_workers
+    asked = spec.scaling.num_workers
+    shown = f"{list(asked)} (at least {workers})" if isinstance(asked, tuple) else f"{asked}"
     for resource, amount in per_worker.items():
-        needed = amount * spec.scaling.num_workers
+        needed = amount * workers
         available = total.get(resource, 0.0)
         if needed > available:
             raise ClusterCapacityError(
-                f"scaling.num_workers={spec.scaling.num_workers} workers need {needed:g} "
-                f"{resource} in all, but the Ray cluster has {available:g}: lower "
-                "scaling.num_workers or scaling.resources_per_worker, or add nodes",
+                f"scaling.num_workers={shown} workers need {needed:g} {resource} in all, but "
+                f"the Ray cluster has {available:g}: lower scaling.num_workers or "
+                "scaling.resources_per_worker, or add nodes",
                 field="scaling.num_workers",
             )
 
@@ -264,6 +269,8 @@ class LiveState:
     #: Workers in the group, and the largest peak resident memory any of them reported (MB).
     world_size: int | None = None
     peak_worker_rss_mb: float | None = None
+    #: The just-in-time checkpoint of a drain's notice, until the preemption's restart.
+    notice: dict[str, Any] | None = None
 
     def outcome(self) -> dict[str, Any]:
         """What an ended attempt's record says of its workers, failed or completed."""
@@ -286,19 +293,43 @@ class LiveState:
         if kind == "metrics" and event["rows"]:
             self.step = max(self.step, event["rows"][-1]["step"])
             self.metrics = {**self.metrics, **event["rows"][-1]}
+        elif kind == "preemption_notice":
+            self.notice = {
+                "just_in_time_step": event["step"],
+                "seconds_to_deadline": event["seconds_left"],
+            }
         elif kind == "restarting":
+            notice = self.notice if event.get("error_budget") == "preemption" else None
+            self.notice = None if notice else self.notice
             self.restarts.append(
                 {
-                    "restart": event["restart"],
+                    **(notice or {}),
+                    "restart": len(self.restarts) + 1,
+                    "reason": event.get("error_budget", "infrastructure"),
                     "failed_at": event["time"],
                     "last_step": self.step,
+                    "world_size_before": self.world_size,
+                    "error_budget": event.get("error_budget", "infrastructure"),
                     "error_class": event["error_class"],
                     "error_message": event["error_message"],
                 }
             )
-        elif kind in ("resumed", "fresh_start") and event.get("group") and self.restarts:
+        elif kind == "resizing":  # the elastic policy found capacity for another size
+            self.restarts.append(
+                {
+                    "restart": len(self.restarts) + 1,
+                    "reason": "capacity",
+                    "failed_at": event["time"],
+                    "last_step": self.step,
+                    "world_size_before": event["world_size"],
+                }
+            )
+        elif kind in ("resumed", "fresh_start") and event.get("group"):
+            if not self.restarts or "resumed_at" in self.restarts[-1]:
+                self.restarts.append({"restart": len(self.restarts) + 1, "reason": "unknown"})
             self.restarts[-1]["resumed_from_step"] = event.get("step", 0)
             self.restarts[-1]["resumed_at"] = event.get("time")
+            self.restarts[-1]["world_size_after"] = event.get("world_size")
         elif kind == "peer_lost":
             # A surviving rank's last completed step, when rank 0 (whose rows say it) died.
             group = event.get("group", 0)
@@ -351,7 +382,10 @@ def run_attempt(
 
         def handle(event: dict[str, Any]) -> None:
             live.apply(event)
-            if event["kind"] == "restarting" or (event["kind"] == "resumed" and event.get("group")):
+            kind = event["kind"]
+            if kind in ("restarting", "resizing") or (
+                kind in ("resumed", "fresh_start") and event.get("group")
+            ):
                 run_dir.record_attempt({**record, "restarts": live.restarts})
             if on_event is not None:
                 on_event(event)
@@ -449,7 +483,7 @@ def _name_preemption(
     each such node is declared dead or back in service, then read the death reasons. Without
     one nothing is waited for.
     """
-    if not isinstance(error, InfrastructureError) or str(error).startswith("preempted"):
+    if not isinstance(error, InfrastructureError) or isinstance(error, PreemptedError):
         return error
     pending = draining_nodes()
     deadline = time.monotonic() + settle_s
@@ -460,7 +494,7 @@ def _name_preemption(
     reclaimed = preempted_nodes() - reclaimed_before
     if not reclaimed:
         return error
-    named = InfrastructureError(
+    named = PreemptedError(
         f"preempted: node(s) {sorted(reclaimed)} were reclaimed during the attempt ({error})",
         step=getattr(error, "step", None),
     )
@@ -511,19 +545,25 @@ def _abortable_trainer_class() -> type:
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.constants import (
         DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-        ENABLE_PREEMPTION_WATCHER_ENV_VAR,
         get_env_vars_to_propagate,
     )
 
-    from trainer_core.controller import CredentialedController, InPlacePolicy
+    from trainer_core.controller import (
+        CredentialedController,
+        CurrentCapacityPolicy,
+        InPlacePolicy,
+    )
 
     class AbortableTorchTrainer(TorchTrainer):
         controller: Any = None
         #: The storage credentials as a Ray object, nested so Ray passes it by reference.
         storage_credentials: list[Any] = []
-        #: In-place restarts allowed (retries.in_place), and the relay that hears of each.
-        in_place: int = 0
+        #: In-place restarts allowed per budget (``restart_limits``), and the relay that hears
+        #: of each.
+        restart_limits: dict[str, int | None] = {}
         relay: Any = None
+        #: Whether Ray's preemption watcher runs (``watches_preemption``).
+        watch_preemption: bool = False
 
         def _create_default_callbacks(self) -> list[Any]:
             # Ray's datasets callback starts a DatasetManager actor for every worker group,
@@ -539,10 +579,7 @@ def _abortable_trainer_class() -> type:
                 RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                 DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
             )
-            if ENABLE_PREEMPTION_WATCHER_ENV_VAR not in env_vars and _single_node():
-                # Ray's preemption watcher (an actor started with every worker group) looks
-                # for draining nodes among the workers' others; on one node there are none.
-                env_vars[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0"
+            env_vars[PREEMPTION_WATCHER_ENV] = "1" if self.watch_preemption else "0"
             controller_class = ray.remote(
                 num_cpus=0,
                 label_selector={
@@ -550,14 +587,18 @@ def _abortable_trainer_class() -> type:
                 },
                 runtime_env={"env_vars": env_vars},
             )(CredentialedController)
-            if self.in_place:
-                controller_init_kwargs["failure_policy"] = InPlacePolicy(
-                    controller_init_kwargs["failure_policy"].failure_config,
-                    self.in_place,
-                    self.relay,
-                )
+            controller_init_kwargs["scaling_policy"] = CurrentCapacityPolicy.replacing(
+                controller_init_kwargs["scaling_policy"]
+            )
+            controller_init_kwargs["failure_policy"] = InPlacePolicy(
+                controller_init_kwargs["failure_policy"].failure_config,
+                self.restart_limits,
+                self.relay,
+            )
             self.controller = controller_class.remote(
-                storage_credentials=self.storage_credentials, **controller_init_kwargs
+                storage_credentials=self.storage_credentials,
+                relay=self.relay,
+                **controller_init_kwargs,
             )
             ray.get(self.controller.run.remote())
             return ray.get(self.controller.get_result.remote())
@@ -572,6 +613,37 @@ def _abortable_trainer_class() -> type:
                 ray.kill(self.controller)
 
     return AbortableTorchTrainer
+
+
+def restart_limits(spec: RunSpec) -> dict[str, int | None]:
+    """In-place restarts of the worker group allowed per budget, within one attempt.
+
+    A preemption always restarts in place (``retries.preemption``, None: no limit). An elastic
+    run also goes on after a lost node or worker on what the cluster still holds, up to
+    ``retries.infrastructure`` times, and sizes a group again when one could not start; a fixed
+    one restarts in place only ``retries.in_place`` times, then ends the attempt.
+    """
+    if spec.scaling.elastic:
+        infrastructure = spec.retries.infrastructure
+        return {
+            "infrastructure": infrastructure,
+            "preemption": spec.retries.preemption,
+            "startup": infrastructure,
+        }
+    return {"infrastructure": spec.retries.in_place, "preemption": spec.retries.preemption}
+
+
+#: Ray Train's switch for its preemption watcher (an actor started with every worker group).
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+def watches_preemption() -> bool:
+    """Whether Ray Train watches the worker group's nodes for drains: as the user set it, else
+    on a cluster of several nodes (a drain among the nodes of a one-node cluster ends it)."""
+    value = os.environ.get(PREEMPTION_WATCHER_ENV)
+    if value is not None:
+        return value.strip().lower() in ("1", "true", "yes")
+    return not _single_node()
 
 
 def _single_node() -> bool:
@@ -605,6 +677,7 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
         attempt=plan.attempt,
         candidates=plan.candidates,
         relay=relay,
+        watch_preemption=watches_preemption(),
     )
     user_loop = spec.train_loop is not None
     # A running Ray cluster does not see this process's environment, so the controller and
@@ -622,6 +695,7 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
         torch_config=ProcessGroupConfig(backend="nccl" if spec.scaling.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=spec.scaling.num_workers,
+            elastic_resize_monitor_interval_s=spec.scaling.resize_interval_s,
             use_gpu=spec.scaling.use_gpu,
             resources_per_worker=spec.scaling.resources_per_worker,
             placement_strategy=spec.scaling.placement_strategy,
@@ -631,8 +705,8 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
             storage_path=root.path,
             # Built where it is used, after the credentials are set there (lazyfs).
             storage_filesystem=lazyfs.for_ray(plan.storage_uri, root.filesystem),
-            # Every failure, preemption included, ends the attempt: Prefect's retry resumes it
-            # from relaytrain's newest committed checkpoint, on the infrastructure budget.
+            # relaytrain's InPlacePolicy decides (restart_limits); a failure it does not
+            # restart in place ends the attempt, and Prefect's retry resumes it.
             failure_config=FailureConfig(max_failures=0, max_preemption_failures=0),
             # relaytrain applies retention itself (keep last + best, never the resume point);
             # a user's own loop relies on Ray's checkpoint manager.
@@ -642,7 +716,8 @@ def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
         ),
     )
     trainer.storage_credentials = credentials
-    trainer.in_place = spec.retries.in_place
+    trainer.restart_limits = restart_limits(spec)
+    trainer.watch_preemption = worker_config.watch_preemption
     trainer.relay = relay
     return trainer
 

@@ -1,8 +1,9 @@
 """The error hierarchy, classified by what the orchestrator must do.
 
 - ``SpecError``: the input is wrong. Never retried: a retry cannot fix it.
-- ``InfrastructureError``: a worker or node died, the node was preempted, storage failed
-  transiently. Retried from the newest committed checkpoint, on the infrastructure budget.
+- ``InfrastructureError``: a worker or node died, storage failed transiently. Retried from the
+  newest committed checkpoint, on the infrastructure budget; ``PreemptedError`` (a node
+  reclaimed for preemption) on its own budget.
 - ``TrainingCodeError``: the training code raised. Retried on its own (smaller) budget; the same
   error at the same step twice in a row is a bug, not bad luck (see ``is_repeat_of``).
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 class RelaytrainError(Exception):
     """Root of every error relaytrain raises on purpose."""
 
-    #: Retry budget this error draws on: "none", "infrastructure" or "code".
+    #: Retry budget this error draws on: "none", "infrastructure", "preemption" or "code".
     budget = "none"
 
     def __reduce__(self):  # keep subclasses with extra kwargs picklable
@@ -84,6 +85,13 @@ class InfrastructureError(RelaytrainError):
     def __init__(self, message: str, *, step: int | None = None):
         super().__init__(message)
         self.step = step
+
+
+class PreemptedError(InfrastructureError):
+    """A node of the worker group was reclaimed for preemption. Its own budget
+    (``retries.preemption``), apart from other infrastructure failures."""
+
+    budget = "preemption"
 
 
 class TrainingCodeError(RelaytrainError):

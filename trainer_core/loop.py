@@ -48,6 +48,7 @@ from trainer_core.spec import RunSpec
 from trainer_core.staging import Background, Stager
 from trainer_core.worker import (
     Faults,
+    PreemptionNotice,
     Relay,
     WorkerConfig,
     all_ok,
@@ -55,6 +56,7 @@ from trainer_core.worker import (
     collective_device,
     is_peer_failure,
     peak_rss_mb,
+    preemption_notice,
 )
 
 logger = logging.getLogger("relaytrain.worker")
@@ -68,6 +70,9 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: share of the training time since that write began, and at least this long.
 SLOW_WRITE_SHARE = 0.1
 SLOW_WRITE_MIN_S = 0.05
+#: After a just-in-time checkpoint the group waits for its node to go (every step trained then
+#: would be lost with it), at most this long past the drain's deadline; then it trains on.
+PREEMPTION_HOLD_MARGIN_S = 30.0
 
 
 def writes_outlast_interval(wait_s: float, since_s: float) -> bool:
@@ -86,6 +91,7 @@ class Timings:
     checkpoint_wait_s: float = 0.0  # of which waiting for the previous checkpoint's write
     checkpoint_copy_wait_s: float = 0.0  # of which the next optimizer step waiting for the copy
     checkpoint_write_s: float = 0.0  # in the background: serialize, upload, commit, retention
+    preemption_hold_s: float = 0.0  # waiting, after a just-in-time checkpoint, for the drain
     relay_s: float = 0.0
     num_steps: int = 0
     num_aggregates: int = 0
@@ -159,6 +165,8 @@ class BuiltinLoop:
         self.slow_writes_said = False
         self.current_step = 0
         self.completed_step = 0
+        #: A drain's notice, once a just-in-time checkpoint answered it (once per group).
+        self.notice: PreemptionNotice | None = None
         self.timings = Timings()
         self.in_flight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], dict]] = []
         self.stager = Stager()
@@ -348,7 +356,10 @@ class BuiltinLoop:
             or (end_of_epoch and epoch == schedule.epochs - 1)
             or stop
         )
-        if step % self.spec.report.every == 0 or end_of_epoch or should_checkpoint:
+        at_report = step % self.spec.report.every == 0 or end_of_epoch or should_checkpoint
+        notice = self._new_preemption_notice() if at_report else None
+        should_checkpoint = should_checkpoint or notice is not None
+        if at_report:
             started = time.perf_counter()
             self._aggregate(extra, flush=should_checkpoint)
             self.timings.aggregate_s += time.perf_counter() - started
@@ -360,6 +371,44 @@ class BuiltinLoop:
                 else data_mod.Cursor(epoch, end * self.data_spec.batch_size)
             )
             self._checkpoint(step, next_cursor)
+        if notice is not None:
+            self._hold_for_preemption(step, notice)
+
+    def _new_preemption_notice(self) -> PreemptionNotice | None:
+        """A drain's notice not yet answered in this group (every rank asks at every report)."""
+        if not self.config.watch_preemption:
+            return None
+        notice = preemption_notice()
+        if notice is None or self.notice is not None:
+            return None
+        self.notice = notice
+        return notice
+
+    def _hold_for_preemption(self, step: int, notice: PreemptionNotice) -> None:
+        """A drain's notice was answered with a checkpoint at ``step``: wait for it to commit,
+        tell the driver, then wait for the drain's deadline (when Ray Train restarts the group
+        on the nodes that stay), since steps trained now would be lost with the node."""
+        started = time.perf_counter()
+        self.background.wait()
+        seconds_left = None if notice.deadline is None else notice.deadline - time.time()
+        self.relay.send(
+            "preemption_notice",
+            step=step,
+            ranks=notice.ranks,
+            deadline=notice.deadline,
+            seconds_left=seconds_left,
+        )
+        self.relay.flush()
+        logger.warning(
+            "rank %d: a node of ranks %s drains for preemption in %s s; committed step %d",
+            self.rank,
+            notice.ranks,
+            "?" if seconds_left is None else f"{seconds_left:.1f}",
+            step,
+        )
+        if notice.deadline is not None:
+            time.sleep(max(notice.deadline + PREEMPTION_HOLD_MARGIN_S - time.time(), 0.0))
+        self.timings.preemption_hold_s += time.perf_counter() - started
 
     def _should_stop(self, epoch: int, measured: dict[str, float]) -> bool:
         """Early stopping's verdict after ``epoch`` (the same on every rank: the metrics are

@@ -1,7 +1,8 @@
 """Retry or stop? A pure function of the error and the attempts recorded in the run directory.
 
-Budgets: a spec error is never retried; infrastructure failures and training-code failures
-each draw on their own budget (``retries.infrastructure``, ``retries.code``). A training error
+Budgets: a spec error is never retried; infrastructure failures, preemptions and training-code
+failures each draw on their own budget (``retries.infrastructure``, ``retries.preemption``,
+``retries.code``). A training error
 that will repeat (NaN loss) stops at once, and the same training error at the same step twice
 in a row is a bug, not bad luck: stop.
 """
@@ -27,8 +28,9 @@ def decide_retry(
     """Decide whether to retry after ``failure``.
 
     ``failure`` and ``attempts`` are attempt records (``attempts.jsonl``): ``error_budget``
-    ("none" | "infrastructure" | "code"), ``error_class``, ``error_message``, ``error_step``,
-    ``deterministic``. ``attempts`` are the earlier ones, oldest first (``failure`` excluded).
+    ("none" | "infrastructure" | "preemption" | "code"), ``error_class``, ``error_message``,
+    ``error_step``, ``deterministic``, ``restarts``. ``attempts`` are the earlier ones, oldest
+    first (``failure`` excluded).
     """
     budget = failure.get("error_budget", "none")
     name = failure.get("error_class", "error")
@@ -44,7 +46,20 @@ def decide_retry(
             "in a row: a bug, not bad luck; stopping",
         )
     used = 1 + sum(1 for a in failed if a.get("error_budget") == budget)
-    allowed = budgets.infrastructure if budget == "infrastructure" else budgets.code
+    if budget == "preemption":  # restarts in place draw on it too
+        used += sum(
+            1
+            for a in (*attempts, failure)
+            for r in a.get("restarts") or []
+            if r.get("error_budget") == "preemption"
+        )
+        if budgets.preemption is None:
+            return RetryDecision(True, f"preemption {used} (the budget is unlimited): resuming")
+    allowed = {
+        "infrastructure": budgets.infrastructure,
+        "preemption": budgets.preemption or 0,
+        "code": budgets.code,
+    }[budget]
     if used > allowed:
         return RetryDecision(
             False, f"{budget} retry budget spent ({used - 1} of {allowed} retries used): stopping"

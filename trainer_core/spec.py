@@ -268,7 +268,14 @@ class ScheduleSection(_Section):
 
 
 class ScalingSection(_Section):
-    num_workers: PositiveInt
+    #: Workers in the group: a count, or ``[MIN, MAX]`` for elastic capacity (Ray Train's
+    #: elastic scaling). An elastic run starts on as many workers as the cluster holds (at least
+    #: MIN), goes on with fewer after a node is lost, without waiting for it, and grows back when
+    #: capacity returns; every resize resumes from the newest committed checkpoint.
+    num_workers: PositiveInt | tuple[PositiveInt, PositiveInt]
+    #: Elastic runs: seconds between Ray's checks whether the cluster holds more workers than the
+    #: group has (Ray's ``elastic_resize_monitor_interval_s``); growing restarts the group.
+    resize_interval_s: Annotated[float, Field(ge=0)] = 60.0
     use_gpu: bool = False
     resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] | None = None
     #: Ray's placement of the worker group: "PACK" fills nodes in turn, "SPREAD" puts the
@@ -278,6 +285,28 @@ class ScalingSection(_Section):
     #: submits each attempt as a Ray job. ``RELAYTRAIN_RAY_JOB_ADDRESS`` sets it from the
     #: environment; unset, the attempt is driven in-process (local Ray or ``RAY_ADDRESS``).
     job_address: str | None = None
+
+    @field_validator("num_workers")
+    @classmethod
+    def _min_not_above_max(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
+        if isinstance(value, tuple) and value[0] > value[1]:
+            raise ValueError(
+                f"[MIN, MAX] = {list(value)} has MIN above MAX: give [{value[1]}, {value[0]}]"
+            )
+        return value
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the worker count is a range that Ray may resize within."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
 
 
 class CheckpointSection(_Section):
@@ -317,11 +346,20 @@ class RetriesSection(_Section):
     #: committed checkpoint, without a new fit() or a Prefect retry. Each restart is recorded
     #: on the attempt. 0 (the default): every failure ends the attempt.
     in_place: NonNegativeInt = 0
+    #: Restarts after a node is reclaimed for preemption (Ray's preemption budget, counted apart
+    #: from ``infrastructure``). Recovered in place, within the attempt, from the newest commit,
+    #: which a notice of the drain makes just in time. None (the default): unlimited, as in Ray.
+    preemption: NonNegativeInt | None = None
+
+    @property
+    def num_retries(self) -> int:
+        """Prefect retries of the train task: every budget's (a preemption that ends an attempt
+        is one whose budget, or one without limit, is spent in place)."""
+        return self.infrastructure + self.code + (self.preemption or 0)
 
     def delays(self) -> list[float]:
         """The delay before each retry (Prefect's ``retry_delay_seconds``)."""
-        total = self.infrastructure + self.code
-        return [self.delay_s * self.backoff**i for i in range(total)]
+        return [self.delay_s * self.backoff**i for i in range(self.num_retries)]
 
 
 class FaultSection(_Section):
@@ -451,7 +489,15 @@ class RunSpec(_Section):
                     UserWarning,
                     stacklevel=2,
                 )
-        workers = self.scaling.num_workers
+        workers = self.scaling.max_workers
+        if self.scaling.elastic and self.checkpoint.sharded:
+            raise SpecError(
+                f"scaling.num_workers=[{self.scaling.min_workers}, {self.scaling.max_workers}] "
+                "is elastic, but checkpoint.sharded writes one file per rank, which a group "
+                "of another size cannot load: set checkpoint.sharded false, or a fixed "
+                "scaling.num_workers",
+                field="checkpoint.sharded",
+            )
         for i, fault in enumerate(self.faults):
             if fault.rank >= workers:
                 raise SpecError(
@@ -563,7 +609,7 @@ class RunSpec(_Section):
         # The built-in loop's order and cursor do not depend on the worker count: a run may
         # resume on another. Rank-named shards and a loop of your own need the same count.
         if self.checkpoint.sharded or self.train_loop is not None:
-            identity["num_workers"] = self.scaling.num_workers
+            identity["num_workers"] = self.scaling.model_dump(mode="json")["num_workers"]
         if self.datasets:
             identity["datasets"] = dict(self.datasets)
         if self.optimizer.grad_accumulation != 1:  # steps, and so checkpoints, depend on it

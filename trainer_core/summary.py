@@ -23,8 +23,15 @@ class _Frozen(BaseModel):
 
 
 class InPlaceRestart(_Frozen):
-    """One in-place restart of an attempt's worker group, and what it cost."""
+    """One in-place restart of an attempt's worker group (a resize, for an elastic run), why,
+    and what it cost."""
 
+    #: "infrastructure" (a worker or node lost), "preemption", "startup" (a group sized to
+    #: capacity that went away could not start) or "capacity" (the elastic policy grew or
+    #: shrank a healthy group).
+    reason: str | None = None
+    world_size_before: int | None = None
+    world_size_after: int | None = None
     error_class: str | None = None
     error_message: str | None = None
     last_step: int | None = None
@@ -46,7 +53,8 @@ class AttemptSummary(_Frozen):
     recovery_s: float | None = None
     duration_s: float | None = None
     retry_decision: str | None = None
-    #: In-place restarts of the worker group within this attempt (retries.in_place).
+    #: In-place restarts of the worker group within this attempt: resizes of an elastic run,
+    #: preemptions, and ``retries.in_place`` restarts.
     restarts: list[InPlaceRestart] = []
     #: Workers the attempt trained on, and the largest peak resident memory of any of them
     #: (MB; the built-in loop measures every rank, a user's loop rank 0), as of its last
@@ -120,6 +128,9 @@ def _restart(record: dict[str, Any]) -> InPlaceRestart:
     last, resumed = record.get("last_step"), record.get("resumed_from_step")
     failed, back = record.get("failed_at"), record.get("resumed_at")
     return InPlaceRestart(
+        reason=record.get("reason"),
+        world_size_before=record.get("world_size_before"),
+        world_size_after=record.get("world_size_after"),
         error_class=record.get("error_class"),
         error_message=record.get("error_message"),
         last_step=last,
@@ -227,7 +238,7 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
     lines = [
         f"# Run `{result.run_name}`: {result.status}",
         "",
-        f"- workload: `{workload}`, {spec.scaling.num_workers} DDP worker(s)"
+        f"- workload: `{workload}`, {_workers(spec)} DDP worker(s)"
         + (f", {spec.schedule.epochs} epochs" if spec.schedule else ""),
     ]
     if spec.data and spec.schedule:
@@ -277,10 +288,15 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         )
         for number, r in enumerate(a.restarts, 1):
             back = "" if r.recovery_s is None else f"{r.recovery_s:.1f} s to resume"
+            what = "restarted in place"
+            if r.world_size_before and r.world_size_after:
+                what = f"{r.world_size_before} → {r.world_size_after} workers"
+            why = f"{r.error_class}: {_one_line(r.error_message, 70)}" if r.error_class else ""
+            if r.reason:
+                why = f"{r.reason}: {why}" if why else r.reason
             lines.append(
-                f"| {a.attempt}.{number} | restarted in place | {_dash(r.resumed_from_step)} | "
-                f"{_dash(r.last_step)} | {_dash(r.steps_lost)} | {back} | "
-                f"{r.error_class}: {_one_line(r.error_message, 70)} |"
+                f"| {a.attempt}.{number} | {what} | {_dash(r.resumed_from_step)} | "
+                f"{_dash(r.last_step)} | {_dash(r.steps_lost)} | {back} | {why} |"
             )
     lines += [
         "",
@@ -290,6 +306,13 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         f"- latest: `{result.latest_checkpoint_uri}` {_metrics(result.final_metrics)}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _workers(spec: RunSpec) -> str:
+    scaling = spec.scaling
+    if scaling.elastic:
+        return f"{scaling.min_workers} to {scaling.max_workers} (elastic)"
+    return str(scaling.num_workers)
 
 
 def _metrics(metrics: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import ray
+import ray.train
 import torch
 import torch.distributed as dist
 
@@ -31,6 +32,9 @@ class WorkerConfig:
     #: Committed checkpoint steps, newest first, as the driver's scan found them.
     candidates: list[int]
     relay: Any = None
+    #: Whether Ray Train watches the group's nodes for drains (a cluster of several nodes):
+    #: then the loop asks for a preemption notice at every report.
+    watch_preemption: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The ``train_loop_config``: plain values only, because Ray Train's controller
@@ -124,6 +128,25 @@ class Relay:
             self.handle.push.remote({"kind": "metrics", "time": now, "rows": self.rows})
             self.rows = []
         self.last_push = now
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """Ray Train's word that a node of this worker group drains for preemption."""
+
+    #: When the node goes (Unix seconds), or None when its drain gave no deadline.
+    deadline: float | None
+    ranks: list[int]
+
+
+def preemption_notice() -> PreemptionNotice | None:
+    """The notice of a drain of one of the group's nodes, or None. A barrier of Ray Train's:
+    every rank asks, the same number of times, and gets rank 0's answer."""
+    info = ray.train.get_preemption_info()
+    if info is None:
+        return None
+    deadline = info.deadline_ms / 1000 if info.deadline_ms else None
+    return PreemptionNotice(deadline, list(info.preempted_ranks))
 
 
 def peak_rss_mb() -> float:

@@ -22,12 +22,14 @@ from ray.job_submission import JobSubmissionClient
 
 from flows.training import training
 from tests.conftest import tiny_raw
+from tests.integration.test_streaming import ROWS, write_dataset
 from tests.multinode import MultiNodeCluster
 from tests.prefect_api import task_runs
 from tests.recovery import REPO, assert_recovered, record_matrix_row, run_dir_of
-from trainer_core import jobs
+from trainer_core import jobs, stream
 from trainer_core.checkpoints import RunDirectory
-from trainer_core.spec import build_spec
+from trainer_core.spec import RunSpec, build_spec
+from trainer_core.summary import render_markdown
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
@@ -138,13 +140,19 @@ def test_lost_node_resumes_on_the_remaining_nodes(
     attempts = assert_recovered(
         run_dir, uninterrupted, interval=10, committed_before=before, write_lost=True
     )
-    assert [a["status"] for a in attempts] == ["failed", "completed"]
-    assert attempts[0]["error_budget"] == "infrastructure"
-    if how == "preempted":
-        assert "preempted" in attempts[0]["error_message"]
-    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
+    runs = task_runs(state.state_details.flow_run_id)["train"].run_count
     ids = {j.submission_id for j in JobSubmissionClient(cluster.job_address).list_jobs()}
-    assert {jobs.submission_id(spec.run.name, 1), jobs.submission_id(spec.run.name, 2)} <= ids
+    if how == "preempted":  # in place, within the attempt, on the preemption budget
+        assert [a["status"] for a in attempts] == ["completed"] and runs == 1
+        (restart,) = attempts[0]["restarts"]
+        assert restart["error_budget"] == "preemption" and "preempted" in restart["error_message"]
+        assert restart["world_size_before"] == restart["world_size_after"] == 2
+        assert restart["last_step"] - restart["resumed_from_step"] <= 20  # two intervals
+    else:
+        assert [a["status"] for a in attempts] == ["failed", "completed"] and runs == 2
+        assert attempts[0]["error_budget"] == "infrastructure"
+        assert jobs.submission_id(spec.run.name, 2) in ids
+    assert jobs.submission_id(spec.run.name, 1) in ids
     case = "3 node killed" if how == "killed" else "8 node preempted (drain-node PREEMPTION)"
     record_matrix_row(case, run_dir, committed_before=before, storage="s3 (moto), Jobs API")
 
@@ -270,3 +278,191 @@ def test_prefect_cancel_through_a_worker_stops_the_job(
         print(log.read_text()[-5000:])  # shown when the test fails
     result = training(build_spec(raw))  # run it again: it resumes
     assert result.status == "completed" and result.attempts[-1].resumed_from_step >= before
+
+
+# -- elastic capacity ------------------------------------------------------------------------------
+
+ELASTIC_EPOCHS = 3
+
+
+def elastic_raw(storage: str, name: str, cluster: MultiNodeCluster, logs, dataset: str, **extra):
+    """[1, 3] workers on the recording model (tests/helpers.py: each rank logs the row ids it
+    trains on) over a 420-row table: 20 global batches of 21 an epoch."""
+    raw = tiny_raw(
+        storage,
+        name,
+        model={
+            "name": "tests.helpers:recording_mlp",
+            "kwargs": {"log_dir": str(logs), "delay_s": 0.5},
+        },
+        data={
+            "dataset": dataset,
+            "features": "x",
+            "label": "y",
+            "task": "regression",
+            "batch_size": 21,
+            "validation_fraction": 0,
+            "partitions": 4,
+            "shuffle_window": 64,
+        },
+        schedule={"epochs": ELASTIC_EPOCHS, "lr_schedule": "constant", "warmup_steps": 0},
+        checkpoint={"every": 5, "keep_last": 2, "keep_best": 0, "best_metric": "loss"},
+        scaling={"num_workers": [1, 3], "resize_interval_s": 5, "job_address": cluster.job_address},
+        retries={"infrastructure": 2, "code": 0, "delay_s": 1, "jitter": 0},
+    )
+    for section, values in extra.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return raw
+
+
+def groups_trained(logs) -> list[tuple[int, list[list[int]]]]:
+    """Each worker group's world size and the global batches it trained, oldest group first:
+    a group is the W worker processes (one log file each) that started together."""
+    import json
+
+    processes = []
+    for path in logs.glob("*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        if records:
+            processes.append(records)
+    processes.sort(key=lambda records: records[0]["time"])
+    groups = []
+    while processes:
+        size = processes[0][0]["world_size"]
+        members, processes = processes[:size], processes[size:]
+        by_rank = {records[0]["rank"]: records for records in members}
+        assert sorted(by_rank) == list(range(size)), "a group's processes are its ranks"
+        count = min(len(records) for records in by_rank.values())
+        batches = [[i for r in range(size) for i in by_rank[r][n]["ids"]] for n in range(count)]
+        groups.append((size, batches))
+    return groups
+
+
+def expected_global_batches(spec: RunSpec) -> list[list[int]]:
+    assert spec.data is not None
+    data = spec.data.resolved()
+    one = stream.RankStream(stream.scan(data), data, spec.run.seed, 1, 0)
+    batches: list[list[int]] = []
+    for epoch in range(ELASTIC_EPOCHS):
+        ahead = one.epoch(epoch)
+        batches += [ids.tolist() for _, ids, _ in ahead]
+        ahead.close()
+    return batches
+
+
+def kept_batches(groups, restarts) -> list[list[int]]:
+    """The global batches the run kept: each group's after the step its successor resumed
+    from were trained again by it (one optimizer step is one global batch here)."""
+    assert len(groups) == len(restarts) + 1, (len(groups), restarts)
+    kept = list(groups[0][1])
+    for (_, batches), restart in zip(groups[1:], restarts, strict=True):
+        kept = kept[: restart["resumed_from_step"]] + batches
+    return kept
+
+
+def assert_every_sample_once_an_epoch(kept: list[list[int]], spec: RunSpec) -> None:
+    per_epoch = ROWS // 21
+    assert len(kept) == ELASTIC_EPOCHS * per_epoch
+    for epoch in range(ELASTIC_EPOCHS):
+        ids = [i for batch in kept[epoch * per_epoch : (epoch + 1) * per_epoch] for i in batch]
+        assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
+    assert kept == expected_global_batches(spec)
+
+
+def three_worker_nodes(cluster: MultiNodeCluster) -> None:
+    while len(cluster.nodes()) < 3:
+        cluster.command("add")
+
+
+def test_an_elastic_run_goes_on_with_fewer_workers_and_grows_back(
+    cluster, relaytrain_prefect, run_storage, tmp_path
+):
+    """[1, 3] workers on 3 one-CPU nodes: a node is killed mid-run, the group goes on with 2
+    within the attempt (no Prefect retry); a node is added, the group grows back to 3. The
+    global batches trained are the uninterrupted run's, each sample once an epoch."""
+    three_worker_nodes(cluster)
+    dataset, logs = str(tmp_path / "table"), tmp_path / "logs"
+    write_dataset(dataset)
+    logs.mkdir()
+    spec = build_spec(elastic_raw(run_storage, "multinode-elastic", cluster, logs, dataset))
+    run_dir = run_dir_of(spec)
+    thread, box = run_flow_in_thread(spec)
+    nodes = wait_until(lambda: len(worker_nodes(cluster)) == 3 and worker_nodes(cluster))
+    wait_until(lambda: committed_step(run_dir) >= 5, what="a commit")
+    cluster.command("kill", nodes[-1])
+
+    def shrunk():
+        (record,) = run_dir.read_attempts()
+        restarts = record.get("restarts") or []
+        return bool(restarts) and restarts[0].get("world_size_after") == 2
+
+    wait_until(shrunk, what="the group to go on with 2 workers")
+    cluster.command("add")
+    thread.join(timeout=600)
+    state = box["state"]
+    assert state.is_completed(), state
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 1
+    (attempt,) = run_dir.read_attempts()
+    assert attempt["status"] == "completed"
+    lost, *later = attempt["restarts"]
+    # The group fails when its rank on the lost node dies; or Ray's policy, which looks at the
+    # nodes every resize_interval_s, finds the node gone first and shrinks the group.
+    assert lost["reason"] in ("infrastructure", "capacity"), lost
+    assert (lost["world_size_before"], lost["world_size_after"]) == (3, 2)
+    assert lost["last_step"] - lost["resumed_from_step"] <= 10  # two intervals at most
+    grown = [r for r in later if r["reason"] == "capacity" and r["world_size_after"] == 3]
+    assert grown, later
+    assert_every_sample_once_an_epoch(kept_batches(groups_trained(logs), attempt["restarts"]), spec)
+    result = state.result()  # the flow's result, and the summary artifact, say the sizes
+    assert result.attempts[0].restarts[0].world_size_after == 2
+    text = render_markdown(spec, result)
+    assert "3 → 2 workers" in text and "2 → 3 workers" in text
+    record_matrix_row("elastic node killed, grown back", run_dir, storage="s3 (moto), Jobs API")
+
+
+def test_a_drain_notice_commits_a_checkpoint_just_in_time(
+    cluster, relaytrain_prefect, run_storage, tmp_path
+):
+    """[1, 3] workers, a checkpoint every 25 steps, a report every 2. A node drains for
+    preemption with a deadline 12 s away and is reclaimed just before it. The loop commits a
+    checkpoint at its first report after Ray's notice, before the deadline, and waits; the
+    group goes on with 2 workers from it. Steps lost: at most report.every. The preemption
+    budget is charged (the infrastructure budget is 0)."""
+    three_worker_nodes(cluster)
+    dataset, logs = str(tmp_path / "table"), tmp_path / "logs"
+    write_dataset(dataset)
+    logs.mkdir()
+    raw = elastic_raw(
+        run_storage,
+        "multinode-notice",
+        cluster,
+        logs,
+        dataset,
+        checkpoint={"every": 25},
+        report={"every": 2},
+        retries={"infrastructure": 0},
+    )
+    spec = build_spec(raw)
+    run_dir = run_dir_of(spec)
+    thread, box = run_flow_in_thread(spec)
+    nodes = wait_until(lambda: len(worker_nodes(cluster)) == 3 and worker_nodes(cluster))
+    wait_until(lambda: sum(len(p.read_text().splitlines()) for p in logs.glob("*")) >= 9)
+    answer = cluster.command("drain", nodes[-1], "12")
+    assert answer["accepted"], answer
+    time.sleep(11)
+    cluster.command("kill", nodes[-1])
+    thread.join(timeout=600)
+    state = box["state"]
+    assert state.is_completed(), state
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 1
+    (attempt,) = run_dir.read_attempts()
+    preempted, *_ = attempt["restarts"]
+    assert preempted["reason"] == "preemption", preempted
+    assert preempted["world_size_before"] == 3 and preempted["world_size_after"] == 2
+    step = preempted["just_in_time_step"]
+    assert step % 25 and preempted["resumed_from_step"] == step  # off the cadence: the notice's
+    assert preempted["seconds_to_deadline"] > 0  # committed before the deadline
+    assert preempted["last_step"] - step <= spec.report.every
+    kept = kept_batches(groups_trained(logs), attempt["restarts"])
+    assert_every_sample_once_an_epoch(kept, spec)
+    record_matrix_row("elastic node drained (notice) then reclaimed", run_dir, storage="s3 (moto)")

@@ -57,7 +57,7 @@ def test_classify_worker_group_failures():
     assert isinstance(plain, TrainingCodeError) and plain.error_type == "ZeroDivisionError"
 
 
-def test_a_preempted_rank_makes_the_attempt_an_infrastructure_failure():
+def test_a_preempted_rank_makes_the_attempt_a_preemption():
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
     reclaimed = ray.exceptions.RayActorError(preempted=True)
@@ -65,9 +65,10 @@ def test_a_preempted_rank_makes_the_attempt_an_infrastructure_failure():
     collateral = RuntimeError("Connection reset by peer")  # the surviving rank's collective
     error = classify(WorkerGroupError("x", {0: collateral, 1: health}))
     assert isinstance(error, InfrastructureError) and "preempted" in str(error)
-    assert "[1]" in str(error) and error.budget == "infrastructure"
+    assert "[1]" in str(error) and error.budget == "preemption"
     not_preempted = classify(WorkerGroupError("x", {1: ray.exceptions.RayActorError()}))
     assert "preempted" not in str(not_preempted)
+    assert not_preempted.budget == "infrastructure"
 
 
 def test_classify_controller_death_as_incompatible_run():
@@ -144,6 +145,61 @@ def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_fi
     live.apply(restarting)
     live.apply({**lost, "group": 1, "last_step": 30})
     assert live.restarts[0]["last_step"] == 22 and live.step == 30
+
+
+def test_every_restart_of_a_group_records_its_world_sizes_and_why():
+    from trainer_core.engine import LiveState
+
+    live = LiveState()
+    events = [
+        {"kind": "fresh_start", "time": 1.0, "group": 0, "world_size": 3},
+        {"kind": "metrics", "rows": [{"step": 12, "loss": 1.0}]},
+        {"kind": "preemption_notice", "step": 12, "ranks": [2], "seconds_left": 7.5},
+        {
+            "kind": "restarting",
+            "time": 5.0,
+            "restart": 1,
+            "limit": None,
+            "error_budget": "preemption",
+            "error_class": "PreemptedError",
+            "error_message": "preempted: node reclaimed",
+        },
+        {"kind": "resumed", "time": 9.0, "step": 12, "group": 1, "world_size": 2},
+        {"kind": "metrics", "rows": [{"step": 31, "loss": 1.0}]},
+        {"kind": "resizing", "time": 20.0, "world_size": 2, "to": 3},
+        {"kind": "resumed", "time": 26.0, "step": 30, "group": 2, "world_size": 3},
+    ]
+    for event in events:
+        live.apply(event)
+    preempted, grown = live.restarts
+    assert preempted["reason"] == "preemption" and preempted["error_budget"] == "preemption"
+    assert (preempted["world_size_before"], preempted["world_size_after"]) == (3, 2)
+    assert (preempted["last_step"], preempted["resumed_from_step"]) == (12, 12)
+    assert preempted["just_in_time_step"] == 12 and preempted["seconds_to_deadline"] == 7.5
+    assert "just_in_time_step" not in grown_record(live)
+    assert grown["reason"] == "capacity" and grown["restart"] == 2
+    assert (grown["world_size_before"], grown["world_size_after"]) == (2, 3)
+    assert (grown["last_step"], grown["resumed_from_step"], grown["resumed_at"]) == (31, 30, 26.0)
+    assert live.world_size == 3
+
+
+def grown_record(live):
+    return live.restarts[1]
+
+
+def test_restart_limits_follow_the_spec(tmp_path):
+    from tests.conftest import tiny_raw
+    from trainer_core.engine import restart_limits
+    from trainer_core.spec import build_spec
+
+    fixed = build_spec(tiny_raw(tmp_path, "r"), ["retries.in_place=1"])
+    assert restart_limits(fixed) == {"infrastructure": 1, "preemption": None}
+    elastic = build_spec(
+        tiny_raw(tmp_path, "r"), ["scaling.num_workers=[1, 3]", "retries.preemption=4"]
+    )
+    limits = restart_limits(elastic)
+    infrastructure = elastic.retries.infrastructure  # tiny_raw sets its own
+    assert limits == {"infrastructure": infrastructure, "preemption": 4, "startup": infrastructure}
 
 
 def test_early_stopping_counts_epochs_without_improvement_and_survives_json():

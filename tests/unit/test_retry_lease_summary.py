@@ -50,6 +50,19 @@ def test_same_error_same_step_twice_stops_even_with_budget_left():
     assert decide_retry(failed(2, "code", step=16), history, generous).retry
 
 
+def test_preemptions_draw_on_their_own_budget_unlimited_by_default():
+    history = [failed(1, "infrastructure"), failed(2, "infrastructure", step=9)]
+    preempted = failed(3, "preemption", cls="PreemptedError")
+    assert decide_retry(preempted, history, BUDGETS).retry  # infrastructure's is spent
+    one = RetriesSection(infrastructure=2, code=1, preemption=1)
+    assert decide_retry(failed(1, "preemption"), [], one).retry
+    restarted = {"reason": "preemption", "error_budget": "preemption"}
+    in_place = failed(1, "preemption", restarts=[restarted])  # one spent in place already
+    decision = decide_retry(in_place, [], one)
+    assert not decision.retry and "preemption retry budget spent" in decision.reason
+    assert not decide_retry(failed(1, "preemption"), [], RetriesSection(preemption=0)).retry
+
+
 def test_retry_delays_back_off():
     assert RetriesSection(infrastructure=2, code=1, delay_s=5, backoff=2).delays() == [5, 10, 20]
     assert RetriesSection(infrastructure=0, code=0).delays() == []
@@ -128,6 +141,29 @@ def test_in_place_restarts_are_summarized_under_their_attempt():
     (summarized,) = summary.restarts
     assert summarized.steps_lost == 3 and summarized.recovery_s == 12.5
     assert summarized.error_class == "InfrastructureError"
+
+
+def test_resizes_say_their_world_sizes_and_reason():
+    shrink = {
+        "restart": 1,
+        "reason": "infrastructure",
+        "failed_at": 100.0,
+        "last_step": 23,
+        "world_size_before": 3,
+        "error_class": "InfrastructureError",
+        "error_message": "node lost",
+        "resumed_from_step": 20,
+        "resumed_at": 104.0,
+        "world_size_after": 2,
+    }
+    grow = {"restart": 2, "reason": "capacity", "failed_at": 150.0, "last_step": 61}
+    grow |= {"world_size_before": 2, "resumed_from_step": 60, "resumed_at": 160.0}
+    grow["world_size_after"] = 3
+    records = [{"attempt": 1, "status": "completed", "last_step": 80, "restarts": [shrink, grow]}]
+    (summary,) = attempt_summaries(records)
+    first, second = summary.restarts
+    assert (first.world_size_before, first.world_size_after, first.steps_lost) == (3, 2, 3)
+    assert (second.reason, second.world_size_after, second.recovery_s) == ("capacity", 3, 10.0)
 
 
 def test_epoch_table_and_markdown(tmp_path):

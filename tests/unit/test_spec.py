@@ -204,3 +204,21 @@ def test_a_global_batch_smaller_than_the_workers_is_refused(tmp_path):
     with pytest.raises(SpecError, match=r"data.batch_size=3 is the global batch") as error:
         build_spec(tiny_raw(tmp_path, "b"), ["data.batch_size=3", "scaling.num_workers=4"])
     assert error.value.field == "data.batch_size" and "at least 4" in str(error.value)
+
+
+def test_an_elastic_worker_count_is_a_range(tmp_path):
+    spec = build_spec(tiny_raw(tmp_path, "e"), ["scaling.num_workers=[1, 3]"])
+    assert spec.scaling.elastic and (spec.scaling.min_workers, spec.scaling.max_workers) == (1, 3)
+    assert spec.model_dump(mode="json")["scaling"]["num_workers"] == [1, 3]
+    fixed = build_spec(tiny_raw(tmp_path, "e"))
+    assert not fixed.scaling.elastic and fixed.scaling.min_workers == fixed.scaling.max_workers
+    assert spec.fingerprint() == fixed.fingerprint()  # resizes resume the same run
+    with pytest.raises(SpecError, match=r"MIN above MAX: give \[1, 3\]") as error:
+        build_spec(tiny_raw(tmp_path, "e"), ["scaling.num_workers=[3, 1]"])
+    assert error.value.field == "scaling.num_workers"
+    sharded = tiny_raw(tmp_path, "e", checkpoint={"sharded": True})
+    with pytest.raises(SpecError, match=r"checkpoint\.sharded writes one file per rank") as error:
+        build_spec(sharded, ["scaling.num_workers=[1,2]"])
+    assert error.value.field == "checkpoint.sharded"
+    with pytest.raises(SpecError, match="at least 3"):  # every worker of MAX needs a sample
+        build_spec(tiny_raw(tmp_path, "e"), ["scaling.num_workers=[1, 3]", "data.batch_size=2"])
