@@ -29,7 +29,7 @@ def local_ray(num_cpus: int = RAY_NUM_CPUS) -> Iterator[dict[str, Any]]:
     probe directory in the environment (workers inherit both). Yields what it set up."""
     import ray
 
-    from trainer_core.engine import apply_ray_env_defaults
+    from trainer_core.execution.cluster import apply_ray_env_defaults
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     apply_ray_env_defaults()  # the same poll interval for every variant, relaytrain's or not

@@ -61,17 +61,12 @@ def with_fault(spec: RunSpec, kind: str, at_step: int, rank: int = 0, attempt: i
 
 @pytest.fixture(scope="session")
 def relaytrain_ray() -> Iterator[Any]:
-    """A real local Ray cluster shared by the session (4 logical CPUs: 2 workers and room)."""
-    import ray
+    """A real local Ray cluster shared by the session (4 logical CPUs: 2 workers and room); the
+    value is the ``ray`` module."""
+    from trainer_core.execution.cluster import local_cluster
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    started = not ray.is_initialized()
-    if started:
-        # address="local": always a new cluster, never one `ray start` left on this machine.
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
+    with local_cluster(num_cpus=4) as ray:
+        yield ray
 
 
 @pytest.fixture(scope="session")

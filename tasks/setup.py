@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks import credentials
 from trainer_core import engine, jobs, lease
+from trainer_core.execution import cluster
 from trainer_core.spec import RunSpec
 from trainer_core.summary import TrainingResult, read_stored_result
 
@@ -54,7 +55,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     if address:  # the job checks the remote cluster's capacity; here, that it answers
         jobs.client(address)
     else:
-        engine.check_capacity(spec)
+        cluster.check_capacity(spec)
     lease.acquire(run_dir.location, owner=lease_owner)
     stored = read_stored_result(run_dir)
     if is_finished(spec, stored):

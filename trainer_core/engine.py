@@ -1,7 +1,8 @@
-"""The Ray seam: start or connect to Ray, run one attempt of a run with TorchTrainer, classify.
+"""One attempt of a run: preflight on the driver, the plan, the attempt's record, and the
+outcome. Ray is reached through ``trainer_core.execution`` only.
 
 ``run_attempt(spec)`` is one attempt: preflight checks on the driver (fail fast, no workers),
-``TorchTrainer.fit()`` with ``RunConfig(storage_path, name=<run name>)`` so every attempt
+Ray Train's ``fit()`` with ``RunConfig(storage_path, name=<run name>)`` so every attempt
 addresses the same run directory, metrics relayed to ``on_event`` while fit() runs, the attempt
 recorded in ``attempts.jsonl``, and any failure raised as a classified ``RelaytrainError``.
 A second call on the same run resumes from the newest committed checkpoint.
@@ -9,101 +10,27 @@ A second call on the same run resumes from the newest committed checkpoint.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import os
 import platform
-import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow
-import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from trainer_core import __version__, lazyfs, storage, stream, workloads
+from trainer_core import __version__, storage, stream, workloads
 from trainer_core import data as data_mod
 from trainer_core.checkpoints import RunDirectory, open_checkpoint
-from trainer_core.classify import classify
-from trainer_core.errors import (
-    ClusterCapacityError,
-    IncompatibleRunError,
-    InfrastructureError,
-    PreemptedError,
-    SpecError,
-)
+from trainer_core.errors import IncompatibleRunError, SpecError
+from trainer_core.execution import classify, cluster, trainer
+from trainer_core.execution.trainer import EventHandler
 from trainer_core.loop import builtin_train_loop
 from trainer_core.spec import RunSpec
 from trainer_core.user_loop import user_train_loop
-from trainer_core.worker import WorkerConfig
 
 logger = logging.getLogger("relaytrain.engine")
-
-#: Ray Train's controller polls workers this often; a report blocks up to one interval when the
-#: previous one was not yet consumed (relaytrain reports asynchronously, at checkpoints only), and
-#: worker deaths are noticed within about one interval. Ray propagates the driver's value to the
-#: controller and workers; a value set in the environment wins.
-RAY_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
-
-EventHandler = Callable[[dict[str, Any]], None]
-
-
-# -- Ray lifecycle --------------------------------------------------------------------------------
-
-
-def apply_ray_env_defaults() -> None:
-    """Set relaytrain's Ray Train settings in this (driver) process unless the user set them."""
-    for key, value in RAY_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-
-
-@contextlib.contextmanager
-def ray_cluster(num_cpus: int | None = None) -> Iterator[bool]:
-    """Use the running Ray, or connect to ``RAY_ADDRESS``, or start a local cluster.
-
-    Yields whether this call started (or connected) Ray; only then is it shut down afterwards.
-    Whoever starts Ray stops it: a cluster someone else connected to is left alone.
-    """
-    if ray.is_initialized():
-        yield False
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    kwargs: dict[str, Any] = {"log_to_driver": False}
-    if address:
-        ray.init(address=address, **kwargs)
-    else:
-        # "local": a new cluster of our own, not whatever `ray start` left on this machine.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
-    try:
-        yield True
-    finally:
-        ray.shutdown()
-
-
-def check_capacity(spec: RunSpec) -> None:
-    """Refuse a worker group the cluster can never hold (Ray would wait forever): the fixed
-    count, or an elastic run's MIN."""
-    per_worker = dict(spec.scaling.resources_per_worker or {})
-    per_worker.setdefault("GPU" if spec.scaling.use_gpu else "CPU", 1.0)
-    total = ray.cluster_resources()
-    workers = spec.scaling.min_workers
-    asked = spec.scaling.num_workers
-    shown = f"{list(asked)} (at least {workers})" if isinstance(asked, tuple) else f"{asked}"
-    for resource, amount in per_worker.items():
-        needed = amount * workers
-        available = total.get(resource, 0.0)
-        if needed > available:
-            raise ClusterCapacityError(
-                f"scaling.num_workers={shown} workers need {needed:g} {resource} in all, but "
-                f"the Ray cluster has {available:g}: lower scaling.num_workers or "
-                "scaling.resources_per_worker, or add nodes",
-                field="scaling.num_workers",
-            )
 
 
 # -- preflight ------------------------------------------------------------------------------------
@@ -125,7 +52,7 @@ class Plan:
 def versions() -> dict[str, str]:
     return {
         "relaytrain": __version__,
-        "ray": ray.__version__,
+        "ray": cluster.ray_version(),
         "torch": torch.__version__,
         "pyarrow": pyarrow.__version__,
         "python": platform.python_version(),
@@ -194,10 +121,10 @@ def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDi
     record = run_dir.read_run_record()
     if record is not None:
         stored_ray = record.get("versions", {}).get("ray")
-        if stored_ray and stored_ray != ray.__version__:
+        if stored_ray and stored_ray != cluster.ray_version():
             raise IncompatibleRunError(
                 f"run {run_dir.uri} was written by Ray {stored_ray}; this is Ray "
-                f"{ray.__version__}, which cannot read its run snapshot. Resume it with Ray "
+                f"{cluster.ray_version()}, which cannot read its run snapshot. Resume it with Ray "
                 f"{stored_ray}, or start a new run.name.",
                 field="run.name",
             )
@@ -361,9 +288,9 @@ def run_attempt(
     started = time.time()
     validate_workload(spec)
     plan, run_dir = plan_attempt(spec, attempt)
-    with ray_cluster() as _:
-        check_capacity(spec)
-        reclaimed_before = preempted_nodes()
+    with cluster.ray_cluster():
+        cluster.check_capacity(spec)
+        reclaimed_before = cluster.preempted_nodes()
         if run_dir.read_run_record() is None:
             run_dir.write_run_record(
                 spec.model_dump(mode="json"), spec.identity(), spec.fingerprint(), versions()
@@ -391,9 +318,10 @@ def run_attempt(
                 on_event(event)
 
         try:
-            _fit(spec, plan, handle, poll_interval_s)
+            loop = builtin_train_loop if spec.train_loop is None else user_train_loop
+            trainer.fit(spec, plan, loop, handle, poll_interval_s)
         except BaseException as error:
-            classified = _name_preemption(classify(error), reclaimed_before)
+            classified = classify.name_preemption(classify.classify(error), reclaimed_before)
             run_dir.record_attempt(
                 {
                     **record,
@@ -438,70 +366,6 @@ def run_attempt(
         return result
 
 
-def alive_nodes() -> set[str]:
-    """Ids of the cluster's live nodes."""
-    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
-
-
-def preempted_nodes() -> set[str]:
-    """Ids of the dead nodes Ray records as reclaimed after a drain for preemption."""
-    from ray.core.generated.common_pb2 import NodeDeathInfo  # type: ignore[attr-defined]
-
-    return {
-        node["NodeID"]
-        for node in ray.nodes()
-        if not node.get("Alive")
-        and node.get("DeathReason") == NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED
-    }
-
-
-def draining_nodes() -> set[str]:
-    """Ids of the nodes the GCS was told to drain whose drain deadline has come.
-
-    Idle drains (no deadline) and notices that have not yet come due are left out: their
-    nodes are not the reason an attempt fails now.
-    """
-    from ray._private.state import state
-
-    due_ms = time.time() * 1000 + 1000
-    return {
-        node_id
-        for node_id, deadline_ms in state.get_draining_nodes().items()
-        if 0 < deadline_ms <= due_ms
-    }
-
-
-def _name_preemption(
-    error: BaseException, reclaimed_before: set[str], settle_s: float = 30.0
-) -> BaseException:
-    """An infrastructure failure during which a node was reclaimed for preemption says so.
-
-    The surviving ranks often fail first (a collective loses its peer), before Ray Train sees
-    the preempted rank, and before the GCS has declared the reclaimed node dead: that takes its
-    health checks (about 15 s at Ray's defaults). Ray's node table tells once it has. So if a
-    node's drain deadline had come when the attempt failed, wait (at most ``settle_s``) until
-    each such node is declared dead or back in service, then read the death reasons. Without
-    one nothing is waited for.
-    """
-    if not isinstance(error, InfrastructureError) or isinstance(error, PreemptedError):
-        return error
-    pending = draining_nodes()
-    deadline = time.monotonic() + settle_s
-    while pending and time.monotonic() < deadline:
-        pending = pending & alive_nodes() & draining_nodes()
-        if pending:
-            time.sleep(0.5)
-    reclaimed = preempted_nodes() - reclaimed_before
-    if not reclaimed:
-        return error
-    named = PreemptedError(
-        f"preempted: node(s) {sorted(reclaimed)} were reclaimed during the attempt ({error})",
-        step=getattr(error, "step", None),
-    )
-    named.__cause__ = error
-    return named
-
-
 def _close_abandoned(run_dir: RunDirectory, attempt: int) -> None:
     """Mark earlier attempts still "running" as failed: they ended without a word.
 
@@ -528,260 +392,3 @@ def _clean_orphans(run_dir: RunDirectory) -> None:
     if uncommitted:
         logger.info("removing uncommitted checkpoint directories: %s", uncommitted)
         run_dir.delete_checkpoints(uncommitted)
-
-
-def _abortable_trainer_class() -> type:
-    """TorchTrainer that keeps its controller's handle, so an interrupted driver can stop it,
-    and starts none of Ray's helper actors that relaytrain has no use for.
-
-    Ray 2.60 keeps the handle local to ``_initialize_and_run_controller``; this mirrors that
-    method (Ray is pinned exactly) minus the SIGINT handler, which cannot be installed off the
-    main thread anyway. Each helper actor is a process start (about 2 s of CPU on 2 cores,
-    contending with the workers' own start), paid again by every attempt and in-place restart.
-    What the controller unpickles comes from ``trainer_core.controller``, which imports no torch.
-    """
-    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
-    from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2._internal.constants import (
-        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-        get_env_vars_to_propagate,
-    )
-
-    from trainer_core.controller import (
-        CredentialedController,
-        CurrentCapacityPolicy,
-        InPlacePolicy,
-    )
-
-    class AbortableTorchTrainer(TorchTrainer):
-        controller: Any = None
-        #: The storage credentials as a Ray object, nested so Ray passes it by reference.
-        storage_credentials: list[Any] = []
-        #: In-place restarts allowed per budget (``restart_limits``), and the relay that hears
-        #: of each.
-        restart_limits: dict[str, int | None] = {}
-        relay: Any = None
-        #: Whether Ray's preemption watcher runs (``watches_preemption``).
-        watch_preemption: bool = False
-
-        def _create_default_callbacks(self) -> list[Any]:
-            # Ray's datasets callback starts a DatasetManager actor for every worker group,
-            # datasets or not; relaytrain's loops read their own data and pass none.
-            callbacks = super()._create_default_callbacks()  # type: ignore[misc]  # V2 method
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
-
-        def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
-            env_vars = get_env_vars_to_propagate()
-            env_vars.setdefault(
-                RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
-                DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-            )
-            env_vars[PREEMPTION_WATCHER_ENV] = "1" if self.watch_preemption else "0"
-            controller_class = ray.remote(
-                num_cpus=0,
-                label_selector={
-                    ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()  # type: ignore[attr-defined]
-                },
-                runtime_env={"env_vars": env_vars},
-            )(CredentialedController)
-            controller_init_kwargs["scaling_policy"] = CurrentCapacityPolicy.replacing(
-                controller_init_kwargs["scaling_policy"]
-            )
-            controller_init_kwargs["failure_policy"] = InPlacePolicy(
-                controller_init_kwargs["failure_policy"].failure_config,
-                self.restart_limits,
-                self.relay,
-            )
-            self.controller = controller_class.remote(
-                storage_credentials=self.storage_credentials,
-                relay=self.relay,
-                **controller_init_kwargs,
-            )
-            ray.get(self.controller.run.remote())
-            return ray.get(self.controller.get_result.remote())
-
-        def abort(self, timeout_s: float = 15.0) -> None:
-            """Stop the worker group (controller.abort), then the controller itself."""
-            if self.controller is None:
-                return
-            with contextlib.suppress(Exception):
-                ray.get(self.controller.abort.remote(), timeout=timeout_s)
-            with contextlib.suppress(Exception):
-                ray.kill(self.controller)
-
-    return AbortableTorchTrainer
-
-
-def restart_limits(spec: RunSpec) -> dict[str, int | None]:
-    """In-place restarts of the worker group allowed per budget, within one attempt.
-
-    A preemption always restarts in place (``retries.preemption``, None: no limit). An elastic
-    run also goes on after a lost node or worker on what the cluster still holds, up to
-    ``retries.infrastructure`` times, and sizes a group again when one could not start; a fixed
-    one restarts in place only ``retries.in_place`` times, then ends the attempt.
-    """
-    if spec.scaling.elastic:
-        infrastructure = spec.retries.infrastructure
-        return {
-            "infrastructure": infrastructure,
-            "preemption": spec.retries.preemption,
-            "startup": infrastructure,
-        }
-    return {"infrastructure": spec.retries.in_place, "preemption": spec.retries.preemption}
-
-
-#: Ray Train's switch for its preemption watcher (an actor started with every worker group).
-PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-
-
-def watches_preemption() -> bool:
-    """Whether Ray Train watches the worker group's nodes for drains: as the user set it, else
-    on a cluster of several nodes (a drain among the nodes of a one-node cluster ends it)."""
-    value = os.environ.get(PREEMPTION_WATCHER_ENV)
-    if value is not None:
-        return value.strip().lower() in ("1", "true", "yes")
-    return not _single_node()
-
-
-def _single_node() -> bool:
-    """Whether the Ray cluster is one node (a local cluster, or a head alone)."""
-    return len(alive_nodes()) == 1
-
-
-def _with_credentials(train_loop: Callable[[Any], None], credentials: list[Any]) -> Any:
-    """``train_loop`` that first sets the storage credentials in the worker's environment."""
-    from trainer_core.controller import apply_credentials
-
-    def train_loop_with_credentials(config: Any) -> None:
-        apply_credentials(credentials)
-        train_loop(config)
-
-    return train_loop_with_credentials
-
-
-def _trainer(spec: RunSpec, plan: Plan, relay: Any) -> Any:
-    # Train V2's config classes (what ray.train exports at run time; type checkers see V1's).
-    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-
-    from trainer_core.controller import ProcessGroupConfig
-
-    apply_ray_env_defaults()
-    root = storage.resolve(plan.storage_uri)
-    worker_config = WorkerConfig(
-        spec=spec.model_dump(mode="json"),
-        storage_uri=plan.storage_uri,
-        run_name=plan.run_name,
-        attempt=plan.attempt,
-        candidates=plan.candidates,
-        relay=relay,
-        watch_preemption=watches_preemption(),
-    )
-    user_loop = spec.train_loop is not None
-    # A running Ray cluster does not see this process's environment, so the controller and
-    # workers get the storage credentials (environment or run.credentials' block) explicitly:
-    # as a Ray object in memory, not a runtime_env, because Ray's runtime env agent logs every
-    # runtime env it creates, values included (logs/runtime_env_agent.log), and Ray Train keeps
-    # the worker runtime env in its run state (dashboard, export events).
-    credentials = [ray.put(storage.credential_env())]
-    loop = user_train_loop if user_loop else builtin_train_loop
-    trainer = _abortable_trainer_class()(
-        datasets=_ray_datasets(spec, credentials),
-        train_loop_per_worker=_with_credentials(loop, credentials),
-        train_loop_config=worker_config.to_dict(),
-        # Ray's TorchConfig, minus its module's torch import in the controller.
-        torch_config=ProcessGroupConfig(backend="nccl" if spec.scaling.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(
-            num_workers=spec.scaling.num_workers,
-            elastic_resize_monitor_interval_s=spec.scaling.resize_interval_s,
-            use_gpu=spec.scaling.use_gpu,
-            resources_per_worker=spec.scaling.resources_per_worker,
-            placement_strategy=spec.scaling.placement_strategy,
-        ),
-        run_config=RunConfig(
-            name=plan.run_name,
-            storage_path=root.path,
-            # Built where it is used, after the credentials are set there (lazyfs).
-            storage_filesystem=lazyfs.for_ray(plan.storage_uri, root.filesystem),
-            # relaytrain's InPlacePolicy decides (restart_limits); a failure it does not
-            # restart in place ends the attempt, and Prefect's retry resumes it.
-            failure_config=FailureConfig(max_failures=0, max_preemption_failures=0),
-            # relaytrain applies retention itself (keep last + best, never the resume point);
-            # a user's own loop relies on Ray's checkpoint manager.
-            checkpoint_config=CheckpointConfig(
-                num_to_keep=spec.checkpoint.keep_last if user_loop else None
-            ),
-        ),
-    )
-    trainer.storage_credentials = credentials
-    trainer.restart_limits = restart_limits(spec)
-    trainer.watch_preemption = worker_config.watch_preemption
-    trainer.relay = relay
-    return trainer
-
-
-def _ray_datasets(spec: RunSpec, credentials: list[Any]) -> dict[str, Any]:
-    """``spec.datasets`` as Ray Train's ``datasets``: each read by Ray Data when the worker
-    group starts (in the controller, which has the credentials), its files through a
-    filesystem that sets them in every read task first."""
-    from trainer_core.controller import apply_credentials
-
-    found = {}
-    for name, uri in spec.datasets.items():
-        location = storage.resolve(uri)
-        filesystem = lazyfs.for_tasks(
-            uri, location.filesystem, functools.partial(apply_credentials, credentials)
-        )
-        found[name] = functools.partial(_read_parquet, location.path, filesystem)
-    return found
-
-
-def _read_parquet(path: str, filesystem: Any) -> Any:
-    import ray.data
-
-    return ray.data.read_parquet(path, filesystem=filesystem)
-
-
-def _fit(spec: RunSpec, plan: Plan, handle: EventHandler, poll_interval_s: float) -> None:
-    """Run fit() in a thread and relay events here; an interrupt stops the worker group.
-
-    Cancellation (Prefect's TerminationSignal, KeyboardInterrupt) arrives in this thread as a
-    BaseException: the ``finally`` aborts Ray Train's controller, which stops every worker.
-    """
-    from trainer_core.controller import MetricsRelay
-
-    # The relay is the driver's mailbox: it lives on the driver's node, never on a worker node
-    # that may be the one being lost (a retry right after a node death could land there).
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    relay = MetricsRelay.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
-    trainer = _trainer(spec, plan, relay)
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as e:  # re-raised in the caller's thread
-            outcome["error"] = e
-
-    thread = threading.Thread(target=target, name=f"relaytrain-fit-{plan.run_name}", daemon=True)
-    thread.start()
-    finished = False
-    try:
-        while thread.is_alive():
-            thread.join(poll_interval_s)
-            for event in ray.get(relay.drain.remote()):
-                handle(event)
-        for event in ray.get(relay.drain.remote()):
-            handle(event)
-        finished = True
-    finally:
-        if not finished:
-            logger.warning("interrupted: stopping the Ray Train worker group of %s", plan.run_name)
-            trainer.abort()
-            thread.join(30)
-        with contextlib.suppress(Exception):
-            ray.kill(relay)
-    if "error" in outcome:
-        raise outcome["error"]

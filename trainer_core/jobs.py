@@ -34,6 +34,7 @@ from typing import Any
 
 from trainer_core import engine, errors
 from trainer_core.errors import InfrastructureError, RelaytrainError, SpecError
+from trainer_core.execution import cluster
 from trainer_core.spec import RunSpec
 
 logger = logging.getLogger("relaytrain.jobs")
@@ -55,15 +56,13 @@ def job_address(spec: RunSpec) -> str | None:
 
 def driver_cluster(spec: RunSpec) -> contextlib.AbstractContextManager[Any]:
     """The Ray this process needs: none when attempts run as jobs, else local or RAY_ADDRESS."""
-    return contextlib.nullcontext() if job_address(spec) else engine.ray_cluster()
+    return contextlib.nullcontext() if job_address(spec) else cluster.ray_cluster()
 
 
 def client(address: str) -> Any:
     """A JobSubmissionClient for ``address``; SpecError naming the knob when unreachable."""
-    from ray.job_submission import JobSubmissionClient
-
     try:
-        return JobSubmissionClient(address)
+        return cluster.job_submission_client(address)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise SpecError(
             f"the Ray job server at {address!r} did not answer ({e}): fix scaling.job_address "

@@ -1,7 +1,7 @@
 """The per-worker training loop (runs inside Ray Train workers).
 
-With ``engine`` this is the only module that touches Ray: Ray's torch helpers and context, and
-``ray.train.report`` inside a user's own loop. The built-in loop never reports to Ray: metrics
+It reaches Ray through ``execution.worker_api`` only (its rank, device, DDP wrapper and a drain's
+notice). The built-in loop never reports to Ray: metrics
 reach the driver through a relay actor without blocking the step, and checkpoints are
 relaytrain's own (committed with a manifest and marker). Registering them with Ray would add a
 second, lagging source of truth whose snapshot refuses to load once retention deletes a
@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import ray.train
-import ray.train.torch
 import torch
 import torch.distributed as dist
 
@@ -44,11 +42,12 @@ from trainer_core.errors import (
     RelaytrainError,
     TrainingCodeError,
 )
+from trainer_core.execution import worker_api
+from trainer_core.execution.worker_api import PreemptionNotice
 from trainer_core.spec import RunSpec
 from trainer_core.staging import Background, Stager
 from trainer_core.worker import (
     Faults,
-    PreemptionNotice,
     Relay,
     WorkerConfig,
     all_ok,
@@ -56,7 +55,6 @@ from trainer_core.worker import (
     collective_device,
     is_peer_failure,
     peak_rss_mb,
-    preemption_notice,
 )
 
 logger = logging.getLogger("relaytrain.worker")
@@ -113,11 +111,9 @@ class BuiltinLoop:
     """One worker's side of a run of the built-in loop."""
 
     def __init__(self, config: WorkerConfig):
-        context = ray.train.get_context()
-        self.rank = context.get_world_rank()
-        self.world_size = context.get_world_size()
+        self.rank, self.world_size = worker_api.rank_and_world_size()
         #: Where the model, every batch and the validation data live (a GPU with use_gpu).
-        self.device = ray.train.torch.get_device()
+        self.device = worker_api.device()
         self.config = config
         self.spec = RunSpec.model_validate(config.spec)
         assert self.spec.model and self.spec.data and self.spec.schedule
@@ -278,7 +274,7 @@ class BuiltinLoop:
         # On the device before restoring: the optimizer casts loaded state to its parameters'.
         self.model.to(self.device)
         self.restore()
-        ddp_model = ray.train.torch.prepare_model(self.model)
+        ddp_model = worker_api.prepare_model(self.model)
         schedule = self.spec.schedule
         assert schedule is not None
         cursor = self.progress.cursor
@@ -378,7 +374,7 @@ class BuiltinLoop:
         """A drain's notice not yet answered in this group (every rank asks at every report)."""
         if not self.config.watch_preemption:
             return None
-        notice = preemption_notice()
+        notice = worker_api.preemption_notice()
         if notice is None or self.notice is not None:
             return None
         self.notice = notice

@@ -8,8 +8,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import ray.train
-
 from trainer_core import storage, workloads
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import (
@@ -17,6 +15,7 @@ from trainer_core.errors import (
     RelaytrainError,
     TrainingCodeError,
 )
+from trainer_core.execution import worker_api
 from trainer_core.spec import RunSpec
 from trainer_core.worker import Faults, Relay, WorkerConfig, peak_rss_mb
 
@@ -28,8 +27,7 @@ class ReportHook:
     """
 
     def __init__(self, config: WorkerConfig, original: Callable[..., Any]):
-        context = ray.train.get_context()
-        self.rank = context.get_world_rank()
+        self.rank, _ = worker_api.rank_and_world_size()
         self.original = original
         self.config = config
         self.spec = RunSpec.model_validate(config.spec)
@@ -77,16 +75,14 @@ def user_train_loop(config: dict[str, Any]) -> None:
     worker_config = WorkerConfig.from_dict(config)
     spec = RunSpec.model_validate(worker_config.spec)
     assert spec.train_loop is not None
-    hook = ReportHook(worker_config, ray.train.report)
-    ray.train.report = hook  # the loop is imported below, so `from ray.train import report` works
-    try:
+    with worker_api.reports_through(lambda report: ReportHook(worker_config, report)) as hook:
         fn = workloads.resolve_train_loop(spec.train_loop)
-        resumed = ray.train.get_checkpoint()
+        resumed = worker_api.latest_checkpoint_path()
         hook.relay.send(
             "resumed" if resumed else "fresh_start",
-            checkpoint_uri=resumed.path if resumed else None,
+            checkpoint_uri=resumed,
             skipped=[],
-            world_size=ray.train.get_context().get_world_size(),
+            world_size=worker_api.rank_and_world_size()[1],
         )
         try:
             if _takes_config(fn):
@@ -110,8 +106,6 @@ def user_train_loop(config: dict[str, Any]) -> None:
         hook.flush()
         hook.relay.send("memory", peak_worker_rss_mb=round(peak_rss_mb(), 1))
         hook.relay.send("finished", step=hook.calls, metrics={})
-    finally:
-        ray.train.report = hook.original
 
 
 def _takes_config(fn: Callable[..., Any]) -> bool:

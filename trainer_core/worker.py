@@ -12,12 +12,11 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
-import ray
-import ray.train
 import torch
 import torch.distributed as dist
 
 from trainer_core.errors import InjectedFault
+from trainer_core.execution import worker_api
 from trainer_core.spec import FaultSection
 
 logger = logging.getLogger("relaytrain.worker")
@@ -101,7 +100,7 @@ class Relay:
         in-place restart (rank 0 asks; other ranks get 0 and learn it by broadcast)."""
         if self.handle is None:
             return 0
-        return int(ray.get(self.handle.begin_group.remote()))
+        return int(worker_api.ask(self.handle.begin_group))
 
     def outlived_rank_0(self, last_step: int, group: int) -> None:
         """A rank other than 0 lost a peer: tell the driver the last step it completed, which
@@ -128,25 +127,6 @@ class Relay:
             self.handle.push.remote({"kind": "metrics", "time": now, "rows": self.rows})
             self.rows = []
         self.last_push = now
-
-
-@dataclass(frozen=True)
-class PreemptionNotice:
-    """Ray Train's word that a node of this worker group drains for preemption."""
-
-    #: When the node goes (Unix seconds), or None when its drain gave no deadline.
-    deadline: float | None
-    ranks: list[int]
-
-
-def preemption_notice() -> PreemptionNotice | None:
-    """The notice of a drain of one of the group's nodes, or None. A barrier of Ray Train's:
-    every rank asks, the same number of times, and gets rank 0's answer."""
-    info = ray.train.get_preemption_info()
-    if info is None:
-        return None
-    deadline = info.deadline_ms / 1000 if info.deadline_ms else None
-    return PreemptionNotice(deadline, list(info.preempted_ranks))
 
 
 def peak_rss_mb() -> float:

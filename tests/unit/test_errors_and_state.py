@@ -10,7 +10,6 @@ import torch
 from ray.train import ControllerError, WorkerGroupError
 
 from trainer_core import training_state, workloads
-from trainer_core.classify import classify
 from trainer_core.errors import (
     ClusterCapacityError,
     IncompatibleRunError,
@@ -18,6 +17,7 @@ from trainer_core.errors import (
     SpecError,
     TrainingCodeError,
 )
+from trainer_core.execution.classify import classify
 from trainer_core.spec import ModelSection, ScheduleSection
 
 
@@ -189,7 +189,7 @@ def grown_record(live):
 
 def test_restart_limits_follow_the_spec(tmp_path):
     from tests.conftest import tiny_raw
-    from trainer_core.engine import restart_limits
+    from trainer_core.execution.trainer import restart_limits
     from trainer_core.spec import build_spec
 
     fixed = build_spec(tiny_raw(tmp_path, "r"), ["retries.in_place=1"])

@@ -41,7 +41,7 @@ from ray.train.v2._internal.execution.failure_handling import FailureDecision, F
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.util import TrainingFramework
 
-from trainer_core.classify import classify
+from trainer_core.execution.classify import classify
 
 logger = logging.getLogger("relaytrain.engine")
 

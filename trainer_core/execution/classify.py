@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import ray
 
 from trainer_core.errors import (
@@ -13,6 +15,7 @@ from trainer_core.errors import (
     StorageError,
     TrainingCodeError,
 )
+from trainer_core.execution.cluster import alive_nodes, draining_nodes, preempted_nodes
 
 
 def _unwrap(error: BaseException) -> BaseException:
@@ -112,3 +115,34 @@ def classify(error: BaseException) -> BaseException:
     if isinstance(error, OSError):
         return InfrastructureError(f"storage or system error: {error}")
     return TrainingCodeError(f"{type(error).__name__}: {error}", error_type=type(error).__name__)
+
+
+def name_preemption(
+    error: BaseException, reclaimed_before: set[str], settle_s: float = 30.0
+) -> BaseException:
+    """An infrastructure failure during which a node was reclaimed for preemption says so.
+
+    The surviving ranks often fail first (a collective loses its peer), before Ray Train sees
+    the preempted rank, and before the GCS has declared the reclaimed node dead: that takes its
+    health checks (about 15 s at Ray's defaults). Ray's node table tells once it has. So if a
+    node's drain deadline had come when the attempt failed, wait (at most ``settle_s``) until
+    each such node is declared dead or back in service, then read the death reasons. Without
+    one nothing is waited for.
+    """
+    if not isinstance(error, InfrastructureError) or isinstance(error, PreemptedError):
+        return error
+    pending = draining_nodes()
+    deadline = time.monotonic() + settle_s
+    while pending and time.monotonic() < deadline:
+        pending = pending & alive_nodes() & draining_nodes()
+        if pending:
+            time.sleep(0.5)
+    reclaimed = preempted_nodes() - reclaimed_before
+    if not reclaimed:
+        return error
+    named = PreemptedError(
+        f"preempted: node(s) {sorted(reclaimed)} were reclaimed during the attempt ({error})",
+        step=getattr(error, "step", None),
+    )
+    named.__cause__ = error
+    return named

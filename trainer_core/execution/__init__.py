@@ -1,0 +1,13 @@
+"""The Ray seam: every Ray import of relaytrain's core lives in this package.
+
+- ``cluster``: start or connect to Ray; capacity; lost, reclaimed and draining nodes.
+- ``trainer``: the TorchTrainer of one attempt and ``fit``, which relays the workers' events.
+- ``controller``: what Ray Train's controller process runs of relaytrain's (kept free of torch):
+  the failure and scaling policies, the process-group backend, the metrics relay actor.
+- ``classify``: what fit() raised, as an error that says what the orchestrator must do.
+- ``worker_api``: what a training worker asks of Ray Train (its rank, device, the model's DDP
+  wrapper, a drain's notice, reports of a user's own loop).
+
+This package's ``__init__`` imports nothing: Ray Train's controller unpickles classes of
+``controller`` and must not import torch with them.
+"""

@@ -1,0 +1,154 @@
+"""The Ray cluster: start or connect to it, what it can hold, which nodes it has lost or is
+draining, and the Ray settings relaytrain sets."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+
+from trainer_core.errors import ClusterCapacityError
+from trainer_core.spec import RunSpec
+
+logger = logging.getLogger("relaytrain.engine")
+
+
+#: Ray Train's controller polls workers this often; a report blocks up to one interval when the
+#: previous one was not yet consumed (relaytrain reports asynchronously, at checkpoints only), and
+#: worker deaths are noticed within about one interval. Ray propagates the driver's value to the
+#: controller and workers; a value set in the environment wins.
+RAY_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+
+
+def apply_ray_env_defaults() -> None:
+    """Set relaytrain's Ray Train settings in this (driver) process unless the user set them."""
+    for key, value in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+@contextlib.contextmanager
+def ray_cluster(num_cpus: int | None = None) -> Iterator[bool]:
+    """Use the running Ray, or connect to ``RAY_ADDRESS``, or start a local cluster.
+
+    Yields whether this call started (or connected) Ray; only then is it shut down afterwards.
+    Whoever starts Ray stops it: a cluster someone else connected to is left alone.
+    """
+    if ray.is_initialized():
+        yield False
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = {"log_to_driver": False}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        # "local": a new cluster of our own, not whatever `ray start` left on this machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+    try:
+        yield True
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def local_cluster(num_cpus: int) -> Iterator[Any]:
+    """The running Ray, or a new local cluster of ``num_cpus`` (never one ``ray start`` left on
+    this machine, nor ``RAY_ADDRESS``'s), stopped afterwards; yields the ``ray`` module (tests'
+    handle on the cluster)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def check_capacity(spec: RunSpec) -> None:
+    """Refuse a worker group the cluster can never hold (Ray would wait forever): the fixed
+    count, or an elastic run's MIN."""
+    per_worker = dict(spec.scaling.resources_per_worker or {})
+    per_worker.setdefault("GPU" if spec.scaling.use_gpu else "CPU", 1.0)
+    total = ray.cluster_resources()
+    workers = spec.scaling.min_workers
+    asked = spec.scaling.num_workers
+    shown = f"{list(asked)} (at least {workers})" if isinstance(asked, tuple) else f"{asked}"
+    for resource, amount in per_worker.items():
+        needed = amount * workers
+        available = total.get(resource, 0.0)
+        if needed > available:
+            raise ClusterCapacityError(
+                f"scaling.num_workers={shown} workers need {needed:g} {resource} in all, but "
+                f"the Ray cluster has {available:g}: lower scaling.num_workers or "
+                "scaling.resources_per_worker, or add nodes",
+                field="scaling.num_workers",
+            )
+
+
+def alive_nodes() -> set[str]:
+    """Ids of the cluster's live nodes."""
+    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+
+
+def preempted_nodes() -> set[str]:
+    """Ids of the dead nodes Ray records as reclaimed after a drain for preemption."""
+    from ray.core.generated.common_pb2 import NodeDeathInfo  # type: ignore[attr-defined]
+
+    return {
+        node["NodeID"]
+        for node in ray.nodes()
+        if not node.get("Alive")
+        and node.get("DeathReason") == NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED
+    }
+
+
+def draining_nodes() -> set[str]:
+    """Ids of the nodes the GCS was told to drain whose drain deadline has come.
+
+    Idle drains (no deadline) and notices that have not yet come due are left out: their
+    nodes are not the reason an attempt fails now.
+    """
+    from ray._private.state import state
+
+    due_ms = time.time() * 1000 + 1000
+    return {
+        node_id
+        for node_id, deadline_ms in state.get_draining_nodes().items()
+        if 0 < deadline_ms <= due_ms
+    }
+
+
+#: Ray Train's switch for its preemption watcher (an actor started with every worker group).
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+def watches_preemption() -> bool:
+    """Whether Ray Train watches the worker group's nodes for drains: as the user set it, else
+    on a cluster of several nodes (a drain among the nodes of a one-node cluster ends it)."""
+    value = os.environ.get(PREEMPTION_WATCHER_ENV)
+    if value is not None:
+        return value.strip().lower() in ("1", "true", "yes")
+    return not single_node()
+
+
+def single_node() -> bool:
+    """Whether the Ray cluster is one node (a local cluster, or a head alone)."""
+    return len(alive_nodes()) == 1
+
+
+def ray_version() -> str:
+    """The Ray this process runs (a run's snapshot is readable by this version only)."""
+    return str(ray.__version__)
+
+
+def job_submission_client(address: str) -> Any:
+    """Ray's client of the job server at ``address`` (raises as Ray does when unreachable)."""
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address)

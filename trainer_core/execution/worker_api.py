@@ -1,0 +1,78 @@
+"""What a training worker asks of Ray Train: where it stands in the group, its device, the
+model's DDP wrapper, a drain's notice, and the reports and checkpoint of a user's own loop.
+
+The loops (``trainer_core.loop``, ``trainer_core.user_loop``) reach Ray through this module
+only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """This worker's rank in the group, and the group's size."""
+    context = ray.train.get_context()
+    return context.get_world_rank(), context.get_world_size()
+
+
+def device() -> torch.device:
+    """Where this worker's model and batches live (its GPU with ``use_gpu``, else the CPU)."""
+    return ray.train.torch.get_device()
+
+
+def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model on its device, wrapped for DDP when the group has more than one worker."""
+    return ray.train.torch.prepare_model(model)
+
+
+def ask(method: Any, *args: Any) -> Any:
+    """Call an actor's method (``handle.method``) and wait for its answer."""
+    return ray.get(method.remote(*args))
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """Ray Train's word that a node of this worker group drains for preemption."""
+
+    #: When the node goes (Unix seconds), or None when its drain gave no deadline.
+    deadline: float | None
+    ranks: list[int]
+
+
+def preemption_notice() -> PreemptionNotice | None:
+    """The notice of a drain of one of the group's nodes, or None. A barrier of Ray Train's:
+    every rank asks, the same number of times, and gets rank 0's answer."""
+    info = ray.train.get_preemption_info()
+    if info is None:
+        return None
+    deadline = info.deadline_ms / 1000 if info.deadline_ms else None
+    return PreemptionNotice(deadline, list(info.preempted_ranks))
+
+
+def latest_checkpoint_path() -> str | None:
+    """Where Ray Train's newest registered checkpoint of the run is (a user's own loop)."""
+    checkpoint = ray.train.get_checkpoint()
+    return None if checkpoint is None else str(checkpoint.path)
+
+
+@contextlib.contextmanager
+def reports_through(make_hook: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[Any]:
+    """``ray.train.report`` replaced, while the block runs, by ``make_hook(original)``; yields
+    the hook. A user's loop imported inside the block gets it with ``from ray.train import
+    report`` too."""
+    original = ray.train.report
+    hook = make_hook(original)
+    ray.train.report = hook
+    try:
+        yield hook
+    finally:
+        ray.train.report = original
