@@ -13,7 +13,7 @@ from prefect.states import State
 
 from tasks.naming import artifact_key
 from tasks.setup import Prepared
-from trainer_core import engine, jobs, lease, storage
+from trainer_core import attempts, engine, jobs, lease, storage
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import RelaytrainError
 from trainer_core.retry import RetryDecision, decide_retry
@@ -128,16 +128,18 @@ class ProgressRelay:
 
 def _decide(spec: RunSpec, run_dir: RunDirectory, error: RelaytrainError) -> RetryDecision:
     """Decide retry-or-stop from the attempt the engine just recorded; record the verdict."""
-    records = run_dir.read_attempts()
-    if not records or records[-1].get("status") != "failed":  # failed before it was recorded
-        failure = {
-            "error_budget": error.budget,
-            "error_class": type(error).__name__,
-            "error_message": str(error),
-        }
+    records = attempts.read(run_dir)
+    if not records or records[-1].status != "failed":  # failed before it was recorded
+        failure = attempts.AttemptRecord(
+            attempt=attempts.next_number(records),
+            status="failed",
+            error_budget=error.budget,
+            error_class=type(error).__name__,
+            error_message=str(error),
+        )
         return decide_retry(failure, records, spec.retries)
     decision = decide_retry(records[-1], records[:-1], spec.retries)
-    run_dir.record_attempt({**records[-1], "retry_decision": decision.reason})
+    attempts.write(run_dir, records[-1].decided(decision.reason))
     return decision
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from trainer_core import storage, training_state
+from trainer_core.attempts import AttemptRecord
+from trainer_core.attempts import read as read_attempts
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.summary import attempt_summaries
 
@@ -81,7 +83,7 @@ def assert_recovered(
     if committed_before is not None and resumed:
         assert (resumed[0] or 0) >= committed_before, (resumed, committed_before)
     bound = 2 * interval if write_lost else interval
-    for summary in attempt_summaries(attempts):
+    for summary in attempt_summaries([AttemptRecord.from_json(a) for a in attempts]):
         if summary.steps_lost is not None:
             assert summary.steps_lost <= bound, summary
     return attempts
@@ -89,7 +91,7 @@ def assert_recovered(
 
 def record_matrix_row(case: str, run_dir: RunDirectory, **extra: Any) -> dict[str, Any]:
     """Append this fault's row (attempts, recovery seconds, steps lost) to the matrix file."""
-    summaries = attempt_summaries(run_dir.read_attempts())
+    summaries = attempt_summaries(read_attempts(run_dir))
     row = {
         "case": case,
         "at": time.strftime("%Y-%m-%dT%H:%M:%S"),

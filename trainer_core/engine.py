@@ -10,6 +10,7 @@ A second call on the same run resumes from the newest committed checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import time
@@ -20,7 +21,7 @@ import numpy as np
 import pyarrow
 import torch
 
-from trainer_core import __version__, storage, stream, workloads
+from trainer_core import __version__, attempts, storage, stream, workloads
 from trainer_core import data as data_mod
 from trainer_core.checkpoints import RunDirectory, open_checkpoint
 from trainer_core.errors import IncompatibleRunError, SpecError
@@ -129,10 +130,7 @@ def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDi
                 field="run.name",
             )
         run_dir.check_compatible(spec.identity(), spec.fingerprint())
-    attempts = run_dir.read_attempts()
-    number = (
-        attempt if attempt is not None else (max((a["attempt"] for a in attempts), default=0) + 1)
-    )
+    number = attempt if attempt is not None else attempts.next_number(attempts.read(run_dir))
     scan = run_dir.scan()
     candidates = [c.step for c in reversed(scan.committed)]
     if candidates:
@@ -209,8 +207,16 @@ class LiveState:
             "peak_worker_rss_mb": self.peak_worker_rss_mb,
         }
 
-    def apply(self, event: dict[str, Any]) -> None:
+    def apply(self, event: dict[str, Any]) -> bool:
+        """Fold ``event`` in; True when it ended or began a worker group of the attempt (a
+        restart to record)."""
         kind = event["kind"]
+        self._fold(event, kind)
+        return kind in ("restarting", "resizing") or (
+            kind in ("resumed", "fresh_start") and bool(event.get("group"))
+        )
+
+    def _fold(self, event: dict[str, Any], kind: str) -> None:
         if event.get("world_size"):
             self.world_size = event["world_size"]
         if kind == "memory":
@@ -291,99 +297,58 @@ def run_attempt(
     with cluster.ray_cluster():
         cluster.check_capacity(spec)
         reclaimed_before = cluster.preempted_nodes()
-        if run_dir.read_run_record() is None:
-            run_dir.write_run_record(
-                spec.model_dump(mode="json"), spec.identity(), spec.fingerprint(), versions()
-            )
-        record = {
-            "attempt": plan.attempt,
-            "started_at": started,
-            "status": "running",
-            "resumed_from_step": plan.resume_step,
-            "plan": plan.reason,
-        }
-        _close_abandoned(run_dir, plan.attempt)
-        run_dir.record_attempt(record)
-        _clean_orphans(run_dir)
+        _prepare_run_directory(spec, run_dir, plan)
+        record = attempts.AttemptRecord.opened(plan.attempt, plan.reason, plan.resume_step)
+        attempts.write(run_dir, record)
         live = LiveState(step=plan.resume_step or 0, resumed_from=plan.resume_step)
 
         def handle(event: dict[str, Any]) -> None:
-            live.apply(event)
-            kind = event["kind"]
-            if kind in ("restarting", "resizing") or (
-                kind in ("resumed", "fresh_start") and event.get("group")
-            ):
-                run_dir.record_attempt({**record, "restarts": live.restarts})
+            if live.apply(event):  # a worker group ended or began: the record says so now
+                attempts.write(run_dir, dataclasses.replace(record, restarts=live.restarts))
             if on_event is not None:
                 on_event(event)
 
+        loop = builtin_train_loop if spec.train_loop is None else user_train_loop
         try:
-            loop = builtin_train_loop if spec.train_loop is None else user_train_loop
             trainer.fit(spec, plan, loop, handle, poll_interval_s)
         except BaseException as error:
             classified = classify.name_preemption(classify.classify(error), reclaimed_before)
-            run_dir.record_attempt(
-                {
-                    **record,
-                    "status": "failed",
-                    "ended_at": time.time(),
-                    **live.outcome(),
-                    "last_step": max(live.step, getattr(classified, "step", None) or 0),
-                    "error_class": type(classified).__name__,
-                    "error_budget": getattr(classified, "budget", "none"),
-                    "error_message": str(classified)[:2000],
-                    "error_step": getattr(classified, "step", None),
-                    "error_type": getattr(classified, "error_type", None),
-                    "deterministic": getattr(classified, "deterministic", False),
-                }
-            )
+            attempts.write(run_dir, record.failed(classified, live.outcome(), live.step))
             if classified is error:
                 raise
             raise classified from error
-        newest = run_dir.scan().newest
-        result = AttemptResult(
-            run_name=plan.run_name,
-            run_uri=plan.run_uri,
-            attempt=plan.attempt,
-            status="completed",
-            resumed_from_step=live.resumed_from or None,
-            steps_completed=newest.step if newest else live.step,
-            final_metrics=newest.metrics if newest else dict(live.metrics),
-            latest_checkpoint_uri=newest.uri if newest else live.checkpoint_uri,
-            wall_time_s=time.time() - started,
-            plan_reason=plan.reason,
-            timings=live.timings,
-        )
-        run_dir.record_attempt(
-            {
-                **record,
-                "status": "completed",
-                "ended_at": time.time(),
-                **live.outcome(),
-                "last_step": result.steps_completed,
-            }
-        )
+        result = _result(plan, run_dir, live, started)
+        attempts.write(run_dir, record.completed(live.outcome(), result.steps_completed))
         return result
 
 
-def _close_abandoned(run_dir: RunDirectory, attempt: int) -> None:
-    """Mark earlier attempts still "running" as failed: they ended without a word.
+def _prepare_run_directory(spec: RunSpec, run_dir: RunDirectory, plan: Plan) -> None:
+    """The run record on the first attempt; earlier attempts that ended without a word closed;
+    checkpoint directories no attempt committed removed (before any worker starts)."""
+    if run_dir.read_run_record() is None:
+        run_dir.write_run_record(
+            spec.model_dump(mode="json"), spec.identity(), spec.fingerprint(), versions()
+        )
+    attempts.close_abandoned(run_dir, plan.attempt)
+    _clean_orphans(run_dir)
 
-    Only the lease holder starts attempts, so a running record of another attempt belongs to a
-    driver whose flow process was killed or lost (its lease expired or was taken over).
-    """
-    for record in run_dir.read_attempts():
-        if record.get("status") == "running" and record["attempt"] != attempt:
-            run_dir.record_attempt(
-                {
-                    **record,
-                    "status": "failed",
-                    "error_class": "DriverLost",
-                    "error_budget": "infrastructure",
-                    "error_message": "this attempt ended without recording how: its driver died "
-                    "(flow process killed, machine lost) or storage refused the record",
-                }
-            )
+
+def _result(plan: Plan, run_dir: RunDirectory, live: LiveState, started: float) -> AttemptResult:
+    """A completed attempt's result: where the newest commit (else the workers' word) got."""
+    newest = run_dir.scan().newest
+    return AttemptResult(
+        run_name=plan.run_name,
+        run_uri=plan.run_uri,
+        attempt=plan.attempt,
+        status="completed",
+        resumed_from_step=live.resumed_from or None,
+        steps_completed=newest.step if newest else live.step,
+        final_metrics=newest.metrics if newest else dict(live.metrics),
+        latest_checkpoint_uri=newest.uri if newest else live.checkpoint_uri,
+        wall_time_s=time.time() - started,
+        plan_reason=plan.reason,
+        timings=live.timings,
+    )
 
 
 def _clean_orphans(run_dir: RunDirectory) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from trainer_core.attempts import AttemptRecord
 from trainer_core.spec import RetriesSection
 
 
@@ -23,34 +23,28 @@ class RetryDecision:
 
 
 def decide_retry(
-    failure: dict[str, Any], attempts: Sequence[dict[str, Any]], budgets: RetriesSection
+    failure: AttemptRecord, attempts: Sequence[AttemptRecord], budgets: RetriesSection
 ) -> RetryDecision:
-    """Decide whether to retry after ``failure``.
-
-    ``failure`` and ``attempts`` are attempt records (``attempts.jsonl``): ``error_budget``
-    ("none" | "infrastructure" | "preemption" | "code"), ``error_class``, ``error_message``,
-    ``error_step``, ``deterministic``, ``restarts``. ``attempts`` are the earlier ones, oldest
-    first (``failure`` excluded).
-    """
-    budget = failure.get("error_budget", "none")
-    name = failure.get("error_class", "error")
+    """Decide whether to retry after ``failure``, the failed attempt's record; ``attempts`` are
+    the earlier ones, oldest first."""
+    budget, name = failure.error_budget, failure.error_class or "error"
     if budget == "none":
         return RetryDecision(False, f"{name} is not retryable: fix the input and run again")
-    if failure.get("deterministic"):
-        return RetryDecision(False, f"{name} will repeat on retry: {failure.get('error_message')}")
-    failed = [a for a in attempts if a.get("status") == "failed"]
+    if failure.deterministic:
+        return RetryDecision(False, f"{name} will repeat on retry: {failure.error_message}")
+    failed = [a for a in attempts if a.status == "failed"]
     if budget == "code" and failed and _same_error(failed[-1], failure):
         return RetryDecision(
             False,
-            f"the same {failure.get('error_class')} at step {failure.get('error_step')} twice "
+            f"the same {failure.error_class} at step {failure.error_step} twice "
             "in a row: a bug, not bad luck; stopping",
         )
-    used = 1 + sum(1 for a in failed if a.get("error_budget") == budget)
+    used = 1 + sum(1 for a in failed if a.error_budget == budget)
     if budget == "preemption":  # restarts in place draw on it too
         used += sum(
             1
             for a in (*attempts, failure)
-            for r in a.get("restarts") or []
+            for r in a.restarts
             if r.get("error_budget") == "preemption"
         )
         if budgets.preemption is None:
@@ -67,8 +61,10 @@ def decide_retry(
     return RetryDecision(True, f"{budget} failure {used} of {allowed + 1} allowed: resuming")
 
 
-def _same_error(previous: dict[str, Any], current: dict[str, Any]) -> bool:
-    keys = ("error_class", "error_type", "error_step", "error_message")
-    return previous.get("attempt") != current.get("attempt") and all(
-        previous.get(k) == current.get(k) for k in keys
-    )
+def _same_error(previous: AttemptRecord, current: AttemptRecord) -> bool:
+    return previous.attempt != current.attempt and (
+        previous.error_class,
+        previous.error_type,
+        previous.error_step,
+        previous.error_message,
+    ) == (current.error_class, current.error_type, current.error_step, current.error_message)

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from trainer_core.attempts import AttemptRecord
+from trainer_core.attempts import read as read_attempts
 from trainer_core.checkpoints import SCHEMA_VERSION, CheckpointInfo, RunDirectory
 from trainer_core.spec import RunSpec
 from trainer_core.storage import walk_files
@@ -84,34 +86,33 @@ class TrainingResult(_Frozen):
     stop_reason: str | None = None
 
 
-def attempt_summaries(records: Sequence[dict[str, Any]]) -> list[AttemptSummary]:
+def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
     """Attempt records with the steps each failure lost (last step minus the next resume)."""
     summaries = []
     for index, record in enumerate(records):
         following = records[index + 1] if index + 1 < len(records) else None
         lost = recovery = None
-        if record.get("status") == "failed" and following is not None:
-            resumed = following.get("resumed_from_step")
-            lost = _steps_lost(record.get("last_step"), resumed)
-            if following.get("resumed_at") and record.get("ended_at"):
-                recovery = following["resumed_at"] - record["ended_at"]
-        started, ended = record.get("started_at"), record.get("ended_at")
+        if record.status == "failed" and following is not None:
+            lost = _steps_lost(record.last_step, following.resumed_from_step)
+            if following.resumed_at and record.ended_at:
+                recovery = following.resumed_at - record.ended_at
+        started, ended = record.started_at, record.ended_at
         summaries.append(
             AttemptSummary(
-                attempt=record["attempt"],
-                status=record.get("status", "unknown"),
-                error_class=record.get("error_class"),
-                error_message=record.get("error_message"),
-                error_step=record.get("error_step"),
-                resumed_from_step=record.get("resumed_from_step"),
-                last_step=record.get("last_step"),
+                attempt=record.attempt,
+                status=record.status,
+                error_class=record.error_class,
+                error_message=record.error_message,
+                error_step=record.error_step,
+                resumed_from_step=record.resumed_from_step,
+                last_step=record.last_step,
                 steps_lost=lost,
                 recovery_s=recovery,
                 duration_s=(ended - started) if started and ended else None,
-                retry_decision=record.get("retry_decision"),
-                restarts=[_restart(r) for r in record.get("restarts") or []],
-                world_size=record.get("world_size"),
-                peak_worker_rss_mb=record.get("peak_worker_rss_mb"),
+                retry_decision=record.retry_decision,
+                restarts=[_restart(r) for r in record.restarts],
+                world_size=record.world_size,
+                peak_worker_rss_mb=record.peak_worker_rss_mb,
             )
         )
     return summaries
@@ -180,14 +181,14 @@ def storage_bytes(run_dir: RunDirectory) -> int:
 def build_result(
     spec: RunSpec, run_dir: RunDirectory, storage_uri: str, status: Literal["completed", "failed"]
 ) -> TrainingResult:
-    records = run_dir.read_attempts()
+    records = read_attempts(run_dir)
     attempts = attempt_summaries(records)
     scan = run_dir.scan()
     newest = scan.newest
     best = best_checkpoint(scan.committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
     history = run_dir.read_metrics_history()
-    started = min((r["started_at"] for r in records if r.get("started_at")), default=time.time())
-    ended = max((r.get("ended_at") or 0 for r in records), default=0) or time.time()
+    started = min((r.started_at for r in records if r.started_at), default=time.time())
+    ended = max((r.ended_at or 0 for r in records), default=0) or time.time()
     final = newest.metrics if newest else (history[-1] if history else {})
     epochs_done = int(newest.manifest.get("epoch", 0)) if newest else 0
     return TrainingResult(

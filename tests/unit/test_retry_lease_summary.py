@@ -6,6 +6,7 @@ import time
 import pytest
 
 from trainer_core import lease, storage
+from trainer_core.attempts import AttemptRecord
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.retry import decide_retry
 from trainer_core.spec import RetriesSection
@@ -15,15 +16,20 @@ BUDGETS = RetriesSection(infrastructure=2, code=1)
 
 
 def failed(attempt, budget, step=5, message="boom", cls="TrainingCodeError", **extra):
-    return {
-        "attempt": attempt,
-        "status": "failed",
-        "error_budget": budget,
-        "error_class": cls,
-        "error_step": step,
-        "error_message": message,
+    return AttemptRecord(
+        attempt=attempt,
+        status="failed",
+        error_budget=budget,
+        error_class=cls,
+        error_step=step,
+        error_message=message,
         **extra,
-    }
+    )
+
+
+def summaries_of(records):
+    """``attempt_summaries`` of records as stored (JSON)."""
+    return attempt_summaries([AttemptRecord.from_json(r) for r in records])
 
 
 def test_spec_errors_and_deterministic_failures_stop():
@@ -120,7 +126,7 @@ def test_attempt_summaries_count_steps_lost():
         },
         {"attempt": 2, "status": "completed", "last_step": 60, "resumed_from_step": 20},
     ]
-    first, second = attempt_summaries(records)
+    first, second = summaries_of(records)
     assert first.steps_lost == 7 and first.duration_s == 5.0
     assert second.steps_lost is None
     assert first.restarts == []
@@ -137,7 +143,7 @@ def test_in_place_restarts_are_summarized_under_their_attempt():
         "resumed_at": 112.5,
     }
     records = [{"attempt": 1, "status": "completed", "last_step": 39, "restarts": [restart]}]
-    (summary,) = attempt_summaries(records)
+    (summary,) = summaries_of(records)
     (summarized,) = summary.restarts
     assert summarized.steps_lost == 3 and summarized.recovery_s == 12.5
     assert summarized.error_class == "InfrastructureError"
@@ -160,7 +166,7 @@ def test_resizes_say_their_world_sizes_and_reason():
     grow |= {"world_size_before": 2, "resumed_from_step": 60, "resumed_at": 160.0}
     grow["world_size_after"] = 3
     records = [{"attempt": 1, "status": "completed", "last_step": 80, "restarts": [shrink, grow]}]
-    (summary,) = attempt_summaries(records)
+    (summary,) = summaries_of(records)
     first, second = summary.restarts
     assert (first.world_size_before, first.world_size_after, first.steps_lost) == (3, 2, 3)
     assert (second.reason, second.world_size_after, second.recovery_s) == ("capacity", 3, 10.0)

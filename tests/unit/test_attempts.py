@@ -1,0 +1,53 @@
+"""The attempt record: its verbs, and JSON that an older or newer release can read."""
+
+from __future__ import annotations
+
+from trainer_core import attempts, storage
+from trainer_core.attempts import AttemptRecord
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.errors import PreemptedError, TrainingCodeError
+
+
+def test_an_attempt_opens_fails_and_is_decided(tmp_path):
+    run_dir = RunDirectory(storage.resolve(str(tmp_path / "run")))
+    record = AttemptRecord.opened(1, "fresh start", None)
+    attempts.write(run_dir, record)
+    error = TrainingCodeError("boom", error_type="ValueError", step=7, deterministic=True)
+    outcome = {"resumed_from_step": 0, "world_size": 2, "restarts": [{"reason": "preemption"}]}
+    attempts.write(run_dir, record.failed(error, outcome, last_step=9))
+    (stored,) = attempts.read(run_dir)
+    assert (stored.status, stored.error_class, stored.error_budget) == (
+        "failed",
+        "TrainingCodeError",
+        "code",
+    )
+    assert (stored.last_step, stored.error_step, stored.deterministic) == (9, 7, True)
+    assert stored.world_size == 2 and stored.restarts == [{"reason": "preemption"}]
+    assert stored.ended_at and stored.started_at and stored.ended_at >= stored.started_at
+    attempts.write(run_dir, stored.decided("code retry budget spent"))
+    assert attempts.read(run_dir)[0].retry_decision == "code retry budget spent"
+    assert attempts.next_number(attempts.read(run_dir)) == 2
+    preempted = record.failed(PreemptedError("preempted: node gone", step=3), {}, last_step=1)
+    assert preempted.error_budget == "preemption" and preempted.last_step == 3
+
+
+def test_a_running_record_of_another_attempt_is_closed_as_driver_lost(tmp_path):
+    run_dir = RunDirectory(storage.resolve(str(tmp_path / "run")))
+    attempts.write(run_dir, AttemptRecord.opened(1, "fresh start", None))
+    attempts.write(run_dir, AttemptRecord.opened(2, "resume", 10))
+    attempts.close_abandoned(run_dir, 2)
+    first, second = attempts.read(run_dir)
+    assert (first.status, first.error_class, first.error_budget) == (
+        "failed",
+        "DriverLost",
+        "infrastructure",
+    )
+    assert second.status == "running"
+
+
+def test_records_of_other_releases_read_with_defaults():
+    old = AttemptRecord.from_json({"schema": 1, "attempt": 3, "status": "completed"})
+    assert old.restarts == [] and old.error_budget == "none" and old.last_step is None
+    newer = AttemptRecord.from_json({"attempt": 4, "status": "failed", "a_later_field": 1})
+    assert newer.attempt == 4 and not hasattr(newer, "a_later_field")
+    assert AttemptRecord.from_json(old.to_json()) == old
