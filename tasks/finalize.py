@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.naming import artifact_key
 from tasks.setup import Prepared
-from trainer_core import lease, plots, storage
+from trainer_core import lease, plots
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.spec import RunSpec
 from trainer_core.summary import (
@@ -32,7 +32,7 @@ def finalize(
 ) -> TrainingResult:
     """Write the run summary, publish the artifacts, release the run, return the result."""
     logger = get_run_logger()
-    run_dir = RunDirectory(storage.resolve(prepared.storage_uri).child(prepared.run_name))
+    run_dir = RunDirectory.of(prepared.storage_uri, prepared.run_name)
     try:
         result = finalize_run(spec, run_dir, prepared.storage_uri, status)
         history = run_dir.read_metrics_history()

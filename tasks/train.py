@@ -13,7 +13,7 @@ from prefect.states import State
 
 from tasks.naming import artifact_key
 from tasks.setup import Prepared
-from trainer_core import attempts, engine, jobs, lease, storage
+from trainer_core import attempts, engine, jobs, lease
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import RelaytrainError
 from trainer_core.retry import RetryDecision, decide_retry
@@ -147,7 +147,7 @@ def _decide(spec: RunSpec, run_dir: RunDirectory, error: RelaytrainError) -> Ret
 def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
     """Run one attempt (resuming from the newest committed checkpoint); classify a failure."""
     logger = get_run_logger()
-    run_dir = RunDirectory(storage.resolve(prepared.storage_uri).child(prepared.run_name))
+    run_dir = RunDirectory.of(prepared.storage_uri, prepared.run_name)
     held = lease.acquire(run_dir.location, owner=prepared.lease_owner)
     progress = ProgressRelay(spec, prepared)
     with lease.LeaseKeeper(run_dir.location, held):

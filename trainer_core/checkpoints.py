@@ -155,6 +155,11 @@ class RunDirectory:
     def __init__(self, location: Location):
         self.location = location
 
+    @classmethod
+    def of(cls, storage_uri: str, run_name: str) -> RunDirectory:
+        """The directory of run ``run_name`` under ``run.storage`` (the one place it is built)."""
+        return cls(storage.resolve(storage_uri).child(run_name))
+
     @property
     def uri(self) -> str:
         return self.location.uri

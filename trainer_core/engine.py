@@ -23,7 +23,7 @@ import torch
 
 from trainer_core import __version__, attempts, storage, stream, workloads
 from trainer_core import data as data_mod
-from trainer_core.checkpoints import RunDirectory, open_checkpoint
+from trainer_core.checkpoints import RunDirectory, Scan, open_checkpoint
 from trainer_core.errors import IncompatibleRunError, SpecError
 from trainer_core.execution import classify, cluster, trainer
 from trainer_core.execution.trainer import EventHandler
@@ -118,7 +118,7 @@ def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDi
             field="run.storage",
         )
     storage.probe_writable(storage.resolve(storage_uri, fail_fast=True))
-    run_dir = RunDirectory(root.child(name))
+    run_dir = RunDirectory.of(storage_uri, name)
     record = run_dir.read_run_record()
     if record is not None:
         stored_ray = record.get("versions", {}).get("ray")
@@ -131,7 +131,21 @@ def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDi
             )
         run_dir.check_compatible(spec.identity(), spec.fingerprint())
     number = attempt if attempt is not None else attempts.next_number(attempts.read(run_dir))
-    scan = run_dir.scan()
+    plan = resume_plan(name, storage_uri, run_dir.uri, number, run_dir.scan(), spec.run.init_from)
+    if plan.resume_step is None and spec.run.init_from:
+        open_checkpoint(spec.run.init_from)  # the workers would fail on it only after they start
+    return plan, run_dir
+
+
+def resume_plan(
+    run_name: str,
+    storage_uri: str,
+    run_uri: str,
+    attempt: int,
+    scan: Scan,
+    init_from: str | None = None,
+) -> Plan:
+    """Fresh start or resume, and why: from what a listing of the run directory found."""
     candidates = [c.step for c in reversed(scan.committed)]
     if candidates:
         reason = f"resume from the newest committed checkpoint (step {candidates[0]})"
@@ -141,19 +155,10 @@ def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDi
             reason += f"; skipping damaged {', '.join(scan.damaged)}"
     else:
         reason = "fresh start: no committed checkpoint in the run directory"
-        if spec.run.init_from:  # the workers would fail on it only after they start
-            open_checkpoint(spec.run.init_from)
-            reason += f"; warm start from {spec.run.init_from}"
-    plan = Plan(
-        name,
-        storage_uri,
-        run_dir.uri,
-        number,
-        candidates[0] if candidates else None,
-        candidates,
-        reason,
-    )
-    return plan, run_dir
+        if init_from:
+            reason += f"; warm start from {init_from}"
+    resume_step = candidates[0] if candidates else None
+    return Plan(run_name, storage_uri, run_uri, attempt, resume_step, candidates, reason)
 
 
 # -- one attempt ----------------------------------------------------------------------------------

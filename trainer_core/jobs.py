@@ -30,9 +30,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from trainer_core import engine, errors
+from trainer_core import attempts, engine, errors
+from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import InfrastructureError, RelaytrainError, SpecError
 from trainer_core.execution import cluster
 from trainer_core.spec import RunSpec
@@ -112,7 +114,10 @@ def run_attempt(
     """Run (or re-attach to) this run's attempt as a Ray job and follow it to its end."""
     address = address or job_address(spec)
     assert address, "run_attempt needs a job address"
-    plan, _ = engine.plan_attempt(spec)
+    # The job plans the attempt (and checks storage) itself; here only its number and run.
+    assert spec.run.name, "the flow names the run before any attempt"
+    run_dir = RunDirectory.of(engine.canonical_storage_uri(spec.run.storage), spec.run.name)
+    plan = Submission(spec.run.name, run_dir.uri, attempts.next_number(attempts.read(run_dir)))
     jobs_client = client(address)
     say = on_log or logger.info
     try:
@@ -127,7 +132,16 @@ def run_attempt(
         raise InfrastructureError(f"the Ray Jobs API at {address} failed: {e}") from e
 
 
-def _attach_or_submit(jobs_client: Any, spec: RunSpec, plan: engine.Plan, say: LineHandler) -> str:
+@dataclass(frozen=True)
+class Submission:
+    """The run and attempt a job is for."""
+
+    run_name: str
+    run_uri: str
+    attempt: int
+
+
+def _attach_or_submit(jobs_client: Any, spec: RunSpec, plan: Submission, say: LineHandler) -> str:
     """The id of this run's live job, or of the job just submitted for ``plan.attempt``."""
     jobs = jobs_client.list_jobs()
     live = find_live_job(jobs, plan.run_uri)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_core import data as data_mod
-from trainer_core import storage, stream, training_state, workloads
+from trainer_core import stream, training_state, workloads
 from trainer_core.checkpoints import (
     CheckpointInfo,
     FileEntry,
@@ -117,7 +117,7 @@ class BuiltinLoop:
         self.config = config
         self.spec = RunSpec.model_validate(config.spec)
         assert self.spec.model and self.spec.data and self.spec.schedule
-        self.run_dir = RunDirectory(storage.resolve(config.storage_uri).child(config.run_name))
+        self.run_dir = RunDirectory.of(config.storage_uri, config.run_name)
         self.relay = Relay(config.relay, self.rank)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.data_spec = self.spec.data.resolved()

@@ -8,7 +8,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from trainer_core import storage, workloads
+from trainer_core import workloads
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import (
     InjectedFault,
@@ -33,7 +33,7 @@ class ReportHook:
         self.spec = RunSpec.model_validate(config.spec)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.relay = Relay(config.relay, self.rank)
-        self.run_dir = RunDirectory(storage.resolve(config.storage_uri).child(config.run_name))
+        self.run_dir = RunDirectory.of(config.storage_uri, config.run_name)
         self.calls = 0
         self.unsaved: list[dict[str, Any]] = []
 

@@ -69,3 +69,20 @@ def test_workload_is_checked_on_the_driver(tmp_path):
                 {"scaling": {"num_workers": 1}, "train_loop": "examples.ray_train_loop:missing"}
             )
         )
+
+
+def test_the_resume_plan_is_a_function_of_the_listing():
+    from trainer_core.checkpoints import CheckpointInfo, Scan
+    from trainer_core.engine import resume_plan
+
+    def info(step):
+        return CheckpointInfo(step, f"checkpoint-{step:09d}", f"s3://b/r/c{step}", {})
+
+    found = Scan([info(10), info(20)], ["checkpoint-000000030"], ["checkpoint-000000025"])
+    plan = resume_plan("r", "s3://b", "s3://b/r", 3, found)
+    assert (plan.attempt, plan.resume_step, plan.candidates) == (3, 20, [20, 10])
+    assert "step 20" in plan.reason and "checkpoint-000000030" in plan.reason
+    assert "skipping damaged checkpoint-000000025" in plan.reason
+    empty = resume_plan("r", "s3://b", "s3://b/r", 1, Scan([], [], []), init_from="s3://b/x/c")
+    assert empty.resume_step is None and empty.candidates == []
+    assert empty.reason.startswith("fresh start") and "warm start from s3://b/x/c" in empty.reason
