@@ -35,9 +35,9 @@ test: $(STAMP) system lint
 run: $(STAMP)
 	$(PY) -m flows.training --config examples/digits_cnn.yaml
 
-# Every benchmark in full, one process tree each (bench/README.md; about 80 min on 2 cores: run it
+# Every benchmark in full, one process tree each (bench/README.md; about 100 min on 2 cores: run it
 # on a quiet machine), then the tables of bench/README.md. BENCH_ARGS goes to each benchmark.
-BENCHMARKS := overhead recovery checkpoints reporting scaling memory precision data
+BENCHMARKS := overhead recovery checkpoints reporting scaling memory precision data elastic
 bench: $(STAMP)
 	status=0; for name in $(BENCHMARKS); do \
 		$(PY) -m bench.$$name $(BENCH_ARGS) || status=1; \

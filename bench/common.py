@@ -44,6 +44,7 @@ BENCHMARKS = (
     "memory",
     "precision",
     "data",
+    "elastic",
 )
 TABLES_START = "<!-- bench:tables:start -->"
 TABLES_END = "<!-- bench:tables:end -->"

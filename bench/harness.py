@@ -123,7 +123,7 @@ def bare_trainer(
 
     from trainer_core import storage
     from trainer_core.engine import canonical_storage_uri
-    from trainer_core.worker import WorkerConfig
+    from trainer_core.worker_config import WorkerConfig
 
     assert spec.run.name is not None
     storage_uri = canonical_storage_uri(spec.run.storage)

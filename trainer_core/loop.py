@@ -49,13 +49,13 @@ from trainer_core.staging import Background, Stager
 from trainer_core.worker import (
     Faults,
     Relay,
-    WorkerConfig,
     all_ok,
     all_reduce,
     collective_device,
     is_peer_failure,
     peak_rss_mb,
 )
+from trainer_core.worker_config import WorkerConfig
 
 logger = logging.getLogger("relaytrain.worker")
 

@@ -17,7 +17,8 @@ from trainer_core.errors import (
 )
 from trainer_core.execution import worker_api
 from trainer_core.spec import RunSpec
-from trainer_core.worker import Faults, Relay, WorkerConfig, peak_rss_mb
+from trainer_core.worker import Faults, Relay, peak_rss_mb
+from trainer_core.worker_config import WorkerConfig
 
 
 class ReportHook:

@@ -9,7 +9,7 @@ import resource
 import signal
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,30 +20,6 @@ from trainer_core.execution import worker_api
 from trainer_core.spec import FaultSection
 
 logger = logging.getLogger("relaytrain.worker")
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    spec: dict[str, Any]
-    storage_uri: str
-    run_name: str
-    attempt: int
-    #: Committed checkpoint steps, newest first, as the driver's scan found them.
-    candidates: list[int]
-    relay: Any = None
-    #: Whether Ray Train watches the group's nodes for drains (a cluster of several nodes):
-    #: then the loop asks for a preemption notice at every report.
-    watch_preemption: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``train_loop_config``: plain values only, because Ray Train's controller
-        unpickles it too, and a class from this module would make it import torch."""
-        return {"relaytrain": {f.name: getattr(self, f.name) for f in fields(self)}}
-
-    @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> WorkerConfig:
-        """The worker's side of ``to_dict``."""
-        return cls(**config["relaytrain"])
 
 
 @dataclass

@@ -21,7 +21,7 @@ from trainer_core.execution.cluster import (
     watches_preemption,
 )
 from trainer_core.spec import RunSpec
-from trainer_core.worker import WorkerConfig
+from trainer_core.worker_config import WorkerConfig
 
 logger = logging.getLogger("relaytrain.engine")
 

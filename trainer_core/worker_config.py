@@ -1,0 +1,34 @@
+"""What the driver hands every training worker: the ``train_loop_config`` of an attempt.
+
+Plain values only (no torch, no Ray): Ray Train's controller unpickles it too, and the seam that
+builds it (``execution.trainer``) sits below the loops that read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    spec: dict[str, Any]
+    storage_uri: str
+    run_name: str
+    attempt: int
+    #: Committed checkpoint steps, newest first, as the driver's scan found them.
+    candidates: list[int]
+    relay: Any = None
+    #: Whether Ray Train watches the group's nodes for drains (a cluster of several nodes):
+    #: then the loop asks for a preemption notice at every report.
+    watch_preemption: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``train_loop_config``: plain values only, because Ray Train's controller
+        unpickles it too, and a class from this module would make it import torch."""
+        return {"relaytrain": {f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> WorkerConfig:
+        """The worker's side of ``to_dict``."""
+        return cls(**config["relaytrain"])
