@@ -260,8 +260,16 @@ class CurrentCapacityPolicy(ElasticScalingPolicy):
             return cls(policy.scaling_config)
         return policy
 
+    #: Ray's controller asks again at once while it waits for MIN workers: look at most this
+    #: often (Ray's own policy asks its coordinator at most once a second too).
+    LOOK_INTERVAL_S = 1.0
+    _last_look = float("-inf")
+    _answering: tuple[float, set[str]] = (float("-inf"), set())
+
     def make_decision_for_non_running_worker_group(self) -> Any:
-        if self._coordinator_client is not None:
+        now = time.monotonic()
+        if self._coordinator_client is not None and now - self._last_look >= self.LOOK_INTERVAL_S:
+            self._last_look = now
             try:
                 ray.get(
                     self._autoscaling_coordinator.get_reserved_resources.remote(
@@ -275,7 +283,10 @@ class CurrentCapacityPolicy(ElasticScalingPolicy):
         return super().make_decision_for_non_running_worker_group()
 
     def _count_possible_workers(self, reserved_resources: Any) -> int:
-        answering = _answering_nodes(set(reserved_resources))
+        looked_at, answering = self._answering
+        if time.monotonic() - looked_at >= self.LOOK_INTERVAL_S:
+            answering = _answering_nodes(set(reserved_resources))
+            self._answering = (time.monotonic(), answering)
         reserved_resources = {n: r for n, r in reserved_resources.items() if n in answering}
         return int(super()._count_possible_workers(reserved_resources))
 
