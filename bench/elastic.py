@@ -56,7 +56,7 @@ REPORT_EVERY_WITH_NOTICE = 2
 
 
 def make_spec(root: Path, name: str, quick: bool, workers: Any, notice: bool = False) -> RunSpec:
-    epochs = 2 if quick else 3
+    epochs = 3 if quick else 4
     raw: dict[str, Any] = {
         "run": {"name": name, "storage": str(root), "seed": 0},
         "model": {"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [64], "delay_s": 0.05}},
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster_info,
             **api_info,
             workload="tests.helpers:slow_mlp (50 ms a forward), 64 steps an epoch, "
-            + ("2 epochs (quick)" if args.quick else "3 epochs"),
+            + ("3 epochs (quick)" if args.quick else "4 epochs"),
             checkpoint_every="20 (notice variants: 50)",
             report_every=f"5 (notice variants: {REPORT_EVERY_WITH_NOTICE})",
             notice_s=NOTICE_S,
