@@ -57,7 +57,7 @@ class ProgressRelay:
             self.logger.warning(
                 "worker group restarting in place (restart %s; %s budget: %s) after %s: %s",
                 event["restart"],
-                event.get("error_budget", "infrastructure"),
+                event["error_budget"],
                 limit,
                 event["error_class"],
                 event["error_message"],

@@ -237,17 +237,18 @@ class LiveState:
                 "seconds_to_deadline": event["seconds_left"],
             }
         elif kind == "restarting":
-            notice = self.notice if event.get("error_budget") == "preemption" else None
-            self.notice = None if notice else self.notice
+            reason = event["error_budget"]  # the budget the restart drew on
+            notice = None
+            if reason == "preemption":  # the just-in-time checkpoint answered this one
+                notice, self.notice = self.notice, None
             self.restarts.append(
                 {
                     **(notice or {}),
                     "restart": len(self.restarts) + 1,
-                    "reason": event.get("error_budget", "infrastructure"),
+                    "reason": reason,
                     "failed_at": event["time"],
                     "last_step": self.step,
                     "world_size_before": self.world_size,
-                    "error_budget": event.get("error_budget", "infrastructure"),
                     "error_class": event["error_class"],
                     "error_message": event["error_message"],
                 }

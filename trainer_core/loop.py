@@ -394,7 +394,6 @@ class BuiltinLoop:
             deadline=notice.deadline,
             seconds_left=seconds_left,
         )
-        self.relay.flush()
         logger.warning(
             "rank %d: a node of ranks %s drains for preemption in %s s; committed step %d",
             self.rank,

@@ -42,10 +42,7 @@ def decide_retry(
     used = 1 + sum(1 for a in failed if a.error_budget == budget)
     if budget == "preemption":  # restarts in place draw on it too
         used += sum(
-            1
-            for a in (*attempts, failure)
-            for r in a.restarts
-            if r.get("error_budget") == "preemption"
+            1 for a in (*attempts, failure) for r in a.restarts if r.get("reason") == "preemption"
         )
         if budgets.preemption is None:
             return RetryDecision(True, f"preemption {used} (the budget is unlimited): resuming")

@@ -145,7 +145,7 @@ def test_lost_node_resumes_on_the_remaining_nodes(
     if how == "preempted":  # in place, within the attempt, on the preemption budget
         assert [a["status"] for a in attempts] == ["completed"] and runs == 1
         (restart,) = attempts[0]["restarts"]
-        assert restart["error_budget"] == "preemption" and "preempted" in restart["error_message"]
+        assert restart["reason"] == "preemption" and "preempted" in restart["error_message"]
         assert restart["world_size_before"] == restart["world_size_after"] == 2
         assert restart["last_step"] - restart["resumed_from_step"] <= 20  # two intervals
     else:

@@ -62,7 +62,7 @@ def test_preemptions_draw_on_their_own_budget_unlimited_by_default():
     assert decide_retry(preempted, history, BUDGETS).retry  # infrastructure's is spent
     one = RetriesSection(infrastructure=2, code=1, preemption=1)
     assert decide_retry(failed(1, "preemption"), [], one).retry
-    restarted = {"reason": "preemption", "error_budget": "preemption"}
+    restarted = {"reason": "preemption"}
     in_place = failed(1, "preemption", restarts=[restarted])  # one spent in place already
     decision = decide_retry(in_place, [], one)
     assert not decision.retry and "preemption retry budget spent" in decision.reason
