@@ -38,6 +38,7 @@ from typing import Any
 from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
 from bench.probe import PROBE_DIR_ENV, read_probe
+from tests.multinode import wait_until
 from trainer_core import attempts
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.execution.cluster import RAY_ENV_DEFAULTS
@@ -106,33 +107,14 @@ def multinode_ray() -> Iterator[tuple[Any, dict[str, Any]]]:
             cluster.stop()
 
 
-def worker_nodes(cluster: Any) -> list[str]:
-    return [n["node_id"] for n in cluster.nodes() if "RayTrainWorker" in n["actors"]]
-
-
-def wait_until(predicate: Any, timeout_s: float = 300, what: str = "condition") -> Any:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out waiting for {what}")
-
-
-def three_nodes(cluster: Any) -> None:
-    while len(cluster.nodes()) < 3:
-        cluster.command("add")
-    wait_until(lambda: not worker_nodes(cluster), what="the previous run's workers to go")
-
-
 def run_with_fault(
     spec: RunSpec, cluster: Any, fault: str, fixed: bool = False, after_s: float = 0.0
 ) -> Sample:
     """Run the flow; once the first checkpoint is committed, lose a node ``after_s`` seconds
     later (``kill``; ``drain`` tells Ray first, ``after_s`` ahead); returns the sample."""
     assert spec.run.name is not None
-    three_nodes(cluster)
+    cluster.ensure_worker_nodes(3)
+    wait_until(lambda: not cluster.worker_nodes(), what="the previous run's workers to go")
     box: dict[str, Any] = {}
 
     def flow() -> None:
@@ -144,7 +126,7 @@ def run_with_fault(
     started = time.time()
     thread = threading.Thread(target=flow, daemon=True)
     thread.start()
-    nodes = wait_until(lambda: len(worker_nodes(cluster)) == 3 and worker_nodes(cluster))
+    nodes = wait_until(lambda: len(cluster.worker_nodes()) == 3 and cluster.worker_nodes())
     run_dir = RunDirectory.of(spec.run.storage, spec.run.name)
     every = spec.checkpoint.every
     wait_until(lambda: _committed_step(run_dir) >= every, what="the first commit")

@@ -70,6 +70,15 @@ class MultiNodeCluster:
         """Alive worker nodes with the actors on them: [{node_id, actors: [class names]}]."""
         return list(self.command("nodes")["nodes"])
 
+    def worker_nodes(self) -> list[str]:
+        """Ids of the nodes that host a Ray Train worker now."""
+        return [n["node_id"] for n in self.nodes() if "RayTrainWorker" in n["actors"]]
+
+    def ensure_worker_nodes(self, count: int) -> None:
+        """Add worker nodes until ``count`` are alive."""
+        while len(self.nodes()) < count:
+            self.command("add")
+
     def stop(self) -> None:
         if self.process.poll() is None:
             try:
@@ -77,6 +86,17 @@ class MultiNodeCluster:
                 self.process.wait(timeout=60)
             except Exception:
                 self.process.kill()
+
+
+def wait_until(predicate: Any, timeout_s: float = 180, what: str = "condition") -> Any:
+    """``predicate()``'s first truthy value, polled; AssertionError after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 # -- the cluster's own process ---------------------------------------------------------------------

@@ -22,13 +22,17 @@ from ray.job_submission import JobSubmissionClient
 
 from flows.training import training
 from tests.conftest import tiny_raw
-from tests.integration.test_streaming import ROWS, write_dataset
-from tests.multinode import MultiNodeCluster
+from tests.integration.test_streaming import (
+    assert_epochs_cover_every_sample_once,
+    expected_batches,
+    write_dataset,
+)
+from tests.multinode import MultiNodeCluster, wait_until
 from tests.prefect_api import task_runs
 from tests.recovery import REPO, assert_recovered, record_matrix_row, run_dir_of
-from trainer_core import jobs, stream
+from trainer_core import jobs
 from trainer_core.checkpoints import RunDirectory
-from trainer_core.spec import RunSpec, build_spec
+from trainer_core.spec import build_spec
 from trainer_core.summary import render_markdown
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
@@ -71,21 +75,6 @@ def slow_raw(storage: str, name: str, cluster: MultiNodeCluster, delay_s: float 
     )
 
 
-def worker_nodes(cluster: MultiNodeCluster) -> list[str]:
-    """Ids of the nodes that host a Ray Train worker now."""
-    return [n["node_id"] for n in cluster.nodes() if "RayTrainWorker" in n["actors"]]
-
-
-def wait_until(predicate, timeout_s: float = 180, what: str = "condition"):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def committed_step(run_dir: RunDirectory) -> int:
     newest = run_dir.scan().newest
     return newest.step if newest else 0
@@ -122,7 +111,7 @@ def test_lost_node_resumes_on_the_remaining_nodes(
         cluster.command("add")
     thread, box = run_flow_in_thread(spec)
     nodes = wait_until(
-        lambda: len(worker_nodes(cluster)) == 2 and worker_nodes(cluster), what="2 workers"
+        lambda: len(cluster.worker_nodes()) == 2 and cluster.worker_nodes(), what="2 workers"
     )
     assert len(set(nodes)) == 2  # spread: one DDP worker per node
     wait_until(lambda: committed_step(run_dir) >= 10, what="a commit")
@@ -338,18 +327,6 @@ def groups_trained(logs) -> list[tuple[int, list[list[int]]]]:
     return groups
 
 
-def expected_global_batches(spec: RunSpec) -> list[list[int]]:
-    assert spec.data is not None
-    data = spec.data.resolved()
-    one = stream.RankStream(stream.scan(data), data, spec.run.seed, 1, 0)
-    batches: list[list[int]] = []
-    for epoch in range(ELASTIC_EPOCHS):
-        ahead = one.epoch(epoch)
-        batches += [ids.tolist() for _, ids, _ in ahead]
-        ahead.close()
-    return batches
-
-
 def kept_batches(groups, restarts) -> list[list[int]]:
     """The global batches the run kept: each group's after the step its successor resumed
     from were trained again by it (one optimizer step is one global batch here)."""
@@ -360,34 +337,20 @@ def kept_batches(groups, restarts) -> list[list[int]]:
     return kept
 
 
-def assert_every_sample_once_an_epoch(kept: list[list[int]], spec: RunSpec) -> None:
-    per_epoch = ROWS // 21
-    assert len(kept) == ELASTIC_EPOCHS * per_epoch
-    for epoch in range(ELASTIC_EPOCHS):
-        ids = [i for batch in kept[epoch * per_epoch : (epoch + 1) * per_epoch] for i in batch]
-        assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
-    assert kept == expected_global_batches(spec)
-
-
-def three_worker_nodes(cluster: MultiNodeCluster) -> None:
-    while len(cluster.nodes()) < 3:
-        cluster.command("add")
-
-
 def test_an_elastic_run_goes_on_with_fewer_workers_and_grows_back(
     cluster, relaytrain_prefect, run_storage, tmp_path
 ):
     """[1, 3] workers on 3 one-CPU nodes: a node is killed mid-run, the group goes on with 2
     within the attempt (no Prefect retry); a node is added, the group grows back to 3. The
     global batches trained are the uninterrupted run's, each sample once an epoch."""
-    three_worker_nodes(cluster)
+    cluster.ensure_worker_nodes(3)
     dataset, logs = str(tmp_path / "table"), tmp_path / "logs"
     write_dataset(dataset)
     logs.mkdir()
     spec = build_spec(elastic_raw(run_storage, "multinode-elastic", cluster, logs, dataset))
     run_dir = run_dir_of(spec)
     thread, box = run_flow_in_thread(spec)
-    nodes = wait_until(lambda: len(worker_nodes(cluster)) == 3 and worker_nodes(cluster))
+    nodes = wait_until(lambda: len(cluster.worker_nodes()) == 3 and cluster.worker_nodes())
     wait_until(lambda: committed_step(run_dir) >= 5, what="a commit")
     cluster.command("kill", nodes[-1])
 
@@ -412,7 +375,9 @@ def test_an_elastic_run_goes_on_with_fewer_workers_and_grows_back(
     assert lost["last_step"] - lost["resumed_from_step"] <= 10  # two intervals at most
     grown = [r for r in later if r["reason"] == "capacity" and r["world_size_after"] == 3]
     assert grown, later
-    assert_every_sample_once_an_epoch(kept_batches(groups_trained(logs), attempt["restarts"]), spec)
+    kept = kept_batches(groups_trained(logs), attempt["restarts"])
+    assert_epochs_cover_every_sample_once(kept, ELASTIC_EPOCHS)
+    assert kept == expected_batches(spec, ELASTIC_EPOCHS)
     result = state.result()  # the flow's result, and the summary artifact, say the sizes
     assert result.attempts[0].restarts[0].world_size_after == 2
     text = render_markdown(spec, result)
@@ -428,7 +393,7 @@ def test_a_drain_notice_commits_a_checkpoint_just_in_time(
     checkpoint at its first report after Ray's notice, before the deadline, and waits; the
     group goes on with 2 workers from it. Steps lost: at most report.every. The preemption
     budget is charged (the infrastructure budget is 0)."""
-    three_worker_nodes(cluster)
+    cluster.ensure_worker_nodes(3)
     dataset, logs = str(tmp_path / "table"), tmp_path / "logs"
     write_dataset(dataset)
     logs.mkdir()
@@ -445,7 +410,7 @@ def test_a_drain_notice_commits_a_checkpoint_just_in_time(
     spec = build_spec(raw)
     run_dir = run_dir_of(spec)
     thread, box = run_flow_in_thread(spec)
-    nodes = wait_until(lambda: len(worker_nodes(cluster)) == 3 and worker_nodes(cluster))
+    nodes = wait_until(lambda: len(cluster.worker_nodes()) == 3 and cluster.worker_nodes())
     wait_until(lambda: sum(len(p.read_text().splitlines()) for p in logs.glob("*")) >= 9)
     answer = cluster.command("drain", nodes[-1], "12")
     assert answer["accepted"], answer
@@ -464,5 +429,6 @@ def test_a_drain_notice_commits_a_checkpoint_just_in_time(
     assert preempted["seconds_to_deadline"] > 0  # committed before the deadline
     assert preempted["last_step"] - step <= spec.report.every
     kept = kept_batches(groups_trained(logs), attempt["restarts"])
-    assert_every_sample_once_an_epoch(kept, spec)
+    assert_epochs_cover_every_sample_once(kept, ELASTIC_EPOCHS)
+    assert kept == expected_batches(spec, ELASTIC_EPOCHS)
     record_matrix_row("elastic node drained (notice) then reclaimed", run_dir, storage="s3 (moto)")

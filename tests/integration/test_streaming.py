@@ -89,13 +89,13 @@ def trained(logs: Path) -> list[list[int]]:
     return [[i for rank in range(world_size) for i in by_rank[rank][n]] for n in range(count)]
 
 
-def expected_batches(spec: RunSpec) -> list[list[int]]:
-    """The uninterrupted run's global batches, as one worker reads them."""
+def expected_batches(spec: RunSpec, epochs: int = EPOCHS) -> list[list[int]]:
+    """The uninterrupted run's global batches of ``epochs``, as one worker reads them."""
     assert spec.data is not None
     data = spec.data.resolved()
     one = stream.RankStream(stream.scan(data), data, spec.run.seed, 1, 0)
     batches: list[list[int]] = []
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         ahead = one.epoch(epoch)
         batches += [ids.tolist() for _, ids, _ in ahead]
         ahead.close()
@@ -135,10 +135,10 @@ def run_attempts(
     return kept, run_dir_of(spec).read_attempts(), spec
 
 
-def assert_epochs_cover_every_sample_once(batches: list[list[int]]) -> None:
+def assert_epochs_cover_every_sample_once(batches: list[list[int]], epochs: int = EPOCHS) -> None:
     per_epoch = ROWS // BATCH
-    assert len(batches) == EPOCHS * per_epoch
-    for epoch in range(EPOCHS):
+    assert len(batches) == epochs * per_epoch
+    for epoch in range(epochs):
         ids = [i for batch in batches[epoch * per_epoch : (epoch + 1) * per_epoch] for i in batch]
         assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
         assert ids != sorted(ids)  # shuffled
