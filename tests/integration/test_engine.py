@@ -233,8 +233,11 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
     (restart,) = attempt["restarts"]
     assert restart["error_class"] == "InfrastructureError"
     assert restart["resumed_from_step"] == 20  # the restarted group scanned the run again
-    # Rank 0, whose relayed rows say how far training got, died; rank 1 said it instead.
-    assert restart["last_step"] == 22
+    # Rank 0, whose relayed rows say how far training got, died; rank 1 says it instead when
+    # its collective fails before Ray tears the group down (within one 0.5 s poll of rank 0's
+    # death: on a loaded machine rank 1 may still be in step 23's forward pass, and then the
+    # record keeps rank 0's last relayed step, 20). Never a step beyond the last one run.
+    assert restart["last_step"] in (20, 22)
     assert restart["resumed_at"] >= restart["failed_at"]
     assert [e["group"] for e in events if e["kind"] in ("resumed", "fresh_start")] == [0, 1]
     assert_same_tensors(final_state(run_dir), reference["state"])

@@ -32,8 +32,9 @@ def apply_ray_env_defaults() -> None:
 
 
 @contextlib.contextmanager
-def ray_cluster(num_cpus: int | None = None) -> Iterator[bool]:
-    """Use the running Ray, or connect to ``RAY_ADDRESS``, or start a local cluster.
+def ray_cluster(num_cpus: int | None = None, address: str | None = None) -> Iterator[bool]:
+    """Use the running Ray, or connect to ``address`` (default ``RAY_ADDRESS``), or start a
+    local cluster (``address="local"`` always does).
 
     Yields whether this call started (or connected) Ray; only then is it shut down afterwards.
     Whoever starts Ray stops it: a cluster someone else connected to is left alone.
@@ -41,9 +42,9 @@ def ray_cluster(num_cpus: int | None = None) -> Iterator[bool]:
     if ray.is_initialized():
         yield False
         return
-    address = os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {"log_to_driver": False}
-    if address:
+    if address and address != "local":
         ray.init(address=address, **kwargs)
     else:
         # "local": a new cluster of our own, not whatever `ray start` left on this machine.
@@ -60,14 +61,8 @@ def local_cluster(num_cpus: int) -> Iterator[Any]:
     this machine, nor ``RAY_ADDRESS``'s), stopped afterwards; yields the ``ray`` module (tests'
     handle on the cluster)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    try:
+    with ray_cluster(num_cpus, address="local"):
         yield ray
-    finally:
-        if started:
-            ray.shutdown()
 
 
 def check_capacity(spec: RunSpec) -> None:
