@@ -18,7 +18,9 @@ the probed built-in loop, alternated:
 
 Figures: ``recovery_s`` from the kill (driver clock, the same machine) to rank 0's first step
 of the next worker group; ``steps_lost``: the last step run minus the step the next group
-resumed from. The workload is ``tests.helpers:slow_mlp`` (a small MLP whose forward sleeps
+resumed from. ``recovery_s`` is split into ``detect_s`` (until the attempt ended, or Ray's
+controller restarted the group), ``relaunch_s`` (Prefect's retry; 0 in place), ``start_s`` (until
+the next group had loaded the checkpoint) and ``first_step_s``. The workload is ``tests.helpers:slow_mlp`` (a small MLP whose forward sleeps
 50 ms): three one-CPU workers on a 2-core machine would otherwise measure the CPU contention.
 Targets: elastic_continue / fixed_retry recovery_s <= 0.5; steps lost with notice <=
 report.every.
@@ -51,7 +53,16 @@ RATIO_TARGET = Target(
     "<=",
     0.5,
 )
-COLUMNS = ["recovery_s", "steps_lost", "seconds_to_deadline", "wall_s"]
+COLUMNS = [
+    "recovery_s",
+    "detect_s",
+    "relaunch_s",
+    "start_s",
+    "first_step_s",
+    "steps_lost",
+    "seconds_to_deadline",
+    "wall_s",
+]
 NOTICE_S = 10.0
 REPORT_EVERY_WITH_NOTICE = 2
 
@@ -87,7 +98,7 @@ def multinode_ray() -> Iterator[tuple[Any, dict[str, Any]]]:
     from tests.multinode import MultiNodeCluster
 
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-probe-") as probe_dir:
-        env = {**RAY_ENV_DEFAULTS, PROBE_DIR_ENV: probe_dir, "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {PROBE_DIR_ENV: probe_dir, "RAY_USAGE_STATS_ENABLED": "0"}
         started = time.perf_counter()
         cluster = MultiNodeCluster(num_workers=3, env=env)
         try:
@@ -98,6 +109,7 @@ def multinode_ray() -> Iterator[tuple[Any, dict[str, Any]]]:
                         cluster,
                         {
                             "cluster": "head (0 CPU) + 3 worker nodes of 1 CPU, one machine",
+                            "ray_settings": {k: cluster.env[k] for k in RAY_ENV_DEFAULTS},
                             "cluster_start_s": round(time.perf_counter() - started, 1),
                         },
                     )
@@ -149,24 +161,60 @@ def run_with_fault(
     ]
     if not after:
         raise RuntimeError(f"{spec.run.name}: no step ran after the node was lost")
-    sample["recovery_s"] = after[0]["time"] - lost_at
+    first_step_at = after[0]["time"]
+    sample["recovery_s"] = first_step_at - lost_at
     records = attempts.read(run_dir)
     restarts = [r for a in records for r in a.restarts]
     if fixed:
         failed = [a for a in records if a.status == "failed"]
         if not failed or len(records) < 2:
             raise RuntimeError(f"{spec.run.name}: the kill did not end an attempt")
+        following = records[records.index(failed[0]) + 1]
         sample["steps_lost"] = float(
-            (failed[0].last_step or 0) - (records[1].resumed_from_step or 0)
+            (failed[0].last_step or 0) - (following.resumed_from_step or 0)
+        )
+        sample.update(
+            _phases(
+                lost_at,
+                failed[0].ended_at,
+                following.started_at,
+                following.resumed_at,
+                first_step_at,
+            )
         )
     else:
         if len(records) != 1 or not restarts:
             raise RuntimeError(f"{spec.run.name}: expected one attempt that went on in place")
         first = restarts[0]
         sample["steps_lost"] = float(first["last_step"] - first["resumed_from_step"])
+        failed_at = first.get("failed_at")
+        sample.update(
+            _phases(lost_at, failed_at, failed_at, first.get("resumed_at"), first_step_at)
+        )
         if "seconds_to_deadline" in first:
             sample["seconds_to_deadline"] = float(first["seconds_to_deadline"])
     return sample
+
+
+def _phases(
+    lost_at: float,
+    detected_at: float | None,
+    restarted_at: float | None,
+    resumed_at: float | None,
+    first_step_at: float,
+) -> Sample:
+    """Where a recovery's seconds went: until the failure was known (``detect_s``: the attempt
+    ended, or Ray's controller restarted the group), until the next attempt began (``relaunch_s``:
+    Prefect's retry; 0 in place), until its workers had loaded the checkpoint (``start_s``), and
+    until their first step (``first_step_s``)."""
+    if detected_at is None or restarted_at is None or resumed_at is None:
+        return {}
+    return {
+        "detect_s": detected_at - lost_at,
+        "relaunch_s": restarted_at - detected_at,
+        "start_s": resumed_at - restarted_at,
+        "first_step_s": first_step_at - resumed_at,
+    }
 
 
 def _committed_step(run_dir: RunDirectory) -> int:

@@ -32,7 +32,7 @@ def local_ray(num_cpus: int = RAY_NUM_CPUS) -> Iterator[dict[str, Any]]:
     from trainer_core.execution.cluster import apply_ray_env_defaults
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    apply_ray_env_defaults()  # the same poll interval for every variant, relaytrain's or not
+    apply_ray_env_defaults()  # the same Ray settings for every variant, relaytrain's or not
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-probe-") as probe_dir:
         os.environ[PROBE_DIR_ENV] = probe_dir
         started = time.perf_counter()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.net import free_port
+from trainer_core.execution.cluster import RAY_ENV_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,6 +34,7 @@ class MultiNodeCluster:
     def __init__(self, num_workers: int = 3, env: dict[str, str] | None = None):
         venv_bin = str(Path(sys.executable).parent)
         self.env = {
+            **RAY_ENV_DEFAULTS,  # the nodes are started as the README asks of a user's cluster
             **os.environ,
             **(env or {}),
             # The jobs' drivers run `python -m trainer_core.jobs` and import test workloads.

@@ -18,15 +18,27 @@ from trainer_core.spec import RunSpec
 logger = logging.getLogger("relaytrain.engine")
 
 
-#: Ray Train's controller polls workers this often; a report blocks up to one interval when the
-#: previous one was not yet consumed (relaytrain reports asynchronously, at checkpoints only), and
-#: worker deaths are noticed within about one interval. Ray propagates the driver's value to the
-#: controller and workers; a value set in the environment wins.
-RAY_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+#: Ray settings relaytrain runs with; a value set in the environment wins.
+#:
+#: - ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``: Ray Train's controller polls workers this often; a
+#:   report blocks up to one interval when the previous one was not yet consumed (relaytrain
+#:   reports asynchronously, at checkpoints only), and worker deaths are noticed within about
+#:   one interval. Ray Train hands the driver's value to the controller and workers.
+#: - ``RAY_timeout_ms_task_wait_for_death_info``: a call to an actor whose node is gone fails
+#:   at once instead of waiting a second for the GCS to say why (it learns of a lost node only
+#:   after its health checks fail, ~15 s later). Ray Train's shutdown of a group that lost a
+#:   node waits on such calls; KubeRay sets the same 0 for Ray Serve. A core setting: each Ray
+#:   process reads its own environment, so it reaches a cluster relaytrain starts (set before
+#:   ``ray.init``) and one whose nodes were started with it.
+RAY_ENV_DEFAULTS = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    "RAY_timeout_ms_task_wait_for_death_info": "0",
+}
 
 
 def apply_ray_env_defaults() -> None:
-    """Set relaytrain's Ray Train settings in this (driver) process unless the user set them."""
+    """Set relaytrain's Ray settings in this (driver) process unless the user set them: before
+    it starts a local cluster, whose processes inherit them."""
     for key, value in RAY_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
 
@@ -42,6 +54,7 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None) -> Iter
     if ray.is_initialized():
         yield False
         return
+    apply_ray_env_defaults()
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {"log_to_driver": False}
     if address and address != "local":

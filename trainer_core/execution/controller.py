@@ -120,7 +120,8 @@ def _set_master_address(addr: str, port: int) -> None:
 
 class ProcessGroupBackend(Backend):
     """``_TorchBackend.on_start`` and ``on_shutdown`` of Ray 2.60 (pinned exactly) for a V2
-    worker group and ``init_method="env"``, the same worker calls in the same order."""
+    worker group and ``init_method="env"``, the same worker calls in the same order; a failed
+    group is not asked to destroy its process group."""
 
     share_cuda_visible_devices: bool = True
 
@@ -145,6 +146,13 @@ class ProcessGroupBackend(Backend):
         )
 
     def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
+        # Ray's on_shutdown destroys the process group on every worker, a failed group's too. A
+        # failed group's ranks have left their training function and Ray kills them next; the
+        # call only waits on the ranks that are gone (a second each, before Ray says so) and
+        # ends in "graceful shutdown of backend failed". It is skipped for a failed group.
+        latest = getattr(worker_group, "get_latest_poll_status", lambda: None)()
+        if latest is not None and latest.errors:
+            return
         futures = worker_group.execute_async(
             _torch_config_call, "_shutdown_torch", destroy_process_group=len(worker_group) > 1
         )
