@@ -20,8 +20,9 @@ Figures: ``recovery_s`` from the kill (driver clock, the same machine) to rank 0
 of the next worker group; ``steps_lost``: the last step run minus the step the next group
 resumed from. ``recovery_s`` is split into ``detect_s`` (until the attempt ended, or Ray's
 controller restarted the group), ``relaunch_s`` (Prefect's retry; 0 in place), ``start_s`` (until
-the next group had loaded the checkpoint) and ``first_step_s``. The workload is ``tests.helpers:slow_mlp`` (a small MLP whose forward sleeps
-50 ms): three one-CPU workers on a 2-core machine would otherwise measure the CPU contention.
+the next group had loaded the checkpoint) and ``first_step_s``. The workload is
+``tests.helpers:slow_mlp`` (a small MLP whose forward sleeps 50 ms): three one-CPU workers on a
+2-core machine would otherwise measure the CPU contention.
 Targets: elastic_continue / fixed_retry recovery_s <= 0.5; steps lost with notice <=
 report.every.
 """
