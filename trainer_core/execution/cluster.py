@@ -132,6 +132,14 @@ def draining_nodes() -> set[str]:
     }
 
 
+def draining_for_preemption() -> set[str]:
+    """Ids of the nodes the GCS was told to drain with a deadline (a preemption's notice), due
+    or not, that it still counts as alive."""
+    from ray._private.state import state
+
+    return {node_id for node_id, deadline_ms in state.get_draining_nodes().items() if deadline_ms}
+
+
 #: Ray Train's switch for its preemption watcher (an actor started with every worker group).
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 

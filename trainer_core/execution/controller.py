@@ -41,7 +41,9 @@ from ray.train.v2._internal.execution.failure_handling import FailureDecision, F
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.util import TrainingFramework
 
+from trainer_core.errors import PreemptedError
 from trainer_core.execution.classify import classify
+from trainer_core.execution.cluster import draining_for_preemption, preempted_nodes
 
 logger = logging.getLogger("relaytrain.engine")
 
@@ -200,12 +202,24 @@ class InPlacePolicy(FailurePolicy):
     ``limits`` maps a budget ("infrastructure", "preemption", "startup") to the restarts
     allowed, None for no limit. Each restart is pushed to the relay; the new group resumes from
     the newest commit.
+
+    A worker group that failed while a node drains for preemption, or after a node was reclaimed
+    (not one of ``reclaimed_before``), failed of the preemption. Ray says so of the lost worker
+    only once the GCS has the node's death reason, which relaytrain does not wait for
+    (``RAY_timeout_ms_task_wait_for_death_info``), and the survivors fail first anyway.
     """
 
-    def __init__(self, failure_config: Any, limits: dict[str, int | None], relay: Any):
+    def __init__(
+        self,
+        failure_config: Any,
+        limits: dict[str, int | None],
+        relay: Any,
+        reclaimed_before: frozenset[str] = frozenset(),
+    ):
         super().__init__(failure_config)
         self.limits = limits
         self.relay = relay
+        self.reclaimed_before = reclaimed_before
         self.used = dict.fromkeys(limits, 0)
         self.restarts = 0
 
@@ -221,6 +235,12 @@ class InPlacePolicy(FailurePolicy):
             classified, budget = training_failed_error.controller_failure, "startup"
         else:
             return FailureDecision.RAISE  # the controller itself failed: end the attempt
+        if budget == "infrastructure" and self._preemption_underway():
+            classified = PreemptedError(
+                f"preempted: a node drains for preemption or was reclaimed ({classified})",
+                step=getattr(classified, "step", None),
+            )
+            budget = classified.budget
         if budget not in self.limits:
             return FailureDecision.RAISE
         limit = self.limits[budget]
@@ -247,6 +267,13 @@ class InPlacePolicy(FailurePolicy):
             }
         )
         return FailureDecision.RETRY
+
+    def _preemption_underway(self) -> bool:
+        try:
+            return bool(draining_for_preemption() or preempted_nodes() - self.reclaimed_before)
+        except Exception:  # the GCS's node table is a hint here; the failure is still handled
+            logger.debug("could not read the cluster's drains", exc_info=True)
+            return False
 
 
 class CurrentCapacityPolicy(ElasticScalingPolicy):

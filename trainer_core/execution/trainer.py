@@ -18,6 +18,7 @@ from trainer_core import lazyfs, storage
 from trainer_core.execution.cluster import (
     PREEMPTION_WATCHER_ENV,
     apply_ray_env_defaults,
+    preempted_nodes,
     watches_preemption,
 )
 from trainer_core.spec import RunSpec
@@ -62,6 +63,8 @@ def _abortable_trainer_class() -> type:
         #: of each.
         restart_limits: dict[str, int | None] = {}
         relay: Any = None
+        #: Nodes reclaimed for preemption before this attempt (not its failures' cause).
+        reclaimed_before: frozenset[str] = frozenset()
         #: Whether Ray's preemption watcher runs (``watches_preemption``).
         watch_preemption: bool = False
 
@@ -94,6 +97,7 @@ def _abortable_trainer_class() -> type:
                 controller_init_kwargs["failure_policy"].failure_config,
                 self.restart_limits,
                 self.relay,
+                self.reclaimed_before,
             )
             self.controller = controller_class.remote(
                 storage_credentials=self.storage_credentials,
@@ -200,6 +204,7 @@ def _trainer(spec: RunSpec, plan: Any, loop: TrainLoop, relay: Any) -> Any:
     trainer.restart_limits = restart_limits(spec)
     trainer.watch_preemption = worker_config.watch_preemption
     trainer.relay = relay
+    trainer.reclaimed_before = frozenset(preempted_nodes())
     return trainer
 
 
