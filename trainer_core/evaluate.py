@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from trainer_core import data as data_mod
-from trainer_core import stream, training_state, workloads
-from trainer_core.checkpoints import open_checkpoint
+from trainer_core import stream, workloads
+from trainer_core.checkpoint_manager import read_model_weights
 from trainer_core.errors import SpecError
 from trainer_core.spec import RunSpec
 
@@ -39,9 +39,7 @@ def load_model(spec: RunSpec, checkpoint_uri: str, num_inputs: int, num_outputs:
     """The spec's model with the weights of ``checkpoint_uri`` (SpecError if they do not fit)."""
     assert spec.model is not None
     model = workloads.build_model(spec.model, num_inputs, num_outputs)
-    run_dir, checkpoint = open_checkpoint(checkpoint_uri)
-    name = "model.pt" if "model.pt" in checkpoint.files else "model-rank0.pt"
-    state = training_state.from_bytes(run_dir.read_verified(checkpoint, name))
+    state = read_model_weights(checkpoint_uri)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:

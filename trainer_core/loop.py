@@ -8,16 +8,16 @@ second, lagging source of truth whose snapshot refuses to load once retention de
 checkpoint it lists.
 
 Resume is exact: model, optimizer, LR schedule, every rank's RNG states and the data cursor are
-restored from the newest checkpoint that every rank can verify against its manifest.
+restored from the newest checkpoint that every rank can verify against its manifest. The loop
+says when to save and what the manifest carries; ``checkpoint_manager`` owns the rest (state
+keys, file names, staging, the background write, the commit).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -30,26 +30,16 @@ import torch.distributed as dist
 
 from trainer_core import data as data_mod
 from trainer_core import stream, training_state, workloads
-from trainer_core.checkpoints import (
-    CheckpointInfo,
-    FileEntry,
-    RunDirectory,
-    open_checkpoint,
-)
-from trainer_core.errors import (
-    CheckpointCorruptError,
-    InfrastructureError,
-    RelaytrainError,
-    TrainingCodeError,
-)
+from trainer_core.checkpoint_manager import CheckpointManager, TrainingState
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.errors import InfrastructureError, RelaytrainError, TrainingCodeError
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_api import PreemptionNotice
 from trainer_core.spec import RunSpec
-from trainer_core.staging import Background, Stager
 from trainer_core.worker import (
     Faults,
     Relay,
-    all_ok,
+    Timings,
     all_reduce,
     collective_device,
     is_peer_failure,
@@ -64,39 +54,9 @@ logger = logging.getLogger("relaytrain.worker")
 
 #: ``precision`` -> the dtype autocast computes in (fp32: no autocast).
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: Training waiting for the previous checkpoint's write is worth a warning when the wait is this
-#: share of the training time since that write began, and at least this long.
-SLOW_WRITE_SHARE = 0.1
-SLOW_WRITE_MIN_S = 0.05
 #: After a just-in-time checkpoint the group waits for its node to go (every step trained then
 #: would be lost with it), at most this long past the drain's deadline; then it trains on.
 PREEMPTION_HOLD_MARGIN_S = 30.0
-
-
-def writes_outlast_interval(wait_s: float, since_s: float) -> bool:
-    """Whether a checkpoint's wait for the previous write says the writes take longer than the
-    checkpoint interval: the wait is a tenth or more of the training since that write began."""
-    return wait_s >= SLOW_WRITE_MIN_S and wait_s >= SLOW_WRITE_SHARE * since_s
-
-
-@dataclass
-class Timings:
-    """Seconds this rank spent in each part of the loop (reported by rank 0 when it finishes)."""
-
-    step_s: float = 0.0
-    aggregate_s: float = 0.0
-    checkpoint_s: float = 0.0  # training blocked: waiting for the previous one, then staging
-    checkpoint_wait_s: float = 0.0  # of which waiting for the previous checkpoint's write
-    checkpoint_copy_wait_s: float = 0.0  # of which the next optimizer step waiting for the copy
-    checkpoint_write_s: float = 0.0  # in the background: serialize, upload, commit, retention
-    preemption_hold_s: float = 0.0  # waiting, after a just-in-time checkpoint, for the drain
-    relay_s: float = 0.0
-    num_steps: int = 0
-    num_aggregates: int = 0
-    num_checkpoints: int = 0
-
-    def to_json(self) -> dict[str, float]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -154,44 +114,24 @@ class BuiltinLoop:
         self.group = 0  # worker groups of this attempt before this one (in-place restarts)
         self.pending: list[dict[str, Any]] = []  # rows not yet aggregated across ranks
         self.unsaved: list[dict[str, Any]] = []  # rows not yet in a metrics segment
-        self.last_checkpoint_step = 0
-        #: When the last checkpoint went to the checkpoint thread, and whether training has
-        #: already been found waiting for one (said once per worker group).
-        self.last_submit: float | None = None
-        self.slow_writes_said = False
         self.current_step = 0
         self.completed_step = 0
         #: A drain's notice, once a just-in-time checkpoint answered it (once per group).
         self.notice: PreemptionNotice | None = None
         self.timings = Timings()
         self.in_flight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], dict]] = []
-        self.stager = Stager()
-        self.background = Background()
-        #: Clear while the checkpoint thread copies what only the optimizer step changes.
-        self.copied = threading.Event()
-        self.copied.set()
-        # Sharded checkpoints gather every rank's file list from the checkpoint thread: on a
-        # group of their own, so they never interleave with the training thread's collectives.
-        self.checkpoint_group = None
-        if self.spec.checkpoint.sharded:
-            self.checkpoint_group = dist.new_group(backend="gloo")
+        self.checkpoints = CheckpointManager(
+            self.run_dir,
+            self.spec.checkpoint,
+            TrainingState(self.model, self.optimizer, self.scheduler, self.scaler),
+            rank=self.rank,
+            world_size=self.world_size,
+            attempt=config.attempt,
+            relay=self.relay,
+            timings=self.timings,
+        )
 
     # -- resume --------------------------------------------------------------------------------
-
-    def _files_for_rank(self, checkpoint: CheckpointInfo) -> dict[str, str]:
-        sharded = checkpoint.manifest.get("sharded", False)
-        same_world = checkpoint.manifest.get("world_size") == self.world_size
-        suffix = f"-rank{self.rank}" if sharded else ""
-        wanted = {
-            "model": f"model{suffix}.pt",
-            "optimizer": f"optimizer{suffix}.pt",
-            "scheduler": "scheduler.pt",
-        }
-        if self.scaler is not None and "scaler.pt" in checkpoint.files:
-            wanted["scaler"] = "scaler.pt"  # else a new scaler: a checkpoint of fp32 or bf16
-        if same_world:
-            wanted["rng"] = f"rng-rank{self.rank}.pt"
-        return wanted
 
     def _candidates(self) -> list[int]:
         """Committed steps to try, newest first. The driver's scan for an attempt's first worker
@@ -207,62 +147,32 @@ class BuiltinLoop:
         return list(found[0])
 
     def restore(self) -> None:
-        skipped: list[dict[str, Any]] = []
-        for step in self._candidates():
-            states: dict[str, Any] | None = None
-            checkpoint = None
-            try:
-                checkpoint = self.run_dir.read_committed(step)
-                if checkpoint is None:
-                    raise CheckpointCorruptError(f"checkpoint at step {step} is not committed")
-                states = {
-                    key: training_state.from_bytes(self.run_dir.read_verified(checkpoint, name))
-                    for key, name in self._files_for_rank(checkpoint).items()
-                }
-            except (CheckpointCorruptError, FileNotFoundError, RuntimeError, ValueError) as e:
-                logger.warning("rank %d cannot use checkpoint %d: %s", self.rank, step, e)
-                skipped.append({"step": step, "reason": str(e)})
-                states = None
-            if not all_ok(states is not None):
-                if states is not None:
-                    skipped.append({"step": step, "reason": "another rank could not verify it"})
-                continue
-            assert states is not None and checkpoint is not None
-            self.model.load_state_dict(states["model"])
-            self.optimizer.load_state_dict(states["optimizer"])
-            self.scheduler.load_state_dict(states["scheduler"])
-            if "scaler" in states and self.scaler is not None:
-                self.scaler.load_state_dict(states["scaler"])
-            if "rng" in states:
-                training_state.restore_rng(states["rng"])
+        loaded = self.checkpoints.load(self._candidates())
+        checkpoint = loaded.checkpoint
+        if checkpoint is not None:
             manifest = checkpoint.manifest
             self.stopping = training_state.EarlyStopping.from_json(manifest.get("early_stopping"))
             self.progress = Progress(
-                step=step,
+                step=checkpoint.step,
                 cursor=data_mod.Cursor.from_json(manifest["cursor"]),
                 metrics=dict(manifest.get("metrics") or {}),
-                resumed_from=step,
+                resumed_from=checkpoint.step,
             )
-            self.last_checkpoint_step = step
             self.relay.send(
                 "resumed",
-                step=step,
+                step=checkpoint.step,
                 checkpoint_uri=checkpoint.uri,
-                skipped=skipped,
+                skipped=loaded.skipped,
                 group=self.group,
                 world_size=self.world_size,
             )
             return
         warm_start = self.spec.run.init_from
         if warm_start:
-            source_dir, source = open_checkpoint(warm_start)
-            name = "model.pt" if "model.pt" in source.files else "model-rank0.pt"
-            self.model.load_state_dict(
-                training_state.from_bytes(source_dir.read_verified(source, name))
-            )
+            self.checkpoints.load_weights(warm_start)
         self.relay.send(
             "fresh_start",
-            skipped=skipped,
+            skipped=loaded.skipped,
             warm_start=warm_start,
             group=self.group,
             world_size=self.world_size,
@@ -298,9 +208,9 @@ class BuiltinLoop:
         self._aggregate({}, flush=True)
         self._share_peak_rss()
         started = time.perf_counter()
-        self.background.wait()
+        self.checkpoints.wait()
         self.timings.checkpoint_wait_s += time.perf_counter() - started
-        if step == self.progress.step and step > 0 and self.last_checkpoint_step == step:
+        if step == self.progress.step and step > 0 and self.checkpoints.last_step == step:
             self.relay.send("already_complete", step=step)
         self.relay.send(
             "finished",
@@ -330,9 +240,9 @@ class BuiltinLoop:
         copy_wait = self.timings.checkpoint_copy_wait_s - copy_wait
         self.timings.step_s += time.perf_counter() - started - copy_wait
         if step == self.progress.step + 1:  # the optimizer state exists now
-            self._reserve_staging()
-        if self.background.failed():
-            self.background.wait()  # raises the checkpoint's error
+            self.checkpoints.reserve()
+        if self.checkpoints.failed():
+            self.checkpoints.wait()  # raises the checkpoint's error
         self.timings.num_steps += 1
         lr = self.optimizer.param_groups[0]["lr"]
         index = (end - 1) // self.accumulation  # the step's place in its epoch
@@ -385,7 +295,7 @@ class BuiltinLoop:
         tell the driver, then wait for the drain's deadline (when Ray Train restarts the group
         on the nodes that stay), since steps trained now would be lost with the node."""
         started = time.perf_counter()
-        self.background.wait()
+        self.checkpoints.wait()
         seconds_left = None if notice.deadline is None else notice.deadline - time.time()
         self.relay.send(
             "preemption_notice",
@@ -429,7 +339,7 @@ class BuiltinLoop:
             None if self.scaler is None else self.scaler.scale,
             self.data.weight,
         )
-        self._await_staging()
+        self.checkpoints.before_optimizer_step()
         grad_norm = optimizer_step(
             self.optimizer, self.model, self.spec.optimizer.clip_grad_norm, self.scaler
         )
@@ -525,50 +435,17 @@ class BuiltinLoop:
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _checkpoint(self, step: int, cursor: data_mod.Cursor) -> None:
-        """Stage the state in memory and hand it to the checkpoint thread (see ``staging``).
-
-        Rank 0 writes the model, optimizer and scheduler (every rank its own shards when
-        ``checkpoint.sharded``) and every rank's RNG state, gathered here, so the thread of an
-        unsharded run needs no collective.
-        """
-        started = time.perf_counter()
-        self.background.wait()  # the previous checkpoint is committed, or its error raised
-        waited = time.perf_counter()
-        self._say_if_writes_are_slow(step, waited - started, started)
-        sharded = self.spec.checkpoint.sharded
-        rng = training_state.to_bytes(training_state.capture_rng())  # small: kilobytes
-        if sharded:
-            rngs = {self.rank: rng}
-        else:
-            gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(rng, gathered, dst=0)
-            rngs = dict(enumerate(gathered or []))
-        asynchronous = self.spec.checkpoint.asynchronous
-        staged = self.stager.stage(
-            self._state_to_stage(), defer=self._changed_by_step() if asynchronous else None
-        )
+        """A checkpoint at ``step``, resuming at ``cursor``; the metric rows since the last one
+        go with it."""
         rows, self.unsaved = self.unsaved, []
-        meta = {
+        meta: dict[str, Any] = {
             "epoch": cursor.epoch,
             "cursor": cursor.to_json(),
             "metrics": dict(self.progress.metrics),
-            "world_size": self.world_size,
-            "sharded": sharded,
-            "attempt": self.config.attempt,
-            "format": "relaytrain.torch/1",
         }
         if self.spec.schedule and self.spec.schedule.early_stopping:
             meta["early_stopping"] = self.stopping.to_json()
-        self.last_checkpoint_step = step
-        if staged or rngs:
-            self.copied.clear()
-            self.background.submit(lambda: self._write_checkpoint(step, staged, rngs, rows, meta))
-            self.last_submit = time.perf_counter()
-        if not asynchronous:
-            self.background.wait()
-        self.timings.checkpoint_s += time.perf_counter() - started
-        self.timings.checkpoint_wait_s += waited - started
-        self.timings.num_checkpoints += 1
+        self.checkpoints.save(step, meta, rows)
         self._share_peak_rss()
 
     def _share_peak_rss(self) -> None:
@@ -577,137 +454,6 @@ class BuiltinLoop:
         peak = torch.tensor([peak_rss_mb()], dtype=torch.float64, device=collective_device())
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         self.relay.send("memory", peak_worker_rss_mb=round(float(peak), 1))
-
-    def _say_if_writes_are_slow(self, step: int, wait_s: float, now: float) -> None:
-        if self.slow_writes_said or self.last_submit is None:  # said, or no earlier write
-            return
-        since = now - self.last_submit
-        if not writes_outlast_interval(wait_s, since):
-            return
-        self.slow_writes_said = True
-        self.relay.send(
-            "slow_checkpoint_writes",
-            step=step,
-            wait_s=round(wait_s, 3),
-            since_s=round(since, 3),
-            every=self.spec.checkpoint.every,
-        )
-
-    def _state_to_stage(self) -> dict[str, Any]:
-        """What this rank's checkpoint copies: model and optimizer on rank 0 (every rank when
-        sharded), the schedule on rank 0."""
-        state: dict[str, Any] = {}
-        if self.spec.checkpoint.sharded or self.rank == 0:
-            state["model"] = self.model.state_dict()
-            state["optimizer"] = self.optimizer.state_dict()
-        if self.rank == 0:
-            state["scheduler"] = self.scheduler.state_dict()
-            if self.scaler is not None:
-                state["scaler"] = self.scaler.state_dict()
-        return state
-
-    def _changed_by_step(self) -> Callable[[torch.Tensor], bool]:
-        """Picks what only the optimizer step changes, the parameters and the optimizer's state,
-        for the checkpoint thread to copy while the next forward and backward run. The rest
-        (buffers such as batch norm's running statistics, which a forward pass updates, and
-        plain values) is copied before training goes on."""
-        pointers = {p.data_ptr() for p in self.model.parameters()}
-        for state in self.optimizer.state.values():
-            pointers.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
-        return lambda tensor: tensor.data_ptr() in pointers
-
-    def _await_staging(self) -> None:
-        """Before an optimizer step: the checkpoint thread has copied what the step changes."""
-        if self.copied.is_set():
-            return
-        started = time.perf_counter()
-        self.copied.wait()
-        waited = time.perf_counter() - started
-        self.timings.checkpoint_s += waited
-        self.timings.checkpoint_copy_wait_s += waited
-
-    def _reserve_staging(self) -> None:
-        state = self._state_to_stage()
-        if state:
-            self.background.submit(lambda: self.stager.reserve(state))
-
-    def _write_checkpoint(
-        self,
-        step: int,
-        staged: dict[str, Any],
-        rngs: dict[int, bytes],
-        rows: list[dict[str, Any]],
-        meta: dict[str, Any],
-    ) -> None:
-        """The checkpoint thread: finish staging (the next optimizer step waits for it), check,
-        write every file, then (rank 0) commit and retain."""
-        started = time.perf_counter()
-        try:
-            self.stager.copy_deferred()
-        finally:
-            self.copied.set()
-        if "model" in staged:
-            self._check_finite_parameters(step, staged["model"])
-        sharded = meta["sharded"]
-        if self.rank == 0:
-            self.run_dir.prepare_checkpoint_dir(step)
-        if sharded:
-            dist.barrier(group=self.checkpoint_group)
-        suffix = f"-rank{self.rank}" if sharded else ""
-        names = {
-            "model": f"model{suffix}.pt",
-            "optimizer": f"optimizer{suffix}.pt",
-            "scheduler": "scheduler.pt",
-            "scaler": "scaler.pt",
-        }
-        entries = [
-            self.run_dir.stream_checkpoint_file(
-                step, names[key], functools.partial(training_state.save, value)
-            )
-            for key, value in staged.items()
-        ]
-        entries += [
-            self.run_dir.write_checkpoint_file(step, f"rng-rank{rank}.pt", rng)
-            for rank, rng in sorted(rngs.items())
-        ]
-        if sharded:
-            gathered: list[list[FileEntry] | None] = [None] * self.world_size
-            dist.all_gather_object(gathered, entries, group=self.checkpoint_group)
-            entries = [e for part in gathered for e in (part or [])]
-        if self.rank == 0:
-            self.run_dir.write_metrics_segment(self.config.attempt, rows)
-            info = self.run_dir.commit_checkpoint(step, entries, meta)
-            self._apply_retention(step)
-            self.relay.send(
-                "checkpoint", step=step, checkpoint_uri=info.uri, metrics=meta["metrics"]
-            )
-        self.timings.checkpoint_write_s += time.perf_counter() - started
-
-    def _check_finite_parameters(self, step: int, state: dict[str, torch.Tensor]) -> None:
-        """Never commit NaN/inf weights: the loss of step N is computed before step N's update,
-        so a finite loss does not prove the weights a checkpoint would save are finite."""
-        bad = [
-            name
-            for name, value in state.items()
-            if value.is_floating_point() and not bool(torch.isfinite(value).all())
-        ]
-        if bad:
-            raise TrainingCodeError(
-                f"parameters {bad[:3]} became non-finite by the update of step {step} on rank "
-                f"{self.rank} (no checkpoint written at step {step}): lower optimizer.lr, or add "
-                "gradient clipping in your model",
-                error_type="NonFiniteParameters",
-                step=step,
-                rank=self.rank,
-                deterministic=True,
-            )
-
-    def _apply_retention(self, step: int) -> None:
-        self.run_dir.apply_retention(
-            self.spec.checkpoint,
-            protected_steps={self.progress.resumed_from or 0},
-            in_flight_from_step=step + 1,
-        )
 
 
 def accumulate_gradients(
@@ -793,7 +539,7 @@ def builtin_train_loop(config: dict[str, Any]) -> None:
         raise _wind_down(loop, _as_code_error(e, loop)) from e
     finally:
         if loop is not None:
-            loop.background.close()
+            loop.checkpoints.close()
 
 
 #: How long a failing worker lets its checkpoint in flight finish before it exits.
@@ -807,7 +553,7 @@ def _wind_down(loop: BuiltinLoop | None, error: RelaytrainError) -> RelaytrainEr
     checkpoint was refused for went bad before the loss did)."""
     if loop is None:
         return error
-    earlier = loop.background.settle(SETTLE_S)
+    earlier = loop.checkpoints.settle(SETTLE_S)
     try:
         loop.relay.flush()
         if isinstance(error, InfrastructureError) and loop.completed_step:

@@ -146,3 +146,23 @@ def is_peer_failure(error: BaseException) -> bool:
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(sign in text for sign in PEER_FAILURE_SIGNS)
+
+
+@dataclass
+class Timings:
+    """Seconds this rank spent in each part of the loop (reported by rank 0 when it finishes)."""
+
+    step_s: float = 0.0
+    aggregate_s: float = 0.0
+    checkpoint_s: float = 0.0  # training blocked: waiting for the previous one, then staging
+    checkpoint_wait_s: float = 0.0  # of which waiting for the previous checkpoint's write
+    checkpoint_copy_wait_s: float = 0.0  # of which the next optimizer step waiting for the copy
+    checkpoint_write_s: float = 0.0  # in the background: serialize, upload, commit, retention
+    preemption_hold_s: float = 0.0  # waiting, after a just-in-time checkpoint, for the drain
+    relay_s: float = 0.0
+    num_steps: int = 0
+    num_aggregates: int = 0
+    num_checkpoints: int = 0
+
+    def to_json(self) -> dict[str, float]:
+        return dict(self.__dict__)

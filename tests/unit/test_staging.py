@@ -150,6 +150,6 @@ def test_reserve_allocates_the_buffers_stage_then_fills():
 def test_training_waiting_on_writes_is_said_when_it_is_a_tenth_of_the_interval(
     wait_s, since_s, slow
 ):
-    from trainer_core.loop import writes_outlast_interval
+    from trainer_core.checkpoint_manager import writes_outlast_interval
 
     assert writes_outlast_interval(wait_s, since_s) is slow

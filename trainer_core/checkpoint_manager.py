@@ -1,0 +1,378 @@
+"""The built-in loop's checkpoints, in one object: what is saved, under which names, in which
+format, staged how and written on which thread (after torchtitan's ``CheckpointManager``).
+
+The loop says when: ``save`` at a step (with what the manifest carries), ``load`` of the newest
+checkpoint every rank can verify, ``before_optimizer_step`` so a deferred copy finishes before
+the step changes what it copies, ``wait`` for the write in flight. Everything else is here:
+
+- **State keys and file names.** ``model``, ``optimizer``, ``scheduler``, ``scaler`` (fp16) and
+  every rank's ``rng``; ``model.pt`` and ``optimizer.pt`` from rank 0, or ``model-rank{r}.pt``
+  and ``optimizer-rank{r}.pt`` from every rank (``checkpoint.sharded``), ``scheduler.pt`` and
+  ``scaler.pt`` from rank 0, ``rng-rank{r}.pt`` from every rank.
+- **Staging** (``staging.Stager``): the state is copied into kept buffers; with
+  ``checkpoint.asynchronous``, what only the optimizer step changes is copied on the checkpoint
+  thread while the next forward and backward run.
+- **The write** (``staging.Background``): serialize and hash each file into the run directory,
+  then (rank 0) the metrics segment, the manifest and ``COMMITTED``, and retention. One
+  checkpoint is in flight at a time, so commits come in step order.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer_core import training_state
+from trainer_core.checkpoints import CheckpointInfo, FileEntry, RunDirectory, open_checkpoint
+from trainer_core.errors import CheckpointCorruptError, TrainingCodeError
+from trainer_core.spec import CheckpointSection
+from trainer_core.staging import Background, Stager
+from trainer_core.worker import Relay, Timings, all_ok
+
+logger = logging.getLogger("relaytrain.worker")
+
+#: The checkpoint format this module writes (the manifest's ``format``).
+FORMAT = "relaytrain.torch/1"
+#: Training waiting for the previous checkpoint's write is worth a warning when the wait is this
+#: share of the training time since that write began, and at least this long.
+SLOW_WRITE_SHARE = 0.1
+SLOW_WRITE_MIN_S = 0.05
+
+
+def writes_outlast_interval(wait_s: float, since_s: float) -> bool:
+    """Whether training waited long enough for the previous write to say so."""
+    return wait_s >= SLOW_WRITE_MIN_S and wait_s >= SLOW_WRITE_SHARE * since_s
+
+
+def file_names(sharded: bool, rank: int) -> dict[str, str]:
+    """The file each state key of ``rank`` is saved under (``rng``: every rank's own)."""
+    suffix = f"-rank{rank}" if sharded else ""
+    return {
+        "model": f"model{suffix}.pt",
+        "optimizer": f"optimizer{suffix}.pt",
+        "scheduler": "scheduler.pt",
+        "scaler": "scaler.pt",
+        "rng": f"rng-rank{rank}.pt",
+    }
+
+
+def model_file(checkpoint: CheckpointInfo) -> str:
+    """The file holding the whole model's weights (rank 0's, for a sharded DDP checkpoint: every
+    rank holds a replica)."""
+    return "model.pt" if "model.pt" in checkpoint.files else "model-rank0.pt"
+
+
+def read_model_weights(checkpoint_uri: str) -> dict[str, torch.Tensor]:
+    """The model's state dict of a committed checkpoint, verified against its manifest: for
+    evaluation, the champion registry and warm starts."""
+    run_dir, checkpoint = open_checkpoint(checkpoint_uri)
+    state: dict[str, torch.Tensor] = training_state.from_bytes(
+        run_dir.read_verified(checkpoint, model_file(checkpoint))
+    )
+    return state
+
+
+@dataclass
+class Loaded:
+    """What ``load`` restored: the checkpoint (its manifest has the cursor, metrics and early
+    stopping), and the newer ones it skipped, with why."""
+
+    checkpoint: CheckpointInfo | None
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint saves and restores, by reference (the loop's live objects)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    #: fp16's gradient scaler (None otherwise).
+    scaler: Any = None
+
+
+class CheckpointManager:
+    """One rank's checkpoints of a run of the built-in loop."""
+
+    def __init__(
+        self,
+        run_dir: RunDirectory,
+        section: CheckpointSection,
+        state: TrainingState,
+        *,
+        rank: int,
+        world_size: int,
+        attempt: int,
+        relay: Relay,
+        timings: Timings,
+    ):
+        self.run_dir = run_dir
+        self.section = section
+        self.state = state
+        self.rank = rank
+        self.world_size = world_size
+        self.attempt = attempt
+        self.relay = relay
+        self.timings = timings
+        self.names = file_names(section.sharded, rank)
+        #: The step of the newest checkpoint saved or loaded (0: none).
+        self.last_step = 0
+        #: Kept from retention: the checkpoint this group resumed from.
+        self.resumed_from = 0
+        self.stager = Stager()
+        self.background = Background()
+        #: Clear while the checkpoint thread copies what only the optimizer step changes.
+        self.copied = threading.Event()
+        self.copied.set()
+        #: When the last checkpoint went to the checkpoint thread, and whether training has
+        #: already been found waiting for one (said once per worker group).
+        self.last_submit: float | None = None
+        self.slow_writes_said = False
+        # Sharded checkpoints gather every rank's file list from the checkpoint thread: on a
+        # group of their own, so they never interleave with the training thread's collectives.
+        self.group = dist.new_group(backend="gloo") if section.sharded else None
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def load(self, candidates: list[int]) -> Loaded:
+        """Restore the newest of ``candidates`` (committed steps, newest first) that every rank
+        can read and verify; ``Loaded.checkpoint`` is None when none could be."""
+        skipped: list[dict[str, Any]] = []
+        for step in candidates:
+            states: dict[str, Any] | None = None
+            checkpoint = None
+            try:
+                checkpoint = self.run_dir.read_committed(step)
+                if checkpoint is None:
+                    raise CheckpointCorruptError(f"checkpoint at step {step} is not committed")
+                states = {
+                    key: training_state.from_bytes(self.run_dir.read_verified(checkpoint, name))
+                    for key, name in self._files_to_read(checkpoint).items()
+                }
+            except (CheckpointCorruptError, FileNotFoundError, RuntimeError, ValueError) as e:
+                logger.warning("rank %d cannot use checkpoint %d: %s", self.rank, step, e)
+                skipped.append({"step": step, "reason": str(e)})
+                states = None
+            if not all_ok(states is not None):
+                if states is not None:
+                    skipped.append({"step": step, "reason": "another rank could not verify it"})
+                continue
+            assert states is not None and checkpoint is not None
+            self._apply(states)
+            self.last_step = self.resumed_from = step
+            return Loaded(checkpoint, skipped)
+        return Loaded(None, skipped)
+
+    def load_weights(self, checkpoint_uri: str) -> None:
+        """A warm start: the model's weights of another run's checkpoint."""
+        self.state.model.load_state_dict(read_model_weights(checkpoint_uri))
+
+    def _files_to_read(self, checkpoint: CheckpointInfo) -> dict[str, str]:
+        """This rank's files of ``checkpoint``: the model and optimizer (its own shard of a
+        sharded one), the schedule, fp16's scaler if saved, and its RNG state when the world
+        size is the same (at another size the ranks are not the same processes)."""
+        names = file_names(checkpoint.manifest.get("sharded", False), self.rank)
+        wanted = {key: names[key] for key in ("model", "optimizer", "scheduler")}
+        if self.state.scaler is not None and names["scaler"] in checkpoint.files:
+            wanted["scaler"] = names["scaler"]  # else a new scaler: a checkpoint of fp32 or bf16
+        if checkpoint.manifest.get("world_size") == self.world_size:
+            wanted["rng"] = names["rng"]
+        return wanted
+
+    def _apply(self, states: dict[str, Any]) -> None:
+        self.state.model.load_state_dict(states["model"])
+        self.state.optimizer.load_state_dict(states["optimizer"])
+        self.state.scheduler.load_state_dict(states["scheduler"])
+        if "scaler" in states and self.state.scaler is not None:
+            self.state.scaler.load_state_dict(states["scaler"])
+        if "rng" in states:
+            training_state.restore_rng(states["rng"])
+
+    # -- save ----------------------------------------------------------------------------------
+
+    def save(self, step: int, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        """Checkpoint ``step``: stage the state, then write it on the checkpoint thread (and wait
+        for it, unless ``checkpoint.asynchronous``). ``meta`` goes into the manifest, ``rows``
+        (metric rows since the last checkpoint) into the run's metrics history.
+
+        Rank 0 writes the model, optimizer and scheduler (every rank its own shards when
+        ``checkpoint.sharded``) and every rank's RNG state, gathered here, so the thread of an
+        unsharded run needs no collective.
+        """
+        started = time.perf_counter()
+        self.background.wait()  # the previous checkpoint is committed, or its error raised
+        waited = time.perf_counter()
+        self._say_if_writes_are_slow(step, waited - started, started)
+        sharded = self.section.sharded
+        rng = training_state.to_bytes(training_state.capture_rng())  # small: kilobytes
+        if sharded:
+            rngs = {self.rank: rng}
+        else:
+            gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(rng, gathered, dst=0)
+            rngs = dict(enumerate(gathered or []))
+        asynchronous = self.section.asynchronous
+        staged = self.stager.stage(
+            self._state_to_stage(), defer=self._changed_by_step() if asynchronous else None
+        )
+        meta = {
+            **meta,
+            "world_size": self.world_size,
+            "sharded": sharded,
+            "attempt": self.attempt,
+            "format": FORMAT,
+        }
+        self.last_step = step
+        if staged or rngs:
+            self.copied.clear()
+            self.background.submit(lambda: self._write(step, staged, rngs, rows, meta))
+            self.last_submit = time.perf_counter()
+        if not asynchronous:
+            self.background.wait()
+        self.timings.checkpoint_s += time.perf_counter() - started
+        self.timings.checkpoint_wait_s += waited - started
+        self.timings.num_checkpoints += 1
+
+    def reserve(self) -> None:
+        """Allocate the staging buffers on the checkpoint thread (after the first step, when the
+        optimizer's state exists), so the first checkpoint does not."""
+        state = self._state_to_stage()
+        if state:
+            self.background.submit(lambda: self.stager.reserve(state))
+
+    def before_optimizer_step(self) -> None:
+        """Wait until the checkpoint thread has copied what the optimizer step changes."""
+        if self.copied.is_set():
+            return
+        started = time.perf_counter()
+        self.copied.wait()
+        waited = time.perf_counter() - started
+        self.timings.checkpoint_s += waited
+        self.timings.checkpoint_copy_wait_s += waited
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight is committed; raise its error."""
+        self.background.wait()
+
+    def failed(self) -> bool:
+        """Whether the checkpoint in flight has failed (cheap: asked at every step)."""
+        return self.background.failed()
+
+    def settle(self, timeout_s: float) -> BaseException | None:
+        """Before an error ends the worker: let the write in flight commit what it can."""
+        return self.background.settle(timeout_s)
+
+    def close(self) -> None:
+        self.background.close()
+
+    def _state_to_stage(self) -> dict[str, Any]:
+        """What this rank's checkpoint copies: model and optimizer on rank 0 (every rank when
+        sharded), the schedule and fp16's scaler on rank 0."""
+        state: dict[str, Any] = {}
+        if self.section.sharded or self.rank == 0:
+            state["model"] = self.state.model.state_dict()
+            state["optimizer"] = self.state.optimizer.state_dict()
+        if self.rank == 0:
+            state["scheduler"] = self.state.scheduler.state_dict()
+            if self.state.scaler is not None:
+                state["scaler"] = self.state.scaler.state_dict()
+        return state
+
+    def _changed_by_step(self) -> Callable[[torch.Tensor], bool]:
+        """Picks what only the optimizer step changes, the parameters and the optimizer's state,
+        for the checkpoint thread to copy while the next forward and backward run. The rest
+        (buffers such as batch norm's running statistics, which a forward pass updates, and
+        plain values) is copied before training goes on."""
+        pointers = {p.data_ptr() for p in self.state.model.parameters()}
+        for state in self.state.optimizer.state.values():
+            pointers.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+        return lambda tensor: tensor.data_ptr() in pointers
+
+    def _say_if_writes_are_slow(self, step: int, wait_s: float, now: float) -> None:
+        if self.slow_writes_said or self.last_submit is None:  # said, or no earlier write
+            return
+        since = now - self.last_submit
+        if not writes_outlast_interval(wait_s, since):
+            return
+        self.slow_writes_said = True
+        self.relay.send(
+            "slow_checkpoint_writes",
+            step=step,
+            wait_s=round(wait_s, 3),
+            since_s=round(since, 3),
+            every=self.section.every,
+        )
+
+    def _write(
+        self,
+        step: int,
+        staged: dict[str, Any],
+        rngs: dict[int, bytes],
+        rows: list[dict[str, Any]],
+        meta: dict[str, Any],
+    ) -> None:
+        """The checkpoint thread: finish staging (the next optimizer step waits for it), check,
+        write every file, then (rank 0) commit and retain."""
+        started = time.perf_counter()
+        try:
+            self.stager.copy_deferred()
+        finally:
+            self.copied.set()
+        if "model" in staged:
+            self._check_finite_parameters(step, staged["model"])
+        if self.rank == 0:
+            self.run_dir.prepare_checkpoint_dir(step)
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        entries = [
+            self.run_dir.stream_checkpoint_file(
+                step, self.names[key], functools.partial(training_state.save, value)
+            )
+            for key, value in staged.items()
+        ]
+        entries += [
+            self.run_dir.write_checkpoint_file(step, file_names(False, rank)["rng"], rng)
+            for rank, rng in sorted(rngs.items())
+        ]
+        if self.group is not None:
+            gathered: list[list[FileEntry] | None] = [None] * self.world_size
+            dist.all_gather_object(gathered, entries, group=self.group)
+            entries = [e for part in gathered for e in (part or [])]
+        if self.rank == 0:
+            self.run_dir.write_metrics_segment(self.attempt, rows)
+            info = self.run_dir.commit_checkpoint(step, entries, meta)
+            self.run_dir.apply_retention(
+                self.section, protected_steps={self.resumed_from}, in_flight_from_step=step + 1
+            )
+            self.relay.send(
+                "checkpoint", step=step, checkpoint_uri=info.uri, metrics=meta["metrics"]
+            )
+        self.timings.checkpoint_write_s += time.perf_counter() - started
+
+    def _check_finite_parameters(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        """Never commit NaN/inf weights: the loss of step N is computed before step N's update,
+        so a finite loss does not prove the weights a checkpoint would save are finite."""
+        bad = [
+            name
+            for name, value in state.items()
+            if value.is_floating_point() and not bool(torch.isfinite(value).all())
+        ]
+        if bad:
+            raise TrainingCodeError(
+                f"parameters {bad[:3]} became non-finite by the update of step {step} on rank "
+                f"{self.rank} (no checkpoint written at step {step}): lower optimizer.lr, or add "
+                "gradient clipping in your model",
+                error_type="NonFiniteParameters",
+                step=step,
+                rank=self.rank,
+                deterministic=True,
+            )
