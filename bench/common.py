@@ -497,3 +497,24 @@ def update_readme(tables: str, readme: Path = README) -> None:
         raise ValueError(f"{readme} lacks the markers {TABLES_START} ... {TABLES_END}")
     head = text[: start + len(TABLES_START)]
     readme.write_text(f"{head}\n\n{tables.rstrip()}\n\n{text[end:]}")
+
+
+def recovery_phases(
+    lost_at: float,
+    detected_at: float | None,
+    restarted_at: float | None,
+    resumed_at: float | None,
+    first_step_at: float,
+) -> Sample:
+    """Where a recovery's seconds went: until the failure was known (``detect_s``: the attempt
+    ended, or Ray's controller restarted the group), until the next attempt began (``relaunch_s``:
+    Prefect's retry; 0 in place), until its workers had loaded the checkpoint (``start_s``), and
+    until their first step (``first_step_s``)."""
+    if detected_at is None or restarted_at is None or resumed_at is None:
+        return {}
+    return {
+        "detect_s": detected_at - lost_at,
+        "relaunch_s": restarted_at - detected_at,
+        "start_s": resumed_at - restarted_at,
+        "first_step_s": first_step_at - resumed_at,
+    }

@@ -175,7 +175,7 @@ def run_with_fault(
             (failed[0].last_step or 0) - (following.resumed_from_step or 0)
         )
         sample.update(
-            _phases(
+            common.recovery_phases(
                 lost_at,
                 failed[0].ended_at,
                 following.started_at,
@@ -190,32 +190,13 @@ def run_with_fault(
         sample["steps_lost"] = float(first["last_step"] - first["resumed_from_step"])
         failed_at = first.get("failed_at")
         sample.update(
-            _phases(lost_at, failed_at, failed_at, first.get("resumed_at"), first_step_at)
+            common.recovery_phases(
+                lost_at, failed_at, failed_at, first.get("resumed_at"), first_step_at
+            )
         )
         if "seconds_to_deadline" in first:
             sample["seconds_to_deadline"] = float(first["seconds_to_deadline"])
     return sample
-
-
-def _phases(
-    lost_at: float,
-    detected_at: float | None,
-    restarted_at: float | None,
-    resumed_at: float | None,
-    first_step_at: float,
-) -> Sample:
-    """Where a recovery's seconds went: until the failure was known (``detect_s``: the attempt
-    ended, or Ray's controller restarted the group), until the next attempt began (``relaunch_s``:
-    Prefect's retry; 0 in place), until its workers had loaded the checkpoint (``start_s``), and
-    until their first step (``first_step_s``)."""
-    if detected_at is None or restarted_at is None or resumed_at is None:
-        return {}
-    return {
-        "detect_s": detected_at - lost_at,
-        "relaunch_s": restarted_at - detected_at,
-        "start_s": resumed_at - restarted_at,
-        "first_step_s": first_step_at - resumed_at,
-    }
 
 
 def _committed_step(run_dir: RunDirectory) -> int:

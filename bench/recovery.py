@@ -39,7 +39,6 @@ from bench.common import Result, Sample, Target, Variant
 from bench.probe import read_probe
 from bench.rayloop import ray_native_loop
 from bench.workload import mlp_spec
-from trainer_core import storage
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import InfrastructureError
 from trainer_core.spec import RunSpec
@@ -104,18 +103,17 @@ def probe_recovery(spec: RunSpec) -> Sample:
 def attempt_phases(spec: RunSpec, sample: Sample) -> Sample:
     """Split a relaytrain recovery with the attempt records (driver clock, same machine)."""
     assert spec.run.name is not None
-    run_dir = RunDirectory(storage.resolve(spec.run.storage).child(spec.run.name))
-    records = {r["attempt"]: r for r in run_dir.read_attempts()}
+    records = {
+        r["attempt"]: r for r in RunDirectory.of(spec.run.storage, spec.run.name).read_attempts()
+    }
     first, second = records.get(1, {}), records.get(2, {})
-    phases: Sample = {}
-    if first.get("ended_at"):
-        phases["detect_s"] = first["ended_at"] - sample["failure_time"]
-        if second.get("started_at"):
-            phases["relaunch_s"] = second["started_at"] - first["ended_at"]
-    if second.get("started_at") and second.get("resumed_at"):
-        phases["start_s"] = second["resumed_at"] - second["started_at"]
-        phases["first_step_s"] = sample["resumed_first_step_time"] - second["resumed_at"]
-    return phases
+    return common.recovery_phases(
+        sample["failure_time"],
+        first.get("ended_at"),
+        second.get("started_at"),
+        second.get("resumed_at"),
+        sample["resumed_first_step_time"],
+    )
 
 
 def measure_prefect(spec: RunSpec) -> Sample:

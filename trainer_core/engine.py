@@ -316,7 +316,7 @@ def run_attempt(
 
         loop = builtin_train_loop if spec.train_loop is None else user_train_loop
         try:
-            trainer.fit(spec, plan, loop, handle, poll_interval_s)
+            trainer.fit(spec, plan, loop, handle, poll_interval_s, reclaimed_before)
         except BaseException as error:
             classified = classify.name_preemption(classify.classify(error), reclaimed_before)
             attempts.write(run_dir, record.failed(classified, live.outcome(), live.step))

@@ -15,12 +15,10 @@ keys, file names, staging, the background write, the commit).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +32,9 @@ from trainer_core.checkpoint_manager import CheckpointManager, TrainingState
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import InfrastructureError, RelaytrainError, TrainingCodeError
 from trainer_core.execution import worker_api
-from trainer_core.execution.worker_api import PreemptionNotice
+from trainer_core.preemption import DrainWatch
 from trainer_core.spec import RunSpec
+from trainer_core.steps import accumulate_gradients, optimizer_step, optimizer_steps
 from trainer_core.worker import (
     Faults,
     Relay,
@@ -54,9 +53,6 @@ logger = logging.getLogger("relaytrain.worker")
 
 #: ``precision`` -> the dtype autocast computes in (fp32: no autocast).
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: After a just-in-time checkpoint the group waits for its node to go (every step trained then
-#: would be lost with it), at most this long past the drain's deadline; then it trains on.
-PREEMPTION_HOLD_MARGIN_S = 30.0
 
 
 @dataclass
@@ -116,8 +112,6 @@ class BuiltinLoop:
         self.unsaved: list[dict[str, Any]] = []  # rows not yet in a metrics segment
         self.current_step = 0
         self.completed_step = 0
-        #: A drain's notice, once a just-in-time checkpoint answered it (once per group).
-        self.notice: PreemptionNotice | None = None
         self.timings = Timings()
         self.in_flight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], dict]] = []
         self.checkpoints = CheckpointManager(
@@ -129,6 +123,9 @@ class BuiltinLoop:
             attempt=config.attempt,
             relay=self.relay,
             timings=self.timings,
+        )
+        self.drains = DrainWatch(
+            config.watch_preemption, self.rank, self.relay, self.checkpoints, self.timings
         )
 
     # -- resume --------------------------------------------------------------------------------
@@ -263,7 +260,7 @@ class BuiltinLoop:
             or stop
         )
         at_report = step % self.spec.report.every == 0 or end_of_epoch or should_checkpoint
-        notice = self._new_preemption_notice() if at_report else None
+        notice = self.drains.new_notice() if at_report else None
         should_checkpoint = should_checkpoint or notice is not None
         if at_report:
             started = time.perf_counter()
@@ -278,42 +275,7 @@ class BuiltinLoop:
             )
             self._checkpoint(step, next_cursor)
         if notice is not None:
-            self._hold_for_preemption(step, notice)
-
-    def _new_preemption_notice(self) -> PreemptionNotice | None:
-        """A drain's notice not yet answered in this group (every rank asks at every report)."""
-        if not self.config.watch_preemption:
-            return None
-        notice = worker_api.preemption_notice()
-        if notice is None or self.notice is not None:
-            return None
-        self.notice = notice
-        return notice
-
-    def _hold_for_preemption(self, step: int, notice: PreemptionNotice) -> None:
-        """A drain's notice was answered with a checkpoint at ``step``: wait for it to commit,
-        tell the driver, then wait for the drain's deadline (when Ray Train restarts the group
-        on the nodes that stay), since steps trained now would be lost with the node."""
-        started = time.perf_counter()
-        self.checkpoints.wait()
-        seconds_left = None if notice.deadline is None else notice.deadline - time.time()
-        self.relay.send(
-            "preemption_notice",
-            step=step,
-            ranks=notice.ranks,
-            deadline=notice.deadline,
-            seconds_left=seconds_left,
-        )
-        logger.warning(
-            "rank %d: a node of ranks %s drains for preemption in %s s; committed step %d",
-            self.rank,
-            notice.ranks,
-            "?" if seconds_left is None else f"{seconds_left:.1f}",
-            step,
-        )
-        if notice.deadline is not None:
-            time.sleep(max(notice.deadline + PREEMPTION_HOLD_MARGIN_S - time.time(), 0.0))
-        self.timings.preemption_hold_s += time.perf_counter() - started
+            self.drains.hold(step, notice)
 
     def _should_stop(self, epoch: int, measured: dict[str, float]) -> bool:
         """Early stopping's verdict after ``epoch`` (the same on every rank: the metrics are
@@ -454,73 +416,6 @@ class BuiltinLoop:
         peak = torch.tensor([peak_rss_mb()], dtype=torch.float64, device=collective_device())
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         self.relay.send("memory", peak_worker_rss_mb=round(float(peak), 1))
-
-
-def accumulate_gradients(
-    model: torch.nn.Module,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    autocast: Callable[[], Any] = contextlib.nullcontext,
-    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    weight: float = 1.0,
-) -> torch.Tensor:
-    """Forward and backward over one optimizer step's micro-batches; returns the step's loss.
-
-    Each micro-batch's mean loss is weighted by its share of the step's samples, so the
-    gradients are those of one batch of all of them. DDP's all-reduce runs once, in the last
-    backward: the others run under ``no_sync``. ``scale`` is fp16's loss scaling; ``weight``
-    the rank's (``sample_order.rank_weight``: 1 unless the workers do not divide the batch).
-    """
-    total = sum(len(labels) for _, labels in micro_batches)
-    loss = torch.zeros((), device=micro_batches[0][1].device)
-    no_sync = getattr(model, "no_sync", None)
-    for position, (features, labels) in enumerate(micro_batches):
-        last = position == len(micro_batches) - 1
-        with contextlib.nullcontext() if last or no_sync is None else no_sync():
-            with autocast():
-                part = loss_fn(model(features), labels) * (weight * len(labels) / total)
-            (part if scale is None else scale(part)).backward()
-        loss += part.detach().float()
-    return loss
-
-
-def optimizer_steps(
-    batches: Iterable[tuple[int, np.ndarray, data_mod.Arrays]], accumulation: int
-) -> Iterator[tuple[int, list[data_mod.Arrays]]]:
-    """An epoch's (global batch index, row ids, rows) grouped into optimizer steps: (the
-    index after the step's last batch, its micro-batches). A step ends where a multiple of
-    ``accumulation`` batches of the epoch does, or at the epoch's end."""
-    group: list[data_mod.Arrays] = []
-    index = -1
-    for index, _, rows in batches:
-        group.append(rows)
-        if (index + 1) % accumulation == 0:
-            yield index + 1, group
-            group = []
-    if group:
-        yield index + 1, group
-
-
-def optimizer_step(
-    optimizer: torch.optim.Optimizer,
-    model: torch.nn.Module,
-    clip: float | None,
-    scaler: torch.amp.GradScaler | None = None,
-) -> float | None:
-    """Clip the gradients' total norm to ``clip`` (after fp16's unscaling), then step (through
-    the scaler, which skips a step whose gradients overflowed). Returns the norm before
-    clipping, or None without ``clip``."""
-    grad_norm = None
-    if clip is not None:
-        if scaler is not None:
-            scaler.unscale_(optimizer)  # clip the true gradients
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-    if scaler is None:
-        optimizer.step()
-    else:
-        scaler.step(optimizer)
-        scaler.update()
-    return grad_norm
 
 
 def builtin_train_loop(config: dict[str, Any]) -> None:

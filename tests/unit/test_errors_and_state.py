@@ -227,7 +227,7 @@ def test_early_stopping_counts_epochs_without_improvement_and_survives_json():
 
 
 def test_gradients_accumulated_over_micro_batches_equal_one_batch_of_them_all():
-    from trainer_core.loop import accumulate_gradients
+    from trainer_core.steps import accumulate_gradients
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
@@ -271,7 +271,7 @@ def test_gradients_accumulated_over_micro_batches_equal_one_batch_of_them_all():
 
 
 def test_the_optimizer_step_clips_the_gradients_total_norm():
-    from trainer_core.loop import optimizer_step
+    from trainer_core.steps import optimizer_step
 
     model = torch.nn.Linear(3, 1, bias=False)
     torch.nn.init.zeros_(model.weight)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import ray
@@ -16,6 +17,8 @@ from trainer_core.errors import (
     TrainingCodeError,
 )
 from trainer_core.execution.cluster import alive_nodes, draining_nodes, preempted_nodes
+
+logger = logging.getLogger("relaytrain.engine")
 
 
 def _unwrap(error: BaseException) -> BaseException:
@@ -140,9 +143,28 @@ def name_preemption(
     reclaimed = preempted_nodes() - reclaimed_before
     if not reclaimed:
         return error
-    named = PreemptedError(
-        f"preempted: node(s) {sorted(reclaimed)} were reclaimed during the attempt ({error})",
-        step=getattr(error, "step", None),
-    )
+    return _preempted(error, f"node(s) {sorted(reclaimed)} were reclaimed during the attempt")
+
+
+def name_preemption_now(error: BaseException, reclaimed_before: set[str]) -> BaseException:
+    """``name_preemption`` for a failure being decided now (Ray Train's failure policy, which
+    cannot wait): an infrastructure failure while a node drains for preemption, due or not, or
+    after one was reclaimed, is that preemption. Ray says so of the lost worker only once the GCS
+    has the node's death reason, which relaytrain does not wait for
+    (``RAY_timeout_ms_task_wait_for_death_info``), and the survivors fail first anyway."""
+    if not isinstance(error, InfrastructureError) or isinstance(error, PreemptedError):
+        return error
+    try:
+        underway = draining_nodes(due_only=False) or preempted_nodes() - reclaimed_before
+    except Exception:  # the GCS's node table is a hint here; the failure is still handled
+        logger.debug("could not read the cluster's drains", exc_info=True)
+        return error
+    if not underway:
+        return error
+    return _preempted(error, "a node drains for preemption or was reclaimed")
+
+
+def _preempted(error: BaseException, why: str) -> PreemptedError:
+    named = PreemptedError(f"preempted: {why} ({error})", step=getattr(error, "step", None))
     named.__cause__ = error
     return named

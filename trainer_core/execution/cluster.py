@@ -116,28 +116,21 @@ def preempted_nodes() -> set[str]:
     }
 
 
-def draining_nodes() -> set[str]:
-    """Ids of the nodes the GCS was told to drain whose drain deadline has come.
+def draining_nodes(due_only: bool = True) -> set[str]:
+    """Ids of the nodes the GCS was told to drain for preemption (with a deadline) and still
+    counts as alive; ``due_only``: only those whose deadline has come.
 
-    Idle drains (no deadline) and notices that have not yet come due are left out: their
-    nodes are not the reason an attempt fails now.
+    Idle drains (no deadline) are left out, and with ``due_only`` notices that have not yet come
+    due: their nodes are not the reason an attempt fails now.
     """
     from ray._private.state import state
 
-    due_ms = time.time() * 1000 + 1000
+    due_ms = time.time() * 1000 + 1000 if due_only else float("inf")
     return {
         node_id
         for node_id, deadline_ms in state.get_draining_nodes().items()
         if 0 < deadline_ms <= due_ms
     }
-
-
-def draining_for_preemption() -> set[str]:
-    """Ids of the nodes the GCS was told to drain with a deadline (a preemption's notice), due
-    or not, that it still counts as alive."""
-    from ray._private.state import state
-
-    return {node_id for node_id, deadline_ms in state.get_draining_nodes().items() if deadline_ms}
 
 
 #: Ray Train's switch for its preemption watcher (an actor started with every worker group).

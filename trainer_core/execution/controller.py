@@ -41,9 +41,7 @@ from ray.train.v2._internal.execution.failure_handling import FailureDecision, F
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.util import TrainingFramework
 
-from trainer_core.errors import PreemptedError
-from trainer_core.execution.classify import classify
-from trainer_core.execution.cluster import draining_for_preemption, preempted_nodes
+from trainer_core.execution.classify import classify, name_preemption_now
 
 logger = logging.getLogger("relaytrain.engine")
 
@@ -203,10 +201,8 @@ class InPlacePolicy(FailurePolicy):
     allowed, None for no limit. Each restart is pushed to the relay; the new group resumes from
     the newest commit.
 
-    A worker group that failed while a node drains for preemption, or after a node was reclaimed
-    (not one of ``reclaimed_before``), failed of the preemption. Ray says so of the lost worker
-    only once the GCS has the node's death reason, which relaytrain does not wait for
-    (``RAY_timeout_ms_task_wait_for_death_info``), and the survivors fail first anyway.
+    A failure while a node drains for preemption, or after one not in ``reclaimed_before`` was
+    reclaimed, draws on the preemption budget (``classify.name_preemption_now``).
     """
 
     def __init__(
@@ -214,18 +210,18 @@ class InPlacePolicy(FailurePolicy):
         failure_config: Any,
         limits: dict[str, int | None],
         relay: Any,
-        reclaimed_before: frozenset[str] = frozenset(),
+        reclaimed_before: set[str] | None = None,
     ):
         super().__init__(failure_config)
         self.limits = limits
         self.relay = relay
-        self.reclaimed_before = reclaimed_before
+        self.reclaimed_before = reclaimed_before or set()
         self.used = dict.fromkeys(limits, 0)
         self.restarts = 0
 
     def make_decision(self, training_failed_error: Any) -> Any:
         if isinstance(training_failed_error, (WorkerGroupError, PreemptionError)):
-            classified = classify(training_failed_error)
+            classified = name_preemption_now(classify(training_failed_error), self.reclaimed_before)
             budget = getattr(classified, "budget", "none")
         elif isinstance(training_failed_error, ControllerError) and isinstance(
             training_failed_error.controller_failure, STARTUP_FAILURES
@@ -235,12 +231,6 @@ class InPlacePolicy(FailurePolicy):
             classified, budget = training_failed_error.controller_failure, "startup"
         else:
             return FailureDecision.RAISE  # the controller itself failed: end the attempt
-        if budget == "infrastructure" and self._preemption_underway():
-            classified = PreemptedError(
-                f"preempted: a node drains for preemption or was reclaimed ({classified})",
-                step=getattr(classified, "step", None),
-            )
-            budget = classified.budget
         if budget not in self.limits:
             return FailureDecision.RAISE
         limit = self.limits[budget]
@@ -267,13 +257,6 @@ class InPlacePolicy(FailurePolicy):
             }
         )
         return FailureDecision.RETRY
-
-    def _preemption_underway(self) -> bool:
-        try:
-            return bool(draining_for_preemption() or preempted_nodes() - self.reclaimed_before)
-        except Exception:  # the GCS's node table is a hint here; the failure is still handled
-            logger.debug("could not read the cluster's drains", exc_info=True)
-            return False
 
 
 class CurrentCapacityPolicy(ElasticScalingPolicy):

@@ -18,7 +18,6 @@ from trainer_core import lazyfs, storage
 from trainer_core.execution.cluster import (
     PREEMPTION_WATCHER_ENV,
     apply_ray_env_defaults,
-    preempted_nodes,
     watches_preemption,
 )
 from trainer_core.spec import RunSpec
@@ -64,7 +63,7 @@ def _abortable_trainer_class() -> type:
         restart_limits: dict[str, int | None] = {}
         relay: Any = None
         #: Nodes reclaimed for preemption before this attempt (not its failures' cause).
-        reclaimed_before: frozenset[str] = frozenset()
+        reclaimed_before: set[str] = set()
         #: Whether Ray's preemption watcher runs (``watches_preemption``).
         watch_preemption: bool = False
 
@@ -204,7 +203,6 @@ def _trainer(spec: RunSpec, plan: Any, loop: TrainLoop, relay: Any) -> Any:
     trainer.restart_limits = restart_limits(spec)
     trainer.watch_preemption = worker_config.watch_preemption
     trainer.relay = relay
-    trainer.reclaimed_before = frozenset(preempted_nodes())
     return trainer
 
 
@@ -231,10 +229,17 @@ def _read_parquet(path: str, filesystem: Any) -> Any:
 
 
 def fit(
-    spec: RunSpec, plan: Any, loop: TrainLoop, handle: EventHandler, poll_interval_s: float
+    spec: RunSpec,
+    plan: Any,
+    loop: TrainLoop,
+    handle: EventHandler,
+    poll_interval_s: float,
+    reclaimed_before: set[str],
 ) -> None:
     """Run ``loop`` on a worker group for the attempt ``plan`` (an ``engine.Plan``): fit() in a
     thread, the workers' events relayed to ``handle`` here; an interrupt stops the worker group.
+    ``reclaimed_before``: the nodes reclaimed for preemption before the attempt (not the cause
+    of its failures).
 
     Cancellation (Prefect's TerminationSignal, KeyboardInterrupt) arrives in this thread as a
     BaseException: the ``finally`` aborts Ray Train's controller, which stops every worker.
@@ -246,6 +251,7 @@ def fit(
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     relay = MetricsRelay.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
     trainer = _trainer(spec, plan, loop, relay)
+    trainer.reclaimed_before = reclaimed_before
     outcome: dict[str, Any] = {}
 
     def target() -> None:

@@ -1,0 +1,80 @@
+"""One optimizer step of the built-in loop: gradient accumulation over micro-batches, clipping,
+fp16's scaler, and an epoch's batches grouped into steps. Pure functions of torch objects."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer_core import data as data_mod
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    weight: float = 1.0,
+) -> torch.Tensor:
+    """Forward and backward over one optimizer step's micro-batches; returns the step's loss.
+
+    Each micro-batch's mean loss is weighted by its share of the step's samples, so the
+    gradients are those of one batch of all of them. DDP's all-reduce runs once, in the last
+    backward: the others run under ``no_sync``. ``scale`` is fp16's loss scaling; ``weight``
+    the rank's (``sample_order.rank_weight``: 1 unless the workers do not divide the batch).
+    """
+    total = sum(len(labels) for _, labels in micro_batches)
+    loss = torch.zeros((), device=micro_batches[0][1].device)
+    no_sync = getattr(model, "no_sync", None)
+    for position, (features, labels) in enumerate(micro_batches):
+        last = position == len(micro_batches) - 1
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            with autocast():
+                part = loss_fn(model(features), labels) * (weight * len(labels) / total)
+            (part if scale is None else scale(part)).backward()
+        loss += part.detach().float()
+    return loss
+
+
+def optimizer_steps(
+    batches: Iterable[tuple[int, np.ndarray, data_mod.Arrays]], accumulation: int
+) -> Iterator[tuple[int, list[data_mod.Arrays]]]:
+    """An epoch's (global batch index, row ids, rows) grouped into optimizer steps: (the
+    index after the step's last batch, its micro-batches). A step ends where a multiple of
+    ``accumulation`` batches of the epoch does, or at the epoch's end."""
+    group: list[data_mod.Arrays] = []
+    index = -1
+    for index, _, rows in batches:
+        group.append(rows)
+        if (index + 1) % accumulation == 0:
+            yield index + 1, group
+            group = []
+    if group:
+        yield index + 1, group
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    clip: float | None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> float | None:
+    """Clip the gradients' total norm to ``clip`` (after fp16's unscaling), then step (through
+    the scaler, which skips a step whose gradients overflowed). Returns the norm before
+    clipping, or None without ``clip``."""
+    grad_norm = None
+    if clip is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+    return grad_norm
