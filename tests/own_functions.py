@@ -1,7 +1,9 @@
-"""A loss and validation metrics of a user's own, for the built-in loop's tests (importable by
-Ray workers), and ones that are wrong in the ways setup must refuse."""
+"""A loss, validation metrics and an FSDP sharding of a user's own, for the built-in loop's tests
+(importable by Ray workers), and ones that are wrong in the ways setup must refuse."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.nn import functional
@@ -38,3 +40,13 @@ def loss_for_labels(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def metric_as_text(output: torch.Tensor, target: torch.Tensor) -> str:
     """Wrong: a metric must be a number."""
     return "fine"
+
+
+def shard(model: Any, mesh: Any) -> None:
+    """A user's FSDP sharding (``scaling.shard_fn``): the built-in MLP's linear layers as
+    units, kept gathered between forward and backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)

@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-from trainer_core import storage, training_state
+from trainer_core import dcp_storage, storage, training_state
 from trainer_core.attempts import AttemptRecord
 from trainer_core.attempts import read as read_attempts
+from trainer_core.checkpoint_manager import is_dcp
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.summary import attempt_summaries
 
@@ -25,14 +26,37 @@ def run_dir_of(spec: Any) -> RunDirectory:
 
 
 def final_state(run_dir: RunDirectory, suffix: str = "") -> dict:
+    """The newest checkpoint's step, model and optimizer state (``torch.optim``'s layout, by
+    parameter position, whatever the format)."""
     newest = run_dir.scan().newest
     assert newest is not None
+    if is_dcp(newest):
+        location = run_dir.checkpoint_location(newest.step)
+        optimizer = dcp_storage.read_key(location, newest.files, "optimizer")
+        return {
+            "step": newest.step,
+            "model": dcp_storage.read_key(location, newest.files, "model"),
+            "optimizer": by_position(optimizer),
+        }
     return {
         "step": newest.step,
         "model": training_state.from_bytes(run_dir.read_verified(newest, f"model{suffix}.pt")),
         "optimizer": training_state.from_bytes(
             run_dir.read_verified(newest, f"optimizer{suffix}.pt")
         ),
+    }
+
+
+def by_position(optimizer: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (DCP's) keyed by position instead."""
+    names = [name for group in optimizer["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: value for name, value in optimizer["state"].items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]}
+            for group in optimizer["param_groups"]
+        ],
     }
 
 

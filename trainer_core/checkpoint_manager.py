@@ -9,6 +9,12 @@ the step changes what it copies, ``wait`` for the write in flight. Everything el
   every rank's ``rng``; ``model.pt`` and ``optimizer.pt`` from rank 0, or ``model-rank{r}.pt``
   and ``optimizer-rank{r}.pt`` from every rank (``checkpoint.sharded``), ``scheduler.pt`` and
   ``scaler.pt`` from rank 0, ``rng-rank{r}.pt`` from every rank.
+- **The format.** ``relaytrain.torch/1``: the files above. ``relaytrain.dcp/1`` (``scaling.
+  strategy: fsdp``): model and optimizer as a ``torch.distributed.checkpoint`` of every rank's
+  shards (``.metadata`` and ``__{rank}_0.distcp``, written through ``dcp_storage``), which a
+  group of any size loads, resharded; the schedule and RNG states as above. Either format loads
+  into either strategy: a DDP checkpoint's whole tensors are sharded on load, a DCP one is
+  gathered whole for DDP.
 - **Staging** (``staging.Stager``): the state is copied into kept buffers; with
   ``checkpoint.asynchronous``, what only the optimizer step changes is copied on the checkpoint
   thread while the next forward and backward run.
@@ -29,8 +35,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
-from trainer_core import training_state
+from trainer_core import dcp_storage, training_state
 from trainer_core.checkpoints import CheckpointInfo, FileEntry, RunDirectory, open_checkpoint
 from trainer_core.errors import CheckpointCorruptError, TrainingCodeError
 from trainer_core.spec import CheckpointSection
@@ -39,8 +51,10 @@ from trainer_core.worker import Relay, Timings, all_ok
 
 logger = logging.getLogger("relaytrain.worker")
 
-#: The checkpoint format this module writes (the manifest's ``format``).
+#: The checkpoint formats this module writes (the manifest's ``format``): torch files, or the
+#: model and optimizer as a DCP checkpoint (``scaling.strategy: fsdp``).
 FORMAT = "relaytrain.torch/1"
+DCP_FORMAT = "relaytrain.dcp/1"
 #: Training waiting for the previous checkpoint's write is worth a warning when the wait is this
 #: share of the training time since that write began, and at least this long.
 SLOW_WRITE_SHARE = 0.1
@@ -70,10 +84,20 @@ def model_file(checkpoint: CheckpointInfo) -> str:
     return "model.pt" if "model.pt" in checkpoint.files else "model-rank0.pt"
 
 
+def is_dcp(checkpoint: CheckpointInfo) -> bool:
+    """Whether ``checkpoint`` holds its model and optimizer as a DCP checkpoint."""
+    return checkpoint.manifest.get("format") == DCP_FORMAT
+
+
 def read_model_weights(checkpoint_uri: str) -> dict[str, torch.Tensor]:
-    """The model's state dict of a committed checkpoint, verified against its manifest: for
-    evaluation, the champion registry and warm starts."""
+    """The model's whole state dict of a committed checkpoint (of any format), verified against
+    its manifest, in this process: for evaluation, the champion registry, warm starts and
+    export."""
     run_dir, checkpoint = open_checkpoint(checkpoint_uri)
+    if is_dcp(checkpoint):
+        location = run_dir.checkpoint_location(checkpoint.step)
+        weights: dict[str, torch.Tensor] = dcp_storage.read_key(location, checkpoint.files, "model")
+        return weights
     state: dict[str, torch.Tensor] = training_state.from_bytes(
         run_dir.read_verified(checkpoint, model_file(checkpoint))
     )
@@ -114,6 +138,7 @@ class CheckpointManager:
         attempt: int,
         relay: Relay,
         timings: Timings,
+        dcp: bool = False,
     ):
         self.run_dir = run_dir
         self.section = section
@@ -123,6 +148,8 @@ class CheckpointManager:
         self.attempt = attempt
         self.relay = relay
         self.timings = timings
+        #: Model and optimizer as DCP (``scaling.strategy: fsdp``: the model is sharded).
+        self.dcp = dcp
         self.names = file_names(section.sharded, rank)
         #: The step of the newest checkpoint saved or loaded (0: none).
         self.last_step = 0
@@ -137,9 +164,10 @@ class CheckpointManager:
         #: already been found waiting for one (said once per worker group).
         self.last_submit: float | None = None
         self.slow_writes_said = False
-        # Sharded checkpoints gather every rank's file list from the checkpoint thread: on a
-        # group of their own, so they never interleave with the training thread's collectives.
-        self.group = dist.new_group(backend="gloo") if section.sharded else None
+        # Sharded and DCP checkpoints run collectives on the checkpoint thread (DCP's planning,
+        # every rank's file list): on a group of their own, so they never interleave with the
+        # training thread's.
+        self.group = dist.new_group(backend="gloo") if section.sharded or dcp else None
 
     # -- load ----------------------------------------------------------------------------------
 
@@ -167,6 +195,13 @@ class CheckpointManager:
                     skipped.append({"step": step, "reason": "another rank could not verify it"})
                 continue
             assert states is not None and checkpoint is not None
+            if is_dcp(checkpoint):
+                try:  # a collective: every rank reads its share, and fails with the others
+                    states["dcp"] = self._load_dcp(checkpoint)
+                except CheckpointCorruptError as e:
+                    logger.warning("rank %d cannot use checkpoint %d: %s", self.rank, step, e)
+                    skipped.append({"step": step, "reason": str(e)})
+                    continue
             self._apply(states)
             self.last_step = self.resumed_from = step
             return Loaded(checkpoint, skipped)
@@ -179,18 +214,47 @@ class CheckpointManager:
     def _files_to_read(self, checkpoint: CheckpointInfo) -> dict[str, str]:
         """This rank's files of ``checkpoint``: the model and optimizer (its own shard of a
         sharded one), the schedule, fp16's scaler if saved, and its RNG state when the world
-        size is the same (at another size the ranks are not the same processes)."""
+        size is the same (at another size the ranks are not the same processes). A DCP
+        checkpoint's model and optimizer are read by ``_load_dcp``."""
         names = file_names(checkpoint.manifest.get("sharded", False), self.rank)
-        wanted = {key: names[key] for key in ("model", "optimizer", "scheduler")}
+        keys = ("scheduler",) if is_dcp(checkpoint) else ("model", "optimizer", "scheduler")
+        wanted = {key: names[key] for key in keys}
         if self.state.scaler is not None and names["scaler"] in checkpoint.files:
             wanted["scaler"] = names["scaler"]  # else a new scaler: a checkpoint of fp32 or bf16
         if checkpoint.manifest.get("world_size") == self.world_size:
             wanted["rng"] = names["rng"]
         return wanted
 
+    def _load_dcp(self, checkpoint: CheckpointInfo) -> dict[str, Any]:
+        """Model and optimizer of a DCP checkpoint, laid out as this group holds them (its own
+        shards under FSDP, whole tensors under DDP), read into new tensors: a load that fails
+        part-way leaves the live ones as they were."""
+        model_state, optimizer_state = get_state_dict(self.state.model, self.state.optimizer)
+        target = {"model": _empty_like(model_state), "optimizer": _empty_like(optimizer_state)}
+        location = self.run_dir.checkpoint_location(checkpoint.step)
+        dcp_storage.load(target, location, checkpoint.files)
+        return target
+
     def _apply(self, states: dict[str, Any]) -> None:
-        self.state.model.load_state_dict(states["model"])
-        self.state.optimizer.load_state_dict(states["optimizer"])
+        model, optimizer = self.state.model, self.state.optimizer
+        if "dcp" in states:
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=states["dcp"]["model"],
+                optim_state_dict=states["dcp"]["optimizer"],
+            )
+        elif self.dcp:  # a DDP checkpoint's whole tensors, sharded as they load
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=states["model"],
+                optim_state_dict=_optimizer_by_name(states["optimizer"], model),
+                options=StateDictOptions(full_state_dict=True),
+            )
+        else:
+            model.load_state_dict(states["model"])
+            optimizer.load_state_dict(states["optimizer"])
         self.state.scheduler.load_state_dict(states["scheduler"])
         if "scaler" in states and self.state.scaler is not None:
             self.state.scaler.load_state_dict(states["scaler"])
@@ -214,7 +278,7 @@ class CheckpointManager:
         self._say_if_writes_are_slow(step, waited - started, started)
         sharded = self.section.sharded
         rng = training_state.to_bytes(training_state.capture_rng())  # small: kilobytes
-        if sharded:
+        if self.group is not None:  # every rank writes files of its own
             rngs = {self.rank: rng}
         else:
             gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
@@ -229,7 +293,7 @@ class CheckpointManager:
             "world_size": self.world_size,
             "sharded": sharded,
             "attempt": self.attempt,
-            "format": FORMAT,
+            "format": DCP_FORMAT if self.dcp else FORMAT,
         }
         self.last_step = step
         if staged or rngs:
@@ -276,9 +340,13 @@ class CheckpointManager:
 
     def _state_to_stage(self) -> dict[str, Any]:
         """What this rank's checkpoint copies: model and optimizer on rank 0 (every rank when
-        sharded), the schedule and fp16's scaler on rank 0."""
+        sharded; every rank's shards, as DCP state, under FSDP), the schedule and fp16's scaler
+        on rank 0."""
         state: dict[str, Any] = {}
-        if self.section.sharded or self.rank == 0:
+        if self.dcp:
+            model_state, optimizer_state = get_state_dict(self.state.model, self.state.optimizer)
+            state["dcp"] = {"model": model_state, "optimizer": optimizer_state}
+        elif self.section.sharded or self.rank == 0:
             state["model"] = self.state.model.state_dict()
             state["optimizer"] = self.state.optimizer.state_dict()
         if self.rank == 0:
@@ -292,10 +360,12 @@ class CheckpointManager:
         for the checkpoint thread to copy while the next forward and backward run. The rest
         (buffers such as batch norm's running statistics, which a forward pass updates, and
         plain values) is copied before training goes on."""
-        pointers = {p.data_ptr() for p in self.state.model.parameters()}
+        pointers = {_local(p).data_ptr() for p in self.state.model.parameters()}
         for state in self.state.optimizer.state.values():
-            pointers.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
-        return lambda tensor: tensor.data_ptr() in pointers
+            pointers.update(
+                _local(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor)
+            )
+        return lambda tensor: _local(tensor).data_ptr() in pointers
 
     def _say_if_writes_are_slow(self, step: int, wait_s: float, now: float) -> None:
         if self.slow_writes_said or self.last_submit is None:  # said, or no earlier write
@@ -327,7 +397,9 @@ class CheckpointManager:
             self.stager.copy_deferred()
         finally:
             self.copied.set()
-        if "model" in staged:
+        if "dcp" in staged:
+            self._check_finite_parameters(step, staged["dcp"]["model"])
+        elif "model" in staged:
             self._check_finite_parameters(step, staged["model"])
         if self.rank == 0:
             self.run_dir.prepare_checkpoint_dir(step)
@@ -338,7 +410,11 @@ class CheckpointManager:
                 step, self.names[key], functools.partial(training_state.save, value)
             )
             for key, value in staged.items()
+            if key != "dcp"
         ]
+        if "dcp" in staged:
+            location = self.run_dir.checkpoint_location(step)
+            entries += dcp_storage.save(staged["dcp"], location, self.group)
         entries += [
             self.run_dir.write_checkpoint_file(step, file_names(False, rank)["rng"], rng)
             for rank, rng in sorted(rngs.items())
@@ -364,8 +440,21 @@ class CheckpointManager:
         bad = [
             name
             for name, value in state.items()
-            if value.is_floating_point() and not bool(torch.isfinite(value).all())
+            if value.is_floating_point() and not bool(torch.isfinite(_local(value)).all())
         ]
+        if self.dcp:  # every rank checks its shards; all fail together, none waits in DCP
+            anywhere = torch.tensor([float(bool(bad))])
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=self.group)
+            if anywhere.item() and not bad:
+                raise TrainingCodeError(
+                    f"parameters became non-finite by the update of step {step} on another "
+                    f"rank (no checkpoint written at step {step}): lower optimizer.lr, or add "
+                    "gradient clipping in your model",
+                    error_type="NonFiniteParameters",
+                    step=step,
+                    rank=self.rank,
+                    deterministic=True,
+                )
         if bad:
             raise TrainingCodeError(
                 f"parameters {bad[:3]} became non-finite by the update of step {step} on rank "
@@ -376,3 +465,34 @@ class CheckpointManager:
                 rank=self.rank,
                 deterministic=True,
             )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (its shard of a DTensor; a plain tensor itself)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _empty_like(value: Any) -> Any:
+    """``value`` (nested dicts and lists of tensors) with new, uninitialized tensors of the same
+    shapes and layouts (a DTensor's sharding included); other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value)
+    if isinstance(value, dict):
+        return {k: _empty_like(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_empty_like(v) for v in value]
+    return value
+
+
+def _optimizer_by_name(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """A ``torch.optim`` state dict (parameters by position) keyed by parameter name, as
+    ``set_state_dict`` takes it. The built-in loop's optimizer holds the model's parameters in
+    ``parameters()`` order, which FSDP keeps."""
+    names = [name for name, _ in model.named_parameters()]
+    return {
+        "state": {names[index]: value for index, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[index] for index in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }

@@ -87,6 +87,8 @@ def validate_workload(spec: RunSpec) -> int | None:
             field="data.batch_size",
         )
     model = workloads.build_model(spec.model, info.num_features, info.num_outputs)
+    if spec.scaling.shard_fn is not None:
+        workloads.import_object(spec.scaling.shard_fn, "scaling.shard_fn")
     first = next(g for g, count in enumerate(one.train_counts) if count)  # one row group read
     sample = np.arange(min(one.train_counts[first], 4))
     _, rows = one.reader.take(np.full(len(sample), first), sample)

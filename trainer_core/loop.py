@@ -90,7 +90,16 @@ class BuiltinLoop:
             self.data.batches_per_epoch, self.accumulation
         )
         training_state.seed_everything(self.spec.run.seed)  # identical initial weights
+        self.num_features = info.num_features
         self.model = workloads.build_model(self.spec.model, info.num_features, info.num_outputs)
+        #: FSDP: the model is sharded before its optimizer holds its parameters.
+        self.fsdp = self.spec.scaling.strategy == "fsdp"
+        if self.fsdp:
+            shard_fn = self.spec.scaling.shard_fn
+            self.model = worker_api.shard_model(
+                self.model,
+                workloads.import_object(shard_fn, "scaling.shard_fn") if shard_fn else None,
+            )
         self.optimizer = training_state.make_optimizer(self.model.parameters(), self.spec.optimizer)
         self.scheduler = training_state.make_scheduler(
             self.optimizer, self.spec.schedule, self.total_steps
@@ -123,6 +132,7 @@ class BuiltinLoop:
             attempt=config.attempt,
             relay=self.relay,
             timings=self.timings,
+            dcp=self.fsdp,
         )
         self.drains = DrainWatch(
             config.watch_preemption, self.rank, self.relay, self.checkpoints, self.timings
@@ -181,7 +191,7 @@ class BuiltinLoop:
         # On the device before restoring: the optimizer casts loaded state to its parameters'.
         self.model.to(self.device)
         self.restore()
-        ddp_model = worker_api.prepare_model(self.model)
+        ddp_model = self.model if self.fsdp else worker_api.prepare_model(self.model)
         schedule = self.spec.schedule
         assert schedule is not None
         cursor = self.progress.cursor
@@ -338,7 +348,11 @@ class BuiltinLoop:
         # Per-sample means, as sums over this rank's rows: all-reduced once, then divided.
         sums = dict.fromkeys(names, 0.0)
         seen = 0
-        for part in self.data.validation():
+        for part in self._validation_parts():
+            if part is None:  # FSDP: this rank's rows are done, the others' are not
+                with self._autocast():
+                    self.model(torch.zeros(1, self.num_features, device=self.device))
+                continue
             features = self._to_device(part.features)
             labels = self._to_device(part.labels)
             with self._autocast():
@@ -353,6 +367,20 @@ class BuiltinLoop:
         if count == 0:
             return {}
         return {name: total / count for name, total in zip(names, totals, strict=True)}
+
+    def _validation_parts(self) -> Any:
+        """This rank's validation rows, in parts. Under FSDP every forward pass is a collective
+        (each layer's parameters are gathered), so every rank runs as many as the rank with the
+        most parts: one with none left gets None (a forward pass on a dummy row)."""
+        if not self.fsdp:
+            yield from self.data.validation()
+            return
+        parts = self.data.validation()
+        while True:
+            part = next(parts, None)
+            if all_reduce([float(part is not None)])[0] == 0:
+                return
+            yield part
 
     def _aggregate(self, extra: dict[str, float], *, flush: bool = False) -> None:
         """Average the pending per-step losses across ranks: one collective per window.

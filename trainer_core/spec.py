@@ -285,6 +285,15 @@ class ScalingSection(_Section):
     #: submits each attempt as a Ray job. ``RELAYTRAIN_RAY_JOB_ADDRESS`` sets it from the
     #: environment; unset, the attempt is driven in-process (local Ray or ``RAY_ADDRESS``).
     job_address: str | None = None
+    #: How the built-in loop spreads the model: "ddp" keeps a whole replica on every worker;
+    #: "fsdp" shards parameters, gradients and optimizer state over the workers (FSDP2's
+    #: ``fully_shard``), for a model too big for one worker, and checkpoints them with
+    #: ``torch.distributed.checkpoint``, which a group of any size can load.
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    #: With "fsdp": ``module:function`` called as ``function(model, mesh)`` to shard the model
+    #: your way (``fully_shard(block, mesh=mesh)`` per block). Unset: every layer holding
+    #: parameters is a unit.
+    shard_fn: str | None = None
 
     @field_validator("num_workers")
     @classmethod
@@ -498,6 +507,7 @@ class RunSpec(_Section):
                 "scaling.num_workers",
                 field="checkpoint.sharded",
             )
+        self._check_strategy()
         for i, fault in enumerate(self.faults):
             if fault.rank >= workers:
                 raise SpecError(
@@ -595,6 +605,36 @@ class RunSpec(_Section):
             dataset = self.data.dataset if self.data.dataset in BUILTIN_DATASETS else "parquet"
             workload = f"{dataset}-{self.model.name.rsplit(':', 1)[-1]}"
         return validate_run_name(re.sub(r"[^A-Za-z0-9._-]", "-", f"{workload}-{now}")[:100])
+
+    def _check_strategy(self) -> None:
+        scaling = self.scaling
+        if scaling.shard_fn is not None and scaling.strategy != "fsdp":
+            raise SpecError(
+                f"scaling.shard_fn={scaling.shard_fn!r} shards the model, but scaling.strategy "
+                f"is {scaling.strategy!r}: set scaling.strategy fsdp, or drop scaling.shard_fn",
+                field="scaling.shard_fn",
+            )
+        if scaling.strategy != "fsdp":
+            return
+        if self.train_loop is not None:
+            raise SpecError(
+                "scaling.strategy=fsdp is the built-in loop's; train_loop is your own loop, which "
+                "shards its model itself: drop scaling.strategy, or train_loop",
+                field="scaling.strategy",
+            )
+        if self.checkpoint.sharded:
+            raise SpecError(
+                "checkpoint.sharded writes one DDP replica file per rank; scaling.strategy=fsdp "
+                "checkpoints every rank's shards with torch.distributed.checkpoint already: "
+                "set checkpoint.sharded false",
+                field="checkpoint.sharded",
+            )
+        if self.precision == "fp16":
+            raise SpecError(
+                "precision=fp16 needs a gradient scaler that agrees across shards, which "
+                "scaling.strategy=fsdp does not have: use precision bf16 (or fp32)",
+                field="precision",
+            )
 
     def identity(self) -> dict[str, Any]:
         """The parts a resumed run must share with the run that wrote its checkpoints."""

@@ -21,12 +21,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("relaytrain.worker")
 
 
 class Stager:
-    """Copies nested state (dicts, lists, tuples of tensors and plain values) into kept buffers."""
+    """Copies nested state (dicts, lists, tuples of tensors and plain values) into kept buffers.
+    A DTensor's local shard is copied, and the copy wrapped in a DTensor of the same sharding
+    (what DCP needs to place it)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -56,6 +59,16 @@ class Stager:
         copy_data: bool = True,
         defer: Callable[[torch.Tensor], bool] | None = None,
     ) -> Any:
+        if isinstance(value, DTensor):
+            local = self._copy(value.to_local(), path, copy_data, defer)
+            return DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
         if isinstance(value, torch.Tensor):
             return self._copy(value, path, copy_data, defer)
         if isinstance(value, dict):

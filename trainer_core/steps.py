@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from trainer_core import data as data_mod
 
@@ -24,8 +26,9 @@ def accumulate_gradients(
     """Forward and backward over one optimizer step's micro-batches; returns the step's loss.
 
     Each micro-batch's mean loss is weighted by its share of the step's samples, so the
-    gradients are those of one batch of all of them. DDP's all-reduce runs once, in the last
-    backward: the others run under ``no_sync``. ``scale`` is fp16's loss scaling; ``weight``
+    gradients are those of one batch of all of them. DDP's all-reduce (FSDP's reduce-scatter)
+    runs once, in the last backward: the others run under ``no_sync`` (FSDP: without gradient
+    sync). ``scale`` is fp16's loss scaling; ``weight``
     the rank's (``sample_order.rank_weight``: 1 unless the workers do not divide the batch).
     """
     total = sum(len(labels) for _, labels in micro_batches)
@@ -33,6 +36,8 @@ def accumulate_gradients(
     no_sync = getattr(model, "no_sync", None)
     for position, (features, labels) in enumerate(micro_batches):
         last = position == len(micro_batches) - 1
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(last)
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
             with autocast():
                 part = loss_fn(model(features), labels) * (weight * len(labels) / total)
@@ -71,7 +76,8 @@ def optimizer_step(
     if clip is not None:
         if scaler is not None:
             scaler.unscale_(optimizer)  # clip the true gradients
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if scaler is None:
         optimizer.step()
     else:

@@ -222,3 +222,24 @@ def test_an_elastic_worker_count_is_a_range(tmp_path):
     assert error.value.field == "checkpoint.sharded"
     with pytest.raises(SpecError, match="at least 3"):  # every worker of MAX needs a sample
         build_spec(tiny_raw(tmp_path, "e"), ["scaling.num_workers=[1, 3]", "data.batch_size=2"])
+
+
+def test_fsdp_strategy_and_what_it_refuses(tmp_path):
+    spec = build_spec(tiny_raw(tmp_path, "f"), ["scaling.strategy=fsdp"])
+    assert spec.scaling.strategy == "fsdp" and spec.scaling.shard_fn is None
+    # ddp <-> fsdp resumes the same run (either format loads into either strategy).
+    assert spec.fingerprint() == build_spec(tiny_raw(tmp_path, "f")).fingerprint()
+    elastic = ["scaling.strategy=fsdp", "scaling.num_workers=[1, 2]"]
+    assert build_spec(tiny_raw(tmp_path, "f"), elastic).scaling.elastic  # DCP reshards
+    cases = [
+        (["checkpoint.sharded=true"], "checkpoint.sharded", r"set checkpoint\.sharded false"),
+        (["precision=fp16"], "precision", "use precision bf16"),
+        (["train_loop=tests.own_functions:loop"], "scaling.strategy", "shards its model itself"),
+    ]
+    for overrides, field, fix in cases:
+        with pytest.raises(SpecError, match=fix) as error:
+            build_spec(tiny_raw(tmp_path, "f"), ["scaling.strategy=fsdp", *overrides])
+        assert error.value.field == field
+    with pytest.raises(SpecError, match=r"set scaling\.strategy fsdp") as error:
+        build_spec(tiny_raw(tmp_path, "f"), ["scaling.shard_fn=tests.own_functions:shard"])
+    assert error.value.field == "scaling.shard_fn"

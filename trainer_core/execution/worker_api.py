@@ -1,5 +1,6 @@
 """What a training worker asks of Ray Train: where it stands in the group, its device, the
-model's DDP wrapper, a drain's notice, and the reports and checkpoint of a user's own loop.
+model's DDP wrapper or FSDP sharding, a drain's notice, and the reports and checkpoint of a
+user's own loop.
 
 The loops (``trainer_core.loop``, ``trainer_core.user_loop``) reach Ray through this module
 only.
@@ -32,6 +33,32 @@ def device() -> torch.device:
 def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     """The model on its device, wrapped for DDP when the group has more than one worker."""
     return ray.train.torch.prepare_model(model)
+
+
+def shard_model(
+    model: torch.nn.Module, shard_fn: Callable[[torch.nn.Module, Any], Any] | None = None
+) -> torch.nn.Module:
+    """FSDP2: the model on its device with its parameters sharded over the group
+    (``fully_shard``), before its optimizer is made. ``shard_fn(model, mesh)`` shards it the
+    user's way (``fully_shard`` on each block, with ``mesh``); without one, every module holding
+    parameters of its own (a linear or convolution layer) is a unit. The model itself is always
+    the root unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    target = device()
+    model.to(target)
+    _, world_size = rank_and_world_size()
+    mesh = init_device_mesh(target.type, (world_size,))
+    if shard_fn is not None:
+        shard_fn(model, mesh)
+    else:
+        for module in model.modules():
+            if module is not model and next(module.parameters(recurse=False), None) is not None:
+                fully_shard(module, mesh=mesh)
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, mesh=mesh)
+    return model
 
 
 def ask(method: Any, *args: Any) -> Any:

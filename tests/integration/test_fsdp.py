@@ -1,0 +1,140 @@
+"""FSDP2 on a real local Ray cluster, 2 gloo workers: sharded training, DCP checkpoints in the
+committed format, exact resume, resharding to another worker count, and DDP <-> FSDP resume.
+
+On 2 gloo ranks FSDP's reduce-scatter averages gradients to the same bits as DDP's all-reduce
+(halving is exact), so every FSDP run here must end exactly where the DDP reference run does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import tiny_raw
+from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
+from trainer_core import evaluate
+from trainer_core.checkpoint_manager import DCP_FORMAT, FORMAT, read_model_weights
+from trainer_core.engine import run_attempt
+from trainer_core.errors import InfrastructureError, TrainingCodeError
+from trainer_core.spec import build_spec
+
+pytestmark = pytest.mark.integration
+FSDP = {"strategy": "fsdp"}
+
+
+def formats(run_dir) -> dict[int, str]:
+    return {c.step: c.manifest["format"] for c in run_dir.scan().committed}
+
+
+def test_fsdp_resumes_exactly_and_consumers_read_its_checkpoint(uninterrupted, tmp_path):
+    spec = build_spec(
+        tiny_raw(tmp_path, "fsdp", scaling=FSDP, faults=[{"kind": "raise", "at_step": 17}])
+    )
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    run_dir = run_dir_of(spec)
+    newest = run_dir.scan().newest
+    assert newest.step == 10 and newest.manifest["format"] == DCP_FORMAT
+    # Every rank's shard file and DCP's metadata are in the manifest, digests and all.
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "scheduler.pt"} <= set(newest.files)
+    assert not {"model.pt", "optimizer.pt"} & set(newest.files)
+    second = run_attempt(spec)
+    assert second.resumed_from_step == 10
+    assert_same_tensors(final_state(run_dir), uninterrupted["state"])
+    assert losses(run_dir) == uninterrupted["losses"]
+    # Consumers get whole weights: one torch state dict, as from a DDP checkpoint.
+    latest = run_dir.scan().newest
+    weights = read_model_weights(latest.uri)
+    assert_same_tensors(weights, uninterrupted["state"]["model"])
+    rows = evaluate.holdout(spec)
+    reference_uri = uninterrupted["result"].latest_checkpoint_uri
+    assert evaluate.evaluate(spec, latest.uri, rows) == evaluate.evaluate(spec, reference_uri, rows)
+
+
+def test_fsdp_worker_killed_mid_run_resumes_exactly(uninterrupted, tmp_path):
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "fsdp-killed",
+            scaling=FSDP,
+            faults=[{"kind": "kill", "at_step": 23, "rank": 1}],
+        )
+    )
+    with pytest.raises(InfrastructureError):
+        run_attempt(spec)
+    run_dir = run_dir_of(spec)
+    assert run_dir.scan().newest.step == 20
+    assert run_attempt(spec).resumed_from_step == 20
+    assert_same_tensors(final_state(run_dir), uninterrupted["state"])
+    assert losses(run_dir) == uninterrupted["losses"]
+
+
+def test_corrupt_dcp_shard_falls_back_to_the_older_checkpoint(uninterrupted, tmp_path):
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "fsdp-corrupt",
+            scaling=FSDP,
+            checkpoint={"asynchronous": False},
+            faults=[{"kind": "raise", "at_step": 25}],
+        )
+    )
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    run_dir = run_dir_of(spec)
+    newest = run_dir.scan().newest
+    shard = tmp_path / "fsdp-corrupt" / newest.name / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte of rank 1's shard
+    shard.write_bytes(bytes(data))
+    events: list[dict] = []
+    second = run_attempt(spec, on_event=events.append)
+    resumed = next(e for e in events if e["kind"] == "resumed")
+    assert resumed["step"] == 10 and [s["step"] for s in resumed["skipped"]] == [20]
+    assert "__1_0.distcp" in resumed["skipped"][0]["reason"]
+    assert second.resumed_from_step == 10
+    assert_same_tensors(final_state(run_dir), uninterrupted["state"])
+    assert losses(run_dir) == uninterrupted["losses"]
+
+
+def test_fsdp_reshards_from_2_workers_to_1_and_back(tmp_path):
+    raw = tiny_raw(
+        tmp_path,
+        "reshard",
+        scaling={**FSDP, "shard_fn": "tests.own_functions:shard"},  # a user's own sharding
+        faults=[{"kind": "raise", "at_step": 12}],
+    )
+    spec = build_spec(raw)
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    one = build_spec(
+        raw, ["scaling.num_workers=1", 'faults=[{"kind": "raise", "at_step": 25, "attempt": 2}]']
+    )
+    with pytest.raises(TrainingCodeError):
+        run_attempt(one, attempt=2)
+    third = run_attempt(build_spec(raw, ["faults=[]"]), attempt=3)
+    assert third.status == "completed" and third.steps_completed == 39
+    run_dir = run_dir_of(spec)
+    attempts = run_dir.read_attempts()
+    assert [a["world_size"] for a in attempts] == [2, 1, 2]
+    assert [a["resumed_from_step"] for a in attempts] == [0, 10, 20]
+    assert [step for step, _ in losses(run_dir)] == list(range(1, 40))
+    assert set(formats(run_dir).values()) == {DCP_FORMAT}
+    assert all(torch.isfinite(t).all() for t in final_state(run_dir)["model"].values())
+
+
+def test_ddp_checkpoint_resumes_under_fsdp_and_back_exactly(uninterrupted, tmp_path):
+    raw = tiny_raw(tmp_path, "switch", faults=[{"kind": "raise", "at_step": 12}])
+    with pytest.raises(TrainingCodeError):
+        run_attempt(build_spec(raw))
+    fsdp = build_spec(
+        raw, ["scaling.strategy=fsdp", 'faults=[{"kind": "raise", "at_step": 25, "attempt": 2}]']
+    )
+    with pytest.raises(TrainingCodeError):
+        run_attempt(fsdp, attempt=2)
+    spec = build_spec(raw, ["faults=[]"])
+    assert run_attempt(spec, attempt=3).resumed_from_step == 20
+    run_dir = run_dir_of(spec)
+    assert formats(run_dir)[20] == DCP_FORMAT and formats(run_dir)[39] == FORMAT
+    assert_same_tensors(final_state(run_dir), uninterrupted["state"])
+    assert losses(run_dir) == uninterrupted["losses"]

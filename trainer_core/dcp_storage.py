@@ -1,0 +1,191 @@
+"""torch.distributed.checkpoint (DCP) through the run's own storage.
+
+DCP writes and reads through a small file-system interface (``FileSystemBase``); its
+``FileSystemWriter`` and ``FileSystemReader`` do the planning, the sharding and the resharding.
+``RunStorage`` is that interface on one checkpoint directory of the run, in the run's filesystem
+(pyarrow.fs: a local path, S3, GCS, fsspec), so a DCP checkpoint is committed like every other:
+
+- every file DCP writes is hashed as it is written (no read-back) and becomes a manifest entry;
+- each file is published atomically (``storage.Location.write_stream``): a temporary sibling
+  renamed on a local disk, one PUT on an object store (spooled to memory, then to a local
+  temporary file past ``SPOOL_BYTES``, so a retried upload starts again from the start);
+- every file DCP reads is read whole once and checked against the manifest before DCP seeks in
+  it, so a damaged shard is a ``CheckpointCorruptError`` and the older checkpoint is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Generator
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from trainer_core.checkpoints import FileEntry, HashingWriter, matches
+from trainer_core.errors import CheckpointCorruptError
+from trainer_core.storage import Location
+
+#: What a file being written to an object store is held in memory before it spills to disk.
+SPOOL_BYTES = 64 * 1024 * 1024
+
+
+class _OffsetWriter(HashingWriter):
+    """A hashing stream that says how much it has written (DCP records each item's offset)."""
+
+    def tell(self) -> int:
+        return self.size
+
+
+class RunStorage(FileSystemBase):
+    """DCP's file system on checkpoint directory ``location``; ``expected`` is the manifest's
+    ``files`` (for reading: every file is verified against it)."""
+
+    def __init__(self, location: Location, expected: dict[str, dict[str, Any]] | None = None):
+        self.location = location
+        self.expected = expected
+        #: The files written through this object, by name, as manifest entries.
+        self.written: dict[str, FileEntry] = {}
+        self._lock = threading.Lock()
+
+    # -- paths: DCP joins names onto the directory it was given --------------------------------
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return ""
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return posix_join(os.fspath(path), suffix)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False  # never chosen by DCP on its own: relaytrain passes it
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        pass  # object stores have no directories; a local one is made by the first write
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self._child(path).exists()
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self._child(path).delete_file()
+        with self._lock:
+            self.written.pop(os.fspath(path), None)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        """DCP writes ``.metadata`` under a temporary name, then renames it: the entry follows."""
+        source, target = self._child(path), self._child(new_path)
+        source.filesystem.move(source.path, target.path)
+        with self._lock:
+            entry = self.written.pop(os.fspath(path), None)
+            if entry is not None:
+                name = os.fspath(new_path)
+                self.written[name] = FileEntry(name, entry.size, entry.xxh3_128)
+
+    # -- streams -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        name = os.fspath(path)
+        if "r" in mode:
+            yield io.BytesIO(self._read_verified(name))
+            return
+        with tempfile.SpooledTemporaryFile(SPOOL_BYTES) as spool:
+            writer = _OffsetWriter(spool)
+            yield writer  # type: ignore[misc]
+            entry = writer.entry(name)
+
+            def upload(stream: Any) -> None:
+                spool.seek(0)
+                shutil.copyfileobj(spool, stream, 8 * 1024 * 1024)
+
+            self._child(name).write_stream(upload)
+        with self._lock:
+            self.written[name] = entry
+
+    def _read_verified(self, name: str) -> bytes:
+        try:
+            data = self._child(name).read_bytes()
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(f"{self.location.uri}: {name} is gone") from e
+        if self.expected is not None:
+            entry = self.expected.get(name)
+            if entry is None or not matches(entry, data):
+                raise CheckpointCorruptError(
+                    f"{self.location.uri}: {name} does not match its manifest ({len(data)} bytes)"
+                )
+        return data
+
+    def _child(self, path: str | os.PathLike) -> Location:
+        return self.location.child(os.fspath(path))
+
+
+# -- a DCP checkpoint in a checkpoint directory --------------------------------------------------
+
+
+def save(state: dict[str, Any], location: Location, group: Any = None) -> list[FileEntry]:
+    """Write ``state`` (DTensors: each rank its own shards) as a DCP checkpoint into checkpoint
+    directory ``location``: a collective on ``group``. Returns this rank's files as manifest
+    entries (DCP's coordinator, rank 0, writes ``.metadata`` too). A failure on any rank is
+    raised on every rank, as the first failing rank's own error."""
+    fs = RunStorage(location)
+    writer = FileSystemWriter(location.uri, sync_files=False)
+    writer.fs, writer.path = fs, ""  # type: ignore[assignment]  # DCP's file system, ours
+    try:
+        dcp.save(state, storage_writer=writer, process_group=group)
+    except CheckpointException as e:  # a BaseException: raise what the rank raised
+        raise _cause(e) from e
+    return list(fs.written.values())
+
+
+def load(state: dict[str, Any], location: Location, files: dict[str, dict[str, Any]]) -> None:
+    """Fill ``state`` in place from the DCP checkpoint in ``location``, resharded to the
+    layout of ``state``'s tensors; every file is verified against the manifest's ``files``. A
+    collective on the default group: a damaged or missing file is a ``CheckpointCorruptError``
+    on every rank."""
+    try:
+        dcp.load(state, storage_reader=_reader(location, files))
+    except CheckpointException as e:
+        raise CheckpointCorruptError(f"DCP cannot load {location.uri}: {_cause(e)}") from e
+
+
+def read_key(location: Location, files: dict[str, dict[str, Any]], key: str) -> Any:
+    """Top-level entry ``key`` (``model``) of the DCP checkpoint in ``location``, whole, read by
+    this process alone (DCP's ``dcp_to_torch_save``, in memory, for one key)."""
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=_reader(location, files),
+            planner=_EmptyStateDictLoadPlanner(keys={key}),
+            no_dist=True,
+        )
+    except CheckpointException as e:
+        raise CheckpointCorruptError(f"DCP cannot read {location.uri}: {_cause(e)}") from e
+    return state[key]
+
+
+def _reader(location: Location, files: dict[str, dict[str, Any]]) -> FileSystemReader:
+    reader = FileSystemReader(location.uri)
+    reader.fs, reader.path = RunStorage(location, files), ""  # type: ignore[assignment]
+    return reader
+
+
+def _cause(error: CheckpointException) -> Exception:
+    """The error a rank raised inside DCP (the first rank's), or the whole report."""
+    for failure, _ in error.failures.values():
+        if isinstance(failure, Exception):
+            return failure
+    return RuntimeError(str(error))
+
+
+def posix_join(base: str, name: str) -> str:
+    return f"{base}/{name}" if base else name
