@@ -39,6 +39,7 @@ BENCHMARKS = (
     "overhead",
     "recovery",
     "checkpoints",
+    "fsdp_checkpoints",
     "reporting",
     "scaling",
     "memory",

@@ -6,9 +6,10 @@ DCP writes and reads through a small file-system interface (``FileSystemBase``);
 (pyarrow.fs: a local path, S3, GCS, fsspec), so a DCP checkpoint is committed like every other:
 
 - every file DCP writes is hashed as it is written (no read-back) and becomes a manifest entry;
-- each file is published atomically (``storage.Location.write_stream``): a temporary sibling
-  renamed on a local disk, one PUT on an object store (spooled to memory, then to a local
-  temporary file past ``SPOOL_BYTES``, so a retried upload starts again from the start);
+- each file is published atomically: on a local disk DCP writes straight into a temporary
+  sibling, renamed when complete; on an object store it is one PUT
+  (``storage.Location.write_stream``: spooled to memory, then to a local temporary file past
+  ``SPOOL_BYTES``, so a retried upload starts again from the start);
 - every file DCP reads is read whole once and checked against the manifest before DCP seeks in
   it, so a damaged shard is a ``CheckpointCorruptError`` and the older checkpoint is used.
 """
@@ -18,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import posixpath
 import shutil
 import tempfile
 import threading
+import uuid
 from collections.abc import Generator
 from typing import Any
 
@@ -33,7 +36,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from trainer_core.checkpoints import FileEntry, HashingWriter, matches
 from trainer_core.errors import CheckpointCorruptError
-from trainer_core.storage import Location
+from trainer_core.storage import Location, storage_error
 
 #: What a file being written to an object store is held in memory before it spills to disk.
 SPOOL_BYTES = 64 * 1024 * 1024
@@ -98,6 +101,10 @@ class RunStorage(FileSystemBase):
         if "r" in mode:
             yield io.BytesIO(self._read_verified(name))
             return
+        if self.location.is_local:
+            with self._local_stream(name) as writer:
+                yield writer
+            return
         with tempfile.SpooledTemporaryFile(SPOOL_BYTES) as spool:
             writer = _OffsetWriter(spool)
             yield writer  # type: ignore[misc]
@@ -110,6 +117,26 @@ class RunStorage(FileSystemBase):
             self._child(name).write_stream(upload)
         with self._lock:
             self.written[name] = entry
+
+    @contextlib.contextmanager
+    def _local_stream(self, name: str) -> Generator[io.IOBase, None, None]:
+        """A local file: written into a temporary sibling, renamed over ``name`` when whole."""
+        target = self._child(name)
+        parent, base = posixpath.split(target.path)
+        temporary = posixpath.join(parent, f".{base}.{uuid.uuid4().hex}")
+        fs = target.filesystem
+        fs.create_dir(parent, recursive=True)
+        try:
+            with fs.open_output_stream(temporary) as f:
+                writer = _OffsetWriter(f)
+                yield writer  # type: ignore[misc]
+            fs.move(temporary, target.path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                fs.delete_file(temporary)
+            raise
+        with self._lock:
+            self.written[name] = writer.entry(name)
 
     def _read_verified(self, name: str) -> bytes:
         try:
@@ -142,7 +169,8 @@ def save(state: dict[str, Any], location: Location, group: Any = None) -> list[F
     try:
         dcp.save(state, storage_writer=writer, process_group=group)
     except CheckpointException as e:  # a BaseException: raise what the rank raised
-        raise _cause(e) from e
+        cause = _cause(e)
+        raise (storage_error(location.uri, "write", cause) or cause) from e
     return list(fs.written.values())
 
 

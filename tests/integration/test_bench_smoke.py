@@ -88,3 +88,17 @@ def test_quick_checkpoints_benchmark_writes_its_result(tmp_path):
     text = readme.read_text()
     assert "### checkpoints" in text and "| local/1MB/relaytrain |" in text
     assert "local: loop blocked/sync" in text and "stale tables" not in text
+
+
+def test_quick_fsdp_checkpoints_benchmark_measures_every_variant(tmp_path):
+    done = run_quick("fsdp_checkpoints", tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(
+        (tmp_path / f"{dt.date.today().isoformat()}-fsdp_checkpoints.json").read_text()
+    )
+    assert set(data["variants"]) == {
+        f"local/{v}" for v in ("relaytrain", "dcp_save", "dcp_async_save", "raw_copy")
+    }
+    assert all(v["samples"] and not v["errors"] for v in data["variants"].values())
+    assert data["variants"]["local/relaytrain"]["samples"][0]["state_mb"] > 100
+    assert [t["value"] is not None for t in data["targets"]] == [True, True, True]
