@@ -1,15 +1,19 @@
-"""The built-in loop on one GPU, by hand (CI has no GPU): ``python tools/gpu_check.py [STORAGE]``.
+"""The built-in loop on one GPU, by hand (CI has no GPU):
+``python tools/gpu_check.py [STORAGE] [ddp|fsdp ...]`` (both strategies when none is named).
 
 Needs a machine with a CUDA GPU, PyTorch with CUDA, and relaytrain's Python dependencies (Ray
 2.60, pydantic, pyarrow, xxhash, numpy, pyyaml) importable; run it from the checkout's root. It
 trains the default example (examples/digits_cnn.yaml) with 1 worker and ``scaling.use_gpu``
-(nccl), 4 epochs, and prints what it saw:
+(nccl), 4 epochs, for each strategy (``scaling.strategy``; NCCL cannot put two ranks on one
+GPU, so FSDP runs as one unit over a group of one, through FSDP2 and DCP all the same), and
+prints what it saw:
 
 1. two uninterrupted GPU runs, and the largest parameter difference between them (how
    deterministic the GPU kernels are);
-2. a run with a raised fault at step 60 (attempt 1) and a killed worker at step 120 (attempt 2),
+2. a run with a raised fault at step 50 (attempt 1) and a killed worker at step 75 (attempt 2),
    resumed each time, and its largest difference from the first uninterrupted run;
-3. that run's GPU checkpoint continued on the CPU (``use_gpu`` false, gloo) for 2 more epochs;
+3. that run's GPU checkpoint continued on the CPU (``use_gpu`` false, gloo) for 2 more epochs,
+   by 2 workers under fsdp (DCP reshards the GPU's one shard over them);
 4. the GPU processes ``nvidia-smi`` listed while training.
 """
 
@@ -24,27 +28,31 @@ from typing import Any
 import ray
 import torch
 
-from trainer_core import storage, training_state
+from trainer_core import storage
+from trainer_core.checkpoint_manager import read_model_weights
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.engine import run_attempt
 from trainer_core.errors import RelaytrainError
 from trainer_core.spec import RunSpec, load_spec
 
 FAULTS = (
-    '[{"kind": "raise", "at_step": 60, "rank": 0, "attempt": 1},'
-    ' {"kind": "kill", "at_step": 120, "rank": 0, "attempt": 2}]'
+    '[{"kind": "raise", "at_step": 50, "rank": 0, "attempt": 1},'
+    ' {"kind": "kill", "at_step": 75, "rank": 0, "attempt": 2}]'
 )
 
 
-def spec_for(root: str, name: str, *overrides: str, gpu: bool = True, epochs: int = 4) -> RunSpec:
+def spec_for(
+    root: str, name: str, *overrides: str, gpu: bool = True, epochs: int = 4, workers: int = 1
+) -> RunSpec:
     return load_spec(
         "examples/digits_cnn.yaml",
         [
             f"run.name={name}",
             f"run.storage={root}",
-            "scaling.num_workers=1",
+            f"scaling.num_workers={workers}",
             f"scaling.use_gpu={'true' if gpu else 'false'}",
             f"schedule.epochs={epochs}",
+            "checkpoint.every=20",  # 23 steps an epoch: both faults lose work, and resume
             *overrides,
         ],
     )
@@ -74,7 +82,7 @@ def final_model(root: str, name: str) -> tuple[int, dict[str, torch.Tensor]]:
     run_dir = RunDirectory(storage.resolve(root).child(name))
     newest = run_dir.scan().newest
     assert newest is not None
-    return newest.step, training_state.from_bytes(run_dir.read_verified(newest, "model.pt"))
+    return newest.step, read_model_weights(newest.uri)  # a DCP checkpoint's gathered whole
 
 
 def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -88,22 +96,33 @@ def watch_gpu(seen: set[str], stop: threading.Event) -> None:
         time.sleep(0.5)
 
 
+def check(root: str, strategy: str) -> None:
+    print(f"-- scaling.strategy={strategy}")
+    use = f"scaling.strategy={strategy}"
+    for name in ("clean-a", "clean-b"):
+        attempts_until_done(spec_for(root, f"{strategy}-{name}", use), f"1 uninterrupted {name}")
+    faults = f"{strategy}-faults"
+    attempts_until_done(spec_for(root, faults, use, f"faults={FAULTS}"), "2 faults")
+    _, a = final_model(root, f"{strategy}-clean-a")
+    _, b = final_model(root, f"{strategy}-clean-b")
+    step, resumed = final_model(root, faults)
+    print(f"largest |clean-a - clean-b| {largest_difference(a, b):.3g}")
+    print(f"largest |clean-a - faults| {largest_difference(a, resumed):.3g}")
+    workers = 2 if strategy == "fsdp" else 1
+    cpu = spec_for(root, faults, use, gpu=False, epochs=6, workers=workers)
+    attempts_until_done(cpu, f"3 continued on CPU from step {step}, {workers} worker(s)")
+
+
 def main() -> None:
     root = sys.argv[1] if len(sys.argv) > 1 else "/tmp/relaytrain-gpu-check"
+    strategies = sys.argv[2:] or ["ddp", "fsdp"]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
     ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, log_to_driver=False)
     seen: set[str] = set()
     stop = threading.Event()
     threading.Thread(target=watch_gpu, args=(seen, stop), daemon=True).start()
-    for name in ("clean-a", "clean-b"):
-        attempts_until_done(spec_for(root, name), f"1 uninterrupted {name}")
-    attempts_until_done(spec_for(root, "faults", f"faults={FAULTS}"), "2 faults")
-    _, a = final_model(root, "clean-a")
-    _, b = final_model(root, "clean-b")
-    _, resumed = final_model(root, "faults")
-    print(f"largest |clean-a - clean-b| {largest_difference(a, b):.3g}")
-    print(f"largest |clean-a - faults| {largest_difference(a, resumed):.3g}")
-    attempts_until_done(spec_for(root, "faults", gpu=False, epochs=6), "3 continued on CPU")
+    for strategy in strategies:
+        check(root, strategy)
     stop.set()
     print("GPU processes seen while training:", sorted(seen))
     ray.shutdown()

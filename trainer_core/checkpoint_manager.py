@@ -469,7 +469,7 @@ class CheckpointManager:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (its shard of a DTensor; a plain tensor itself)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # no autograd
 
 
 def _empty_like(value: Any) -> Any:

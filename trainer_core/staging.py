@@ -33,6 +33,9 @@ class Stager:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        #: A DTensor's kept buffer in its DTensor wrapper, kept too (making one costs more than
+        #: copying a small shard).
+        self.wrappers: dict[tuple[Any, ...], DTensor] = {}
         #: Copies ``stage`` left to ``copy_deferred``: (buffer, source).
         self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -60,15 +63,7 @@ class Stager:
         defer: Callable[[torch.Tensor], bool] | None = None,
     ) -> Any:
         if isinstance(value, DTensor):
-            local = self._copy(value.to_local(), path, copy_data, defer)
-            return DTensor.from_local(
-                local,
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
+            return self._copy_dtensor(value, path, copy_data, defer)
         if isinstance(value, torch.Tensor):
             return self._copy(value, path, copy_data, defer)
         if isinstance(value, dict):
@@ -81,6 +76,25 @@ class Stager:
             items = [self._stage(v, (*path, i), copy_data, defer) for i, v in enumerate(value)]
             return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
         return copy.deepcopy(value) if copy_data else None
+
+    def _copy_dtensor(
+        self,
+        value: DTensor,
+        path: tuple[Any, ...],
+        copy_data: bool,
+        defer: Callable[[torch.Tensor], bool] | None,
+    ) -> torch.Tensor:
+        # The shard itself (``to_local`` would go through autograd, a tenth of a millisecond
+        # per tensor).
+        local = self._copy(value._local_tensor, path, copy_data, defer)
+        wrapper = self.wrappers.get(path)
+        if wrapper is None or wrapper._local_tensor is not local or wrapper._spec != value._spec:
+            # Around the host buffer itself, as torch's own DCP staging does: ``from_local``
+            # would move a GPU shard's buffer back onto the GPU, a copy taken now and stale once
+            # a deferred copy fills the buffer.
+            wrapper = DTensor(local, value._spec, requires_grad=False)
+            self.wrappers[path] = wrapper
+        return wrapper
 
     def _copy(
         self,

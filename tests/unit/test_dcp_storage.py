@@ -45,7 +45,9 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
     run_dir = RunDirectory(storage.resolve(root))
     location = run_dir.checkpoint_location(3)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if mode == "save":
+    if mode == "stage":
+        _check_staging(model, optimizer)
+    elif mode == "save":
         for _ in range(3):
             model(torch.randn(8, 16)).sum().backward()
             optimizer.step()
@@ -77,7 +79,45 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
             assert saved.keys() == loaded.keys()
             for key in saved:
                 assert torch.equal(saved[key], loaded[key]), key
+    # Every rank done before any tears down: gloo aborts a process whose peer is gone mid-exit.
+    dist.barrier()
     dist.destroy_process_group()
+
+
+def _check_staging(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The Stager keeps a DTensor's sharding: a copy of each rank's shard, in a wrapper kept
+    from one checkpoint to the next; a deferred copy lands at ``copy_deferred``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from trainer_core.staging import Stager
+
+    def step() -> None:
+        model(torch.randn(8, 16)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def live() -> dict:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optim": optimizer_state}
+
+    step()
+    stager = Stager()
+    first = stager.stage(live())
+    weight = first["model"]["0.weight"]
+    assert isinstance(weight, DTensor) and weight.placements == model[0].weight.placements
+    # Around the kept host buffer itself, not a copy of it: a copy (``from_local`` makes one
+    # of a GPU shard's buffer) would miss what a deferred copy writes into the buffer later.
+    assert any(weight._local_tensor is buffer for buffer in stager.buffers.values())
+    assert torch.equal(weight._local_tensor, model[0].weight._local_tensor)
+    before = weight._local_tensor.clone()
+    step()  # the live shard changes; the staged copy must not
+    assert torch.equal(weight._local_tensor, before)
+    second = stager.stage(live(), defer=lambda tensor: True)
+    assert second["model"]["0.weight"] is weight  # the same buffer, the same wrapper
+    assert torch.equal(weight._local_tensor, before)  # deferred: not copied yet
+    stager.copy_deferred()
+    assert torch.equal(weight._local_tensor, model[0].weight._local_tensor)
 
 
 def _spawn(world: int, root: Path, mode: str) -> None:
@@ -109,6 +149,10 @@ def test_a_dcp_checkpoint_is_committed_with_every_file_in_its_manifest(saved: Pa
     assert set(manifest["files"]) == on_disk == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     for name, entry in manifest["files"].items():
         assert (directory / name).stat().st_size == entry["size"]
+
+
+def test_staging_keeps_each_rank_shard_and_its_sharding(tmp_path: Path) -> None:
+    _spawn(2, tmp_path, "stage")
 
 
 @pytest.mark.parametrize("world", [2, 1])
