@@ -40,6 +40,7 @@ BENCHMARKS = (
     "recovery",
     "checkpoints",
     "fsdp_checkpoints",
+    "restore",
     "reporting",
     "scaling",
     "memory",

@@ -119,6 +119,7 @@ def print_summary(result: TrainingResult) -> None:
         f"{result.steps_completed} steps, {result.wall_time_s:.1f} s"
     )
     print(f"  best checkpoint:  {result.best_checkpoint_uri} {best}")
+    print(f"  best model file:  {result.best_model_uri}  (torch.load(path, weights_only=True))")
     print(f"  run directory:    {result.run_uri}  (summary.json, loss_curve.png, metrics/)")
     print(
         "  Prefect UI:       `prefect server start`, then rerun with "

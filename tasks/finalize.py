@@ -76,6 +76,14 @@ def publish(
             f"({spec.checkpoint.best_metric}, "
             f"{spec.checkpoint.best_mode})",
         )
+    if result.best_model_uri:
+        create_link_artifact(
+            link=_link(result.best_model_uri),
+            link_text=result.best_model_uri,
+            key=artifact_key(name, "best-model"),
+            description=f"Best checkpoint's whole model of {name}: one "
+            "torch.load(path, weights_only=True) file",
+        )
     if history:
         png = plots.curve_png(history, f"{name}: loss and validation metrics")
         run_dir.curve_file.write_bytes(png)

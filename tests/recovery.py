@@ -13,8 +13,8 @@ import torch
 from trainer_core import dcp_storage, storage, training_state
 from trainer_core.attempts import AttemptRecord
 from trainer_core.attempts import read as read_attempts
-from trainer_core.checkpoint_manager import is_dcp
 from trainer_core.checkpoints import RunDirectory
+from trainer_core.exports import is_dcp
 from trainer_core.summary import attempt_summaries
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,10 +29,10 @@ import ray
 import torch
 
 from trainer_core import storage
-from trainer_core.checkpoint_manager import read_model_weights
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.engine import run_attempt
 from trainer_core.errors import RelaytrainError
+from trainer_core.exports import read_model_weights
 from trainer_core.spec import RunSpec, load_spec
 
 FAULTS = (

@@ -30,6 +30,9 @@ class AttemptRecord:
     resumed_from_step: int | None = None
     #: When the workers had loaded it (worker clock): training resumed here.
     resumed_at: float | None = None
+    #: What loading it cost: ``bytes_read`` from storage by the whole group, and the slowest
+    #: rank's ``restore_s``.
+    restore: dict[str, Any] | None = None
     last_step: int | None = None
     #: In-place restarts of the worker group within the attempt (resizes of an elastic run):
     #: reason, world sizes, steps and seconds, as ``engine.LiveState`` recorded them.

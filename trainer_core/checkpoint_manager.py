@@ -38,23 +38,24 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
 from trainer_core import dcp_storage, training_state
-from trainer_core.checkpoints import CheckpointInfo, FileEntry, RunDirectory, open_checkpoint
+from trainer_core.checkpoints import CheckpointInfo, FileEntry, RunDirectory
 from trainer_core.errors import CheckpointCorruptError, TrainingCodeError
+from trainer_core.exports import DCP_FORMAT, FORMAT, is_dcp, read_model_weights
 from trainer_core.spec import CheckpointSection
 from trainer_core.staging import Background, Stager
 from trainer_core.worker import Relay, Timings, all_ok
 
 logger = logging.getLogger("relaytrain.worker")
 
-#: The checkpoint formats this module writes (the manifest's ``format``): torch files, or the
-#: model and optimizer as a DCP checkpoint (``scaling.strategy: fsdp``).
-FORMAT = "relaytrain.torch/1"
-DCP_FORMAT = "relaytrain.dcp/1"
+#: State keys every rank restores alike: read once per node (``model`` and ``optimizer`` only
+#: when one rank saved them).
+REPLICATED = ("model", "optimizer", "scheduler", "scaler")
 #: Training waiting for the previous checkpoint's write is worth a warning when the wait is this
 #: share of the training time since that write began, and at least this long.
 SLOW_WRITE_SHARE = 0.1
@@ -78,32 +79,6 @@ def file_names(sharded: bool, rank: int) -> dict[str, str]:
     }
 
 
-def model_file(checkpoint: CheckpointInfo) -> str:
-    """The file holding the whole model's weights (rank 0's, for a sharded DDP checkpoint: every
-    rank holds a replica)."""
-    return "model.pt" if "model.pt" in checkpoint.files else "model-rank0.pt"
-
-
-def is_dcp(checkpoint: CheckpointInfo) -> bool:
-    """Whether ``checkpoint`` holds its model and optimizer as a DCP checkpoint."""
-    return checkpoint.manifest.get("format") == DCP_FORMAT
-
-
-def read_model_weights(checkpoint_uri: str) -> dict[str, torch.Tensor]:
-    """The model's whole state dict of a committed checkpoint (of any format), verified against
-    its manifest, in this process: for evaluation, the champion registry, warm starts and
-    export."""
-    run_dir, checkpoint = open_checkpoint(checkpoint_uri)
-    if is_dcp(checkpoint):
-        location = run_dir.checkpoint_location(checkpoint.step)
-        weights: dict[str, torch.Tensor] = dcp_storage.read_key(location, checkpoint.files, "model")
-        return weights
-    state: dict[str, torch.Tensor] = training_state.from_bytes(
-        run_dir.read_verified(checkpoint, model_file(checkpoint))
-    )
-    return state
-
-
 @dataclass
 class Loaded:
     """What ``load`` restored: the checkpoint (its manifest has the cursor, metrics and early
@@ -111,6 +86,9 @@ class Loaded:
 
     checkpoint: CheckpointInfo | None
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    #: Bytes this rank read from storage, and the seconds the load took.
+    bytes_read: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -139,6 +117,7 @@ class CheckpointManager:
         relay: Relay,
         timings: Timings,
         dcp: bool = False,
+        node_rank: int | None = None,
     ):
         self.run_dir = run_dir
         self.section = section
@@ -150,6 +129,12 @@ class CheckpointManager:
         self.timings = timings
         #: Model and optimizer as DCP (``scaling.strategy: fsdp``: the model is sharded).
         self.dcp = dcp
+        #: This worker's node among the group's (None: unknown, so every rank reads alone).
+        self.node_rank = node_rank
+        #: Bytes this rank read from storage in its last ``load``.
+        self.bytes_read = 0
+        #: This node's group and its first rank, once made (empty: this rank reads alone).
+        self._node: tuple[Any, ...] | None = None
         self.names = file_names(section.sharded, rank)
         #: The step of the newest checkpoint saved or loaded (0: none).
         self.last_step = 0
@@ -173,19 +158,39 @@ class CheckpointManager:
 
     def load(self, candidates: list[int]) -> Loaded:
         """Restore the newest of ``candidates`` (committed steps, newest first) that every rank
-        can read and verify; ``Loaded.checkpoint`` is None when none could be."""
+        can read and verify; ``Loaded.checkpoint`` is None when none could be.
+
+        What every rank restores alike (rank 0's model and optimizer, the schedule) is read once
+        per node, by the node's first rank, and handed to the node's other ranks; what is a
+        rank's own (its RNG state, its shard) it reads itself."""
+        started = time.perf_counter()
         skipped: list[dict[str, Any]] = []
+        self.bytes_read = 0
+        node = self._node_group()
         for step in candidates:
             states: dict[str, Any] | None = None
             checkpoint = None
+            data: dict[str, bytes] = {}
+            shared: dict[str, str] = {}
+            error: BaseException | None = None
             try:
                 checkpoint = self.run_dir.read_committed(step)
                 if checkpoint is None:
                     raise CheckpointCorruptError(f"checkpoint at step {step} is not committed")
-                states = {
-                    key: training_state.from_bytes(self.run_dir.read_verified(checkpoint, name))
-                    for key, name in self._files_to_read(checkpoint).items()
-                }
+                names = self._files_to_read(checkpoint)
+                shared = _replicated(checkpoint, names)
+                mine = {k: v for k, v in names.items() if k not in shared}
+                if node is None or node[1] == self.rank:
+                    mine.update(shared)
+                data = {key: self._read(checkpoint, name) for key, name in mine.items()}
+            except (CheckpointCorruptError, FileNotFoundError, RuntimeError, ValueError) as e:
+                error = e
+            if node is not None:  # every rank of the node, whatever its own read did
+                data, error = self._share_on_node(node, data, error, shared)
+            try:
+                if error is not None:
+                    raise error
+                states = {key: training_state.from_bytes(value) for key, value in data.items()}
             except (CheckpointCorruptError, FileNotFoundError, RuntimeError, ValueError) as e:
                 logger.warning("rank %d cannot use checkpoint %d: %s", self.rank, step, e)
                 skipped.append({"step": step, "reason": str(e)})
@@ -204,12 +209,67 @@ class CheckpointManager:
                     continue
             self._apply(states)
             self.last_step = self.resumed_from = step
-            return Loaded(checkpoint, skipped)
-        return Loaded(None, skipped)
+            seconds = time.perf_counter() - started
+            return Loaded(checkpoint, skipped, self.bytes_read, seconds)
+        return Loaded(None, skipped, self.bytes_read, time.perf_counter() - started)
+
+    def _read(self, checkpoint: CheckpointInfo, name: str) -> bytes:
+        data = self.run_dir.read_verified(checkpoint, name)
+        self.bytes_read += len(data)
+        return data
+
+    def _node_group(self) -> tuple[Any, int] | None:
+        """This node's ranks as a process group of their own, and its first rank (the one that
+        reads for the others); None when this rank is alone on its node, or nodes are unknown.
+        A collective (every rank makes every node's group)."""
+        if self.node_rank is None or self.world_size == 1:
+            return None
+        if self._node is not None:
+            return self._node or None
+        nodes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(nodes, self.node_rank)
+        ranks = [[r for r, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
+        self._node = ()
+        if any(len(group) > 1 for group in ranks):
+            group, _ = dist.new_subgroups_by_enumeration(ranks, backend="gloo")
+            own = next(group for group in ranks if self.rank in group)
+            if len(own) > 1:
+                self._node = (group, own[0])
+        return self._node or None
+
+    def _share_on_node(
+        self,
+        node: tuple[Any, int],
+        data: dict[str, bytes],
+        error: BaseException | None,
+        shared: dict[str, str],
+    ) -> tuple[dict[str, bytes], BaseException | None]:
+        """The node's first rank hands what it read of ``shared`` (or why it could not) to the
+        node's other ranks."""
+        group, first = node
+        if self.rank == first:
+            said = {"error": str(error)} if error else {k: data[k] for k in shared}
+            dist.broadcast_object_list([said], src=first, group=group)
+            return data, error
+        got: list[Any] = [None]
+        dist.broadcast_object_list(got, src=first, group=group)
+        if error is not None:
+            return data, error
+        if "error" in got[0]:
+            return data, CheckpointCorruptError(
+                f"rank {first} read for this node: {got[0]['error']}"
+            )
+        return {**data, **got[0]}, None
 
     def load_weights(self, checkpoint_uri: str) -> None:
-        """A warm start: the model's weights of another run's checkpoint."""
-        self.state.model.load_state_dict(read_model_weights(checkpoint_uri))
+        """A warm start: the model's weights of another run's checkpoint (whole tensors, of
+        either format; under FSDP each rank keeps its own shard of them)."""
+        weights: dict[str, Any] = dict(read_model_weights(checkpoint_uri))
+        if self.dcp:
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.state.model, weights, options=options)
+        else:
+            self.state.model.load_state_dict(weights)
 
     def _files_to_read(self, checkpoint: CheckpointInfo) -> dict[str, str]:
         """This rank's files of ``checkpoint``: the model and optimizer (its own shard of a
@@ -232,7 +292,7 @@ class CheckpointManager:
         model_state, optimizer_state = get_state_dict(self.state.model, self.state.optimizer)
         target = {"model": _empty_like(model_state), "optimizer": _empty_like(optimizer_state)}
         location = self.run_dir.checkpoint_location(checkpoint.step)
-        dcp_storage.load(target, location, checkpoint.files)
+        self.bytes_read += dcp_storage.load(target, location, checkpoint.files)
         return target
 
     def _apply(self, states: dict[str, Any]) -> None:
@@ -465,6 +525,12 @@ class CheckpointManager:
                 rank=self.rank,
                 deterministic=True,
             )
+
+
+def _replicated(checkpoint: CheckpointInfo, names: dict[str, str]) -> dict[str, str]:
+    """Of ``names`` (state key: file), the files every rank restores alike."""
+    own = ("model", "optimizer") if checkpoint.manifest.get("sharded") else ()
+    return {k: v for k, v in names.items() if k in REPLICATED and k not in own}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

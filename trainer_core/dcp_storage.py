@@ -58,6 +58,8 @@ class RunStorage(FileSystemBase):
         self.expected = expected
         #: The files written through this object, by name, as manifest entries.
         self.written: dict[str, FileEntry] = {}
+        #: Bytes read from storage through this object.
+        self.bytes_read = 0
         self._lock = threading.Lock()
 
     # -- paths: DCP joins names onto the directory it was given --------------------------------
@@ -143,6 +145,8 @@ class RunStorage(FileSystemBase):
             data = self._child(name).read_bytes()
         except FileNotFoundError as e:
             raise CheckpointCorruptError(f"{self.location.uri}: {name} is gone") from e
+        with self._lock:
+            self.bytes_read += len(data)
         if self.expected is not None:
             entry = self.expected.get(name)
             if entry is None or not matches(entry, data):
@@ -174,15 +178,18 @@ def save(state: dict[str, Any], location: Location, group: Any = None) -> list[F
     return list(fs.written.values())
 
 
-def load(state: dict[str, Any], location: Location, files: dict[str, dict[str, Any]]) -> None:
+def load(state: dict[str, Any], location: Location, files: dict[str, dict[str, Any]]) -> int:
     """Fill ``state`` in place from the DCP checkpoint in ``location``, resharded to the
     layout of ``state``'s tensors; every file is verified against the manifest's ``files``. A
     collective on the default group: a damaged or missing file is a ``CheckpointCorruptError``
-    on every rank."""
+    on every rank. Returns the bytes this rank read: each file it needs a part of, whole (its
+    digest covers the whole file)."""
+    reader = _reader(location, files)
     try:
-        dcp.load(state, storage_reader=_reader(location, files))
+        dcp.load(state, storage_reader=reader)
     except CheckpointException as e:
         raise CheckpointCorruptError(f"DCP cannot load {location.uri}: {_cause(e)}") from e
+    return reader.fs.bytes_read  # type: ignore[attr-defined]
 
 
 def read_key(location: Location, files: dict[str, dict[str, Any]], key: str) -> Any:

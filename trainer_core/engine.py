@@ -193,6 +193,8 @@ class LiveState:
     resumed_from: int | None = None
     #: When the workers had loaded their start point (worker clock): training resumes here.
     resumed_at: float | None = None
+    #: What loading it cost: bytes the group read from storage, the slowest rank's seconds.
+    restore: dict[str, Any] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     checkpoint_uri: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -209,6 +211,7 @@ class LiveState:
         return {
             "resumed_from_step": self.resumed_from,
             "resumed_at": self.resumed_at,
+            "restore": self.restore,
             "restarts": self.restarts,
             "world_size": self.world_size,
             "peak_worker_rss_mb": self.peak_worker_rss_mb,
@@ -282,6 +285,7 @@ class LiveState:
         elif kind == "resumed":
             self.resumed_from = event.get("step")
             self.resumed_at = event.get("time")
+            self.restore = {k: event[k] for k in ("bytes_read", "restore_s") if k in event}
         elif kind == "fresh_start":
             self.resumed_from = 0  # known: from the beginning (None means unknown)
             self.resumed_at = event.get("time")

@@ -12,8 +12,8 @@ from torch import nn
 
 from trainer_core import data as data_mod
 from trainer_core import stream, workloads
-from trainer_core.checkpoint_manager import read_model_weights
 from trainer_core.errors import SpecError
+from trainer_core.exports import read_model_weights
 from trainer_core.spec import RunSpec
 
 

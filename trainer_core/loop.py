@@ -133,6 +133,7 @@ class BuiltinLoop:
             relay=self.relay,
             timings=self.timings,
             dcp=self.fsdp,
+            node_rank=worker_api.node_rank(),
         )
         self.drains = DrainWatch(
             config.watch_preemption, self.rank, self.relay, self.checkpoints, self.timings
@@ -165,11 +166,17 @@ class BuiltinLoop:
                 metrics=dict(manifest.get("metrics") or {}),
                 resumed_from=checkpoint.step,
             )
+            # What the restore cost: bytes read from storage by the whole group, and the
+            # slowest rank's seconds.
+            read = all_reduce([float(loaded.bytes_read)])[0]
+            seconds = all_reduce([loaded.seconds], dist.ReduceOp.MAX)[0]
             self.relay.send(
                 "resumed",
                 step=checkpoint.step,
                 checkpoint_uri=checkpoint.uri,
                 skipped=loaded.skipped,
+                bytes_read=int(read),
+                restore_s=round(seconds, 4),
                 group=self.group,
                 world_size=self.world_size,
             )

@@ -6,6 +6,7 @@ from them and publishes them as artifacts.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -13,11 +14,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from trainer_core import exports
 from trainer_core.attempts import AttemptRecord
 from trainer_core.attempts import read as read_attempts
 from trainer_core.checkpoints import SCHEMA_VERSION, CheckpointInfo, RunDirectory
+from trainer_core.errors import CheckpointCorruptError
 from trainer_core.spec import RunSpec
 from trainer_core.storage import walk_files
+
+logger = logging.getLogger("relaytrain.summary")
 
 
 class _Frozen(BaseModel):
@@ -84,6 +89,10 @@ class TrainingResult(_Frozen):
     target_epochs: int | None = None
     #: Why training ended before ``target_epochs`` (early stopping); None when it did not.
     stop_reason: str | None = None
+    #: The best and latest checkpoints' whole model as one ``torch.load(weights_only=True)``
+    #: file: the checkpoint's own ``model.pt``, or the export of a DCP (fsdp) checkpoint.
+    best_model_uri: str | None = None
+    latest_model_uri: str | None = None
 
 
 def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
@@ -179,8 +188,15 @@ def storage_bytes(run_dir: RunDirectory) -> int:
 
 
 def build_result(
-    spec: RunSpec, run_dir: RunDirectory, storage_uri: str, status: Literal["completed", "failed"]
+    spec: RunSpec,
+    run_dir: RunDirectory,
+    storage_uri: str,
+    status: Literal["completed", "failed"],
+    model_uris: dict[int, str | None] | None = None,
 ) -> TrainingResult:
+    """The result as the run directory records it; ``model_uris`` (by step) names the model
+    files of the best and latest checkpoints."""
+    model_uris = model_uris or {}
     records = read_attempts(run_dir)
     attempts = attempt_summaries(records)
     scan = run_dir.scan()
@@ -203,6 +219,8 @@ def build_result(
         best_metrics=_clean(best.metrics) if best else {},
         best_checkpoint_uri=best.uri if best else None,
         latest_checkpoint_uri=newest.uri if newest else None,
+        best_model_uri=model_uris.get(best.step) if best else None,
+        latest_model_uri=model_uris.get(newest.step) if newest else None,
         wall_time_s=round(ended - started, 3),
         storage_bytes=storage_bytes(run_dir),
         target_epochs=spec.schedule.epochs if spec.schedule else None,
@@ -215,11 +233,25 @@ def build_result(
 def finalize_run(
     spec: RunSpec, run_dir: RunDirectory, storage_uri: str, status: Literal["completed", "failed"]
 ) -> TrainingResult:
-    """Apply retention one last time, then write ``summary.json`` and return the result."""
+    """Apply retention one last time, give the best and latest checkpoints a model file (an
+    export, for DCP ones), then write ``summary.json`` and return the result."""
     run_dir.apply_retention(spec.checkpoint)
-    result = build_result(spec, run_dir, storage_uri, status)
+    committed = run_dir.scan().committed
+    exports.prune(run_dir, committed)
+    best = best_checkpoint(committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
+    chosen = {c.step: c for c in (best, committed[-1] if committed else None) if c is not None}
+    model_uris = {step: _model_uri(run_dir, c) for step, c in chosen.items()}
+    result = build_result(spec, run_dir, storage_uri, status, model_uris)
     run_dir.summary_file.write_json({"schema": SCHEMA_VERSION, **result.model_dump(mode="json")})
     return result
+
+
+def _model_uri(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> str | None:
+    try:
+        return exports.model_location(run_dir, checkpoint).uri
+    except CheckpointCorruptError as e:  # the result still names the checkpoint
+        logger.warning("no model file for checkpoint %s: %s", checkpoint.uri, e)
+        return None
 
 
 def read_stored_result(run_dir: RunDirectory) -> TrainingResult | None:
@@ -306,6 +338,13 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         f"- best: `{result.best_checkpoint_uri}` {_metrics(result.best_metrics)}",
         f"- latest: `{result.latest_checkpoint_uri}` {_metrics(result.final_metrics)}",
     ]
+    if result.best_model_uri or result.latest_model_uri:
+        lines += [
+            "",
+            "Whole model, one `torch.load(path, weights_only=True)` file:",
+            f"- best: `{result.best_model_uri}`",
+            f"- latest: `{result.latest_model_uri}`",
+        ]
     return "\n".join(lines) + "\n"
 
 

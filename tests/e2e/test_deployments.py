@@ -270,7 +270,8 @@ def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, 
     assert set(by_task) == {"setup", "train", "finalize"} and by_task["train"].run_count == 2
     keys = {a.key for a in artifacts}
     assert keys == {
-        f"{name}-{k}" for k in ("progress", "metrics", "summary", "best-checkpoint", "loss-curve")
+        f"{name}-{k}"
+        for k in ("progress", "metrics", "summary", "best-checkpoint", "best-model", "loss-curve")
     }
 
     seen = browse(server, flow_run, artifacts, SCREENSHOTS)
@@ -288,6 +289,7 @@ def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, 
     assert len(progress) == 2 and any("Progress: 100%" in text for text in progress)
     assert not any("Progress: 0%" in text for text in progress)  # the failed attempt got somewhere
     assert pages[f"{name}-best-checkpoint"]["links"] == [f"file://{summary['best_checkpoint_uri']}"]
+    assert pages[f"{name}-best-model"]["links"] == [f"file://{summary['best_model_uri']}"]
     assert pages[f"{name}-loss-curve"]["images"] and all(pages[f"{name}-loss-curve"]["images"])
 
 

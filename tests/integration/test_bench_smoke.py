@@ -102,3 +102,15 @@ def test_quick_fsdp_checkpoints_benchmark_measures_every_variant(tmp_path):
     assert all(v["samples"] and not v["errors"] for v in data["variants"].values())
     assert data["variants"]["local/relaytrain"]["samples"][0]["state_mb"] > 100
     assert [t["value"] is not None for t in data["targets"]] == [True, True, True]
+
+
+def test_quick_restore_benchmark_reads_replicated_files_once_per_node(tmp_path):
+    done = run_quick("restore", tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / f"{dt.date.today().isoformat()}-restore.json").read_text())
+    variants = data["variants"]
+    assert set(variants) == {"s3/each_rank_reads", "s3/once_per_node"}
+    alone = variants["s3/each_rank_reads"]["samples"][0]
+    shared = variants["s3/once_per_node"]["samples"][0]
+    # The replicated files (nearly all of the checkpoint) are read once instead of twice.
+    assert shared["mb_read"] < 0.55 * alone["mb_read"]

@@ -58,6 +58,7 @@ def test_golden_exact_resume_after_raise(reference, tmp_path):
     with pytest.raises(TrainingCodeError) as failure:
         run_attempt(spec)
     assert failure.value.step == 17 and failure.value.error_type == "InjectedFault"
+    at_10 = run_dir_of(spec).scan().newest
     second = run_attempt(spec)
     assert second.attempt == 2 and second.resumed_from_step == 10
     run_dir = run_dir_of(spec)
@@ -68,6 +69,9 @@ def test_golden_exact_resume_after_raise(reference, tmp_path):
     assert attempts[0]["error_class"] == "TrainingCodeError" and attempts[0]["error_step"] == 17
     assert attempts[0]["restarts"] == []
     assert attempts[1]["resumed_from_step"] == 10
+    # Rank 0's model and optimizer and the schedule are read once for the node's 2 ranks (and
+    # handed on), each RNG state by its own rank: every file once.
+    assert attempts[1]["restore"]["bytes_read"] == sum(e["size"] for e in at_10.files.values())
     # Each attempt's world size and its workers' peak memory (every rank's, max-reduced at
     # each checkpoint: the failed attempt's as of step 10). A Ray worker with torch: > 100 MB.
     assert [a["world_size"] for a in attempts] == [2, 2]

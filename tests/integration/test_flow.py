@@ -59,6 +59,9 @@ def test_happy_path_tasks_artifacts_and_result(happy):
         "checkpoint-000000039"
     )
     assert "val_loss" in result.final_metrics and result.storage_bytes > 0
+    # A DDP run's model file is the checkpoint's own model.pt (an fsdp run's: test_fsdp).
+    assert result.latest_model_uri == f"{result.latest_checkpoint_uri}/model.pt"
+    assert result.best_model_uri == f"{result.best_checkpoint_uri}/model.pt"
     runs = task_runs(flow_run_id)
     assert set(runs) == {"setup", "train", "finalize"}
     assert all(r.state.is_completed() for r in runs.values())
@@ -67,6 +70,7 @@ def test_happy_path_tasks_artifacts_and_result(happy):
         "flow-happy-metrics",
         "flow-happy-summary",
         "flow-happy-best-checkpoint",
+        "flow-happy-best-model",
         "flow-happy-loss-curve",
         "flow-happy-progress",
     } <= set(found)

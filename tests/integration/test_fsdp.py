@@ -12,11 +12,12 @@ import torch
 
 from tests.conftest import tiny_raw
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
-from trainer_core import evaluate
-from trainer_core.checkpoint_manager import DCP_FORMAT, FORMAT, read_model_weights
+from trainer_core import evaluate, exports
 from trainer_core.engine import run_attempt
 from trainer_core.errors import InfrastructureError, TrainingCodeError
+from trainer_core.exports import DCP_FORMAT, FORMAT, read_model_weights
 from trainer_core.spec import build_spec
+from trainer_core.summary import finalize_run
 
 pytestmark = pytest.mark.integration
 FSDP = {"strategy": "fsdp"}
@@ -49,6 +50,15 @@ def test_fsdp_resumes_exactly_and_consumers_read_its_checkpoint(uninterrupted, t
     rows = evaluate.holdout(spec)
     reference_uri = uninterrupted["result"].latest_checkpoint_uri
     assert evaluate.evaluate(spec, latest.uri, rows) == evaluate.evaluate(spec, reference_uri, rows)
+    # Finalize gives the best and latest checkpoints one torch.load file each, which consumers
+    # then read instead of gathering the shards.
+    result = finalize_run(spec, run_dir, spec.run.storage, "completed")
+    assert result.latest_model_uri.endswith(f"/exports/{latest.name}.pt")
+    exported = torch.load(result.latest_model_uri, weights_only=True)
+    assert_same_tensors(exported, uninterrupted["state"]["model"])
+    best = result.best_checkpoint_uri.rsplit("/", 1)[-1]
+    assert result.best_model_uri.endswith(f"/exports/{best}.pt")
+    assert_same_tensors(exports.read(run_dir, latest), exported)
 
 
 def test_fsdp_worker_killed_mid_run_resumes_exactly(uninterrupted, tmp_path):
@@ -138,3 +148,24 @@ def test_ddp_checkpoint_resumes_under_fsdp_and_back_exactly(uninterrupted, tmp_p
     assert formats(run_dir)[20] == DCP_FORMAT and formats(run_dir)[39] == FORMAT
     assert_same_tensors(final_state(run_dir), uninterrupted["state"])
     assert losses(run_dir) == uninterrupted["losses"]
+
+
+def test_warm_starts_cross_strategies(uninterrupted, tmp_path):
+    """run.init_from into an fsdp run loads a DDP checkpoint's whole weights into its shards,
+    and trains as a DDP run warm-started alike does; the fsdp run's export holds the weights
+    the DDP run's model.pt does."""
+    reference = uninterrupted["result"].latest_checkpoint_uri
+    short = {"epochs": 1}
+    fsdp = build_spec(
+        tiny_raw(tmp_path, "warm-fsdp", scaling=FSDP, run={"init_from": reference}, schedule=short)
+    )
+    ddp = build_spec(tiny_raw(tmp_path, "warm-ddp", run={"init_from": reference}, schedule=short))
+    assert run_attempt(fsdp).status == run_attempt(ddp).status == "completed"
+    warm = losses(run_dir_of(fsdp))
+    assert warm == losses(run_dir_of(ddp))  # 2 gloo ranks: FSDP's bits are DDP's
+    assert warm[0][1] < uninterrupted["losses"][0][1] / 2  # trained weights, not new ones
+    result = finalize_run(fsdp, run_dir_of(fsdp), fsdp.run.storage, "completed")
+    assert_same_tensors(
+        torch.load(result.latest_model_uri, weights_only=True),
+        read_model_weights(run_dir_of(ddp).scan().newest.uri),
+    )

@@ -4,6 +4,7 @@ shard refuses to load."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
     from trainer_core import dcp_storage, storage
     from trainer_core.checkpoints import RunDirectory
     from trainer_core.errors import CheckpointCorruptError
+    from trainer_core.exports import DCP_FORMAT
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -58,7 +60,9 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
         dist.all_gather_object(entries, written)
         saved = get_state_dict(model, optimizer, options=full)[0]
         if rank == 0:
-            run_dir.commit_checkpoint(3, [e for part in entries for e in part], {"format": "dcp"})
+            run_dir.commit_checkpoint(
+                3, [e for part in entries for e in part], {"format": DCP_FORMAT}
+            )
             torch.save(saved, Path(root) / "full.pt")
     else:
         checkpoint = run_dir.read_committed(3)
@@ -192,6 +196,49 @@ def test_a_damaged_dcp_shard_refuses_to_load(saved: Path, tmp_path: Path) -> Non
         _spawn(2, damaged, "load")
     said = " ".join(p.read_text() for p in damaged.glob("error-*.txt"))
     assert "__1_0.distcp does not match its manifest" in said
+
+
+def test_an_export_is_one_torch_file_of_the_whole_model_and_follows_its_checkpoint(
+    saved: Path, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    from trainer_core import exports, storage
+    from trainer_core.checkpoints import RunDirectory
+
+    shutil.copytree(saved, tmp_path / "run")
+    run_dir = RunDirectory(storage.resolve(str(tmp_path / "run")))
+    checkpoint = run_dir.read_committed(3)
+    assert checkpoint is not None and exports.is_dcp(checkpoint)
+    full = torch.load(saved / "full.pt")
+
+    def same(weights: dict) -> bool:
+        return weights.keys() == full.keys() and all(torch.equal(weights[k], full[k]) for k in full)
+
+    assert exports.read(run_dir, checkpoint) is None  # none yet: read the shards
+    path = Path(exports.model_location(run_dir, checkpoint).path)
+    assert path == tmp_path / "run" / "exports" / "checkpoint-000000003.pt"
+    assert same(torch.load(path, weights_only=True))  # what a consumer does with it
+    record = path.with_suffix(".json")
+    assert json.loads(record.read_text())["file"]["size"] == path.stat().st_size
+    assert same(exports.read_model_weights(checkpoint.uri))
+    # A damaged export is not used (the shards are), and the next export writes it again.
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    assert exports.read(run_dir, checkpoint) is None
+    assert same(exports.read_model_weights(checkpoint.uri))
+    exports.export(run_dir, checkpoint)
+    assert same(exports.read(run_dir, checkpoint) or {})
+    # Kept while its checkpoint is; gone with it, or when the checkpoint is written again.
+    assert exports.prune(run_dir, [checkpoint]) == []
+    other = dataclasses.replace(checkpoint, manifest={**checkpoint.manifest, "files": {}})
+    assert sorted(exports.prune(run_dir, [other])) == [record.name, path.name]
+    exports.export(run_dir, checkpoint)
+    assert sorted(exports.prune(run_dir, [])) == [record.name, path.name]
+    assert not list((tmp_path / "run" / "exports").iterdir())
+    assert checkpoint == run_dir.read_committed(3)  # the checkpoint itself is never touched
 
 
 if __name__ == "__main__":  # pragma: no cover

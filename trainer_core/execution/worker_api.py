@@ -25,6 +25,11 @@ def rank_and_world_size() -> tuple[int, int]:
     return context.get_world_rank(), context.get_world_size()
 
 
+def node_rank() -> int:
+    """The index of this worker's node among the group's nodes (workers on one node share it)."""
+    return int(ray.train.get_context().get_node_rank())
+
+
 def device() -> torch.device:
     """Where this worker's model and batches live (its GPU with ``use_gpu``, else the CPU)."""
     return ray.train.torch.get_device()
