@@ -1,5 +1,6 @@
 """Restore: the seconds and the bytes read from storage to resume 2 workers on one node from a
-checkpoint of a replicated (DDP) model and its Adam state (about 120 MB) on S3.
+checkpoint of a model and its Adam state (about 120 MB) on S3, replicated (DDP) and sharded
+(FSDP).
 
 A real S3-compatible server on loopback (moto's server mode) holds the run. 2 worker processes
 (``torch.multiprocessing``, one gloo group) build the same model, and rank 0's
@@ -10,6 +11,9 @@ every rank's RNG state). Then, alternately:
   manager does not know the ranks' nodes): what relaytrain did before.
 - ``s3/once_per_node``: the node's first rank reads them and hands them to the other rank
   (``CheckpointManager(node_rank=...)``, as the built-in loop makes it).
+- ``s3/fsdp/each_rank_reads`` and ``s3/fsdp/once_per_node``: the same model sharded with FSDP2
+  over the 2 ranks, its DCP checkpoint: each rank reads every file its share is in (rank 0's
+  file also holds what DCP saved once for both), or each file is read once for the node.
 
 ``restore_s`` is the slowest rank's ``load`` (read, verify, deserialize, apply); ``mb_read`` the
 bytes both ranks read from storage.
@@ -58,8 +62,24 @@ def reduce(value: float, op: Any = None) -> float:
     return float(tensor)
 
 
+def build_sharded(layers: int, world_size: int) -> tuple[torch.nn.Module, Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, _, _ = build(layers)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(torch.randn(4, WIDTH)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
 class Bench:
-    def __init__(self, rank: int, world_size: int, store: str, layers: int):
+    def __init__(self, rank: int, world_size: int, stores: tuple[str, str], layers: int):
         from trainer_core import storage
         from trainer_core.checkpoint_manager import CheckpointManager, TrainingState
         from trainer_core.checkpoints import RunDirectory
@@ -71,24 +91,30 @@ class Bench:
             sum(p.numel() * 4 for p in model.parameters()) * 3 / MB
         )  # weights, exp_avg, exp_avg_sq
 
-        def manager(node_rank: int | None) -> Any:
+        sharded = build_sharded(layers, world_size)
+
+        def manager(node_rank: int | None, dcp: bool = False) -> Any:
             return CheckpointManager(
-                RunDirectory(storage.resolve(store)),
+                RunDirectory(storage.resolve(stores[1] if dcp else stores[0])),
                 CheckpointSection(keep_last=1, keep_best=0, asynchronous=False),
-                TrainingState(model, optimizer, scheduler),
+                TrainingState(*sharded) if dcp else TrainingState(model, optimizer, scheduler),
                 rank=rank,
                 world_size=world_size,
                 attempt=1,
                 relay=Relay(None, rank),  # no driver: events go nowhere
                 timings=Timings(),
                 node_rank=node_rank,
+                dcp=dcp,
             )
 
         self.alone = manager(None)
         self.shared = manager(0)  # both ranks on node 0
+        self.fsdp_alone = manager(None, dcp=True)
+        self.fsdp_shared = manager(0, dcp=True)
         meta = {"epoch": 0, "cursor": {"epoch": 0, "batch": 1}, "metrics": {}}
-        self.alone.save(1, meta, [{"step": 1, "epoch": 0, "loss": 0.0}])
-        self.alone.wait()
+        for saving in (self.alone, self.fsdp_alone):
+            saving.save(1, meta, [{"step": 1, "epoch": 0, "loss": 0.0}])
+            saving.wait()
 
     def variants(self) -> list[Variant]:
         return [
@@ -96,6 +122,10 @@ class Bench:
                     lambda rep: self.restore(self.alone)),
             Variant("s3/once_per_node", "the node's first rank reads them for both",
                     lambda rep: self.restore(self.shared)),
+            Variant("s3/fsdp/each_rank_reads", "every rank reads each DCP file its share is in",
+                    lambda rep: self.restore(self.fsdp_alone)),
+            Variant("s3/fsdp/once_per_node", "each DCP file read once for the node",
+                    lambda rep: self.restore(self.fsdp_shared)),
         ]  # fmt: skip
 
     def restore(self, manager: Any) -> Sample:
@@ -112,18 +142,24 @@ class Bench:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, store: str, repetitions: int, out: str, layers: int
+    rank: int,
+    world_size: int,
+    port: int,
+    stores: tuple[str, str],
+    repetitions: int,
+    out: str,
+    layers: int,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two processes on the machine's cores, as two workers would
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    bench = Bench(rank, world_size, store, layers)
+    bench = Bench(rank, world_size, stores, layers)
     log = print if rank == 0 else (lambda text: None)
     records = common.alternate(bench.variants(), repetitions, log=log)
     if rank == 0:
         Path(out).write_bytes(pickle.dumps(records))
     dist.barrier()
-    for manager in (bench.alone, bench.shared):
+    for manager in (bench.alone, bench.shared, bench.fsdp_alone, bench.fsdp_shared):
         manager.close()
     dist.destroy_process_group()
 
@@ -145,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(server.credential_env())  # the spawned workers inherit them
         stack.callback(lambda: (os.environ.clear(), os.environ.update(before)))
         out = Path(tmp) / "records.pickle"
+        stores = (server.uri("restore/ddp"), server.uri("restore/fsdp"))
         result.settings.update(
             world_size=2,
             nodes=1,
@@ -156,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         mp.start_processes(
             _worker,
-            args=(2, free_port(), server.uri("restore/run"), repetitions, str(out), layers),
+            args=(2, free_port(), stores, repetitions, str(out), layers),
             nprocs=2,
             start_method="spawn",
         )
@@ -167,13 +204,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(result: Result) -> None:
     records = result.variants
-    time_ratio = common.ratio(records, "s3/once_per_node", "s3/each_rank_reads", "restore_s")
-    read_ratio = common.ratio(records, "s3/once_per_node", "s3/each_rank_reads", "mb_read")
-    if time_ratio is not None and read_ratio is not None:
-        result.notes.append(
-            f"once_per_node / each_rank_reads: restore_s {time_ratio:.2f}, mb_read "
-            f"{read_ratio:.2f} (the issue names no target: measured before and after)"
-        )
+    for kind in ("s3", "s3/fsdp"):
+        after, before = f"{kind}/once_per_node", f"{kind}/each_rank_reads"
+        time_ratio = common.ratio(records, after, before, "restore_s")
+        read_ratio = common.ratio(records, after, before, "mb_read")
+        if time_ratio is not None and read_ratio is not None:
+            result.notes.append(
+                f"{after} / {before}: restore_s {time_ratio:.2f}, mb_read {read_ratio:.2f} "
+                "(the issue names no target: measured before and after)"
+            )
     result.notes.append(
         "mb_read: what both ranks read from storage; the replicated files are handed from rank 0 "
         "to rank 1 over a gloo group of the node's ranks (a copy through loopback TCP)"

@@ -162,7 +162,8 @@ class CheckpointManager:
 
         What every rank restores alike (rank 0's model and optimizer, the schedule) is read once
         per node, by the node's first rank, and handed to the node's other ranks; what is a
-        rank's own (its RNG state, its shard) it reads itself."""
+        rank's own (its RNG state) it reads itself. A DCP checkpoint's files are read once per
+        node too, each by the node's first rank, for the ranks that need a part of it."""
         started = time.perf_counter()
         skipped: list[dict[str, Any]] = []
         self.bytes_read = 0
@@ -292,7 +293,8 @@ class CheckpointManager:
         model_state, optimizer_state = get_state_dict(self.state.model, self.state.optimizer)
         target = {"model": _empty_like(model_state), "optimizer": _empty_like(optimizer_state)}
         location = self.run_dir.checkpoint_location(checkpoint.step)
-        self.bytes_read += dcp_storage.load(target, location, checkpoint.files)
+        node = self._node_group()
+        self.bytes_read += dcp_storage.load(target, location, checkpoint.files, node)
         return target
 
     def _apply(self, states: dict[str, Any]) -> None:

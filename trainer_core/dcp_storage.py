@@ -11,7 +11,10 @@ DCP writes and reads through a small file-system interface (``FileSystemBase``);
   (``storage.Location.write_stream``: spooled to memory, then to a local temporary file past
   ``SPOOL_BYTES``, so a retried upload starts again from the start);
 - every file DCP reads is read whole once and checked against the manifest before DCP seeks in
-  it, so a damaged shard is a ``CheckpointCorruptError`` and the older checkpoint is used.
+  it, so a damaged shard is a ``CheckpointCorruptError`` and the older checkpoint is used;
+- given the node's group (``load(node=...)``), a file that several ranks of a node need (the
+  one holding what DCP saved once for all, rank 0's) is read once there, by the node's first
+  rank, and handed to the others.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import uuid
 from collections.abc import Generator
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -60,6 +64,8 @@ class RunStorage(FileSystemBase):
         self.written: dict[str, FileEntry] = {}
         #: Bytes read from storage through this object.
         self.bytes_read = 0
+        #: Files read for this rank by its node's first rank (or why they could not be).
+        self.handed: dict[str, bytes | CheckpointCorruptError] = {}
         self._lock = threading.Lock()
 
     # -- paths: DCP joins names onto the directory it was given --------------------------------
@@ -101,7 +107,10 @@ class RunStorage(FileSystemBase):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
         name = os.fspath(path)
         if "r" in mode:
-            yield io.BytesIO(self._read_verified(name))
+            handed = self.handed.pop(name, None)
+            if isinstance(handed, CheckpointCorruptError):
+                raise handed
+            yield io.BytesIO(handed if handed is not None else self._read_verified(name))
             return
         if self.location.is_local:
             with self._local_stream(name) as writer:
@@ -139,6 +148,28 @@ class RunStorage(FileSystemBase):
             raise
         with self._lock:
             self.written[name] = writer.entry(name)
+
+    def share_on_node(self, names: list[str], node: tuple[Any, int]) -> None:
+        """Every file that ``names`` (this rank's) and the node's other ranks' lists name is read
+        once, by the node's first rank, and handed to the ranks that need it. A collective on
+        the node's group."""
+        group, first = node
+        wanted: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(wanted, sorted(names), group=group)
+        mine = set(names)
+        for name in sorted({n for ranks in wanted for n in ranks}):
+            said: list[Any] = [None]
+            if dist.get_rank() == first:
+                try:
+                    said[0] = self._read_verified(name)
+                except CheckpointCorruptError as e:
+                    said[0] = str(e)
+            dist.broadcast_object_list(said, src=first, group=group)
+            if name in mine:
+                value = said[0]
+                self.handed[name] = (
+                    value if isinstance(value, bytes) else CheckpointCorruptError(value)
+                )
 
     def _read_verified(self, name: str) -> bytes:
         try:
@@ -178,13 +209,19 @@ def save(state: dict[str, Any], location: Location, group: Any = None) -> list[F
     return list(fs.written.values())
 
 
-def load(state: dict[str, Any], location: Location, files: dict[str, dict[str, Any]]) -> int:
+def load(
+    state: dict[str, Any],
+    location: Location,
+    files: dict[str, dict[str, Any]],
+    node: tuple[Any, int] | None = None,
+) -> int:
     """Fill ``state`` in place from the DCP checkpoint in ``location``, resharded to the
     layout of ``state``'s tensors; every file is verified against the manifest's ``files``. A
     collective on the default group: a damaged or missing file is a ``CheckpointCorruptError``
-    on every rank. Returns the bytes this rank read: each file it needs a part of, whole (its
-    digest covers the whole file)."""
-    reader = _reader(location, files)
+    on every rank. ``node`` (this node's group, and its first rank): files are read once per
+    node. Returns the bytes this rank read: each file it (or its node) needs a part of, whole
+    (its digest covers the whole file)."""
+    reader = _reader(location, files, node)
     try:
         dcp.load(state, storage_reader=reader)
     except CheckpointException as e:
@@ -208,10 +245,26 @@ def read_key(location: Location, files: dict[str, dict[str, Any]], key: str) -> 
     return state[key]
 
 
-def _reader(location: Location, files: dict[str, dict[str, Any]]) -> FileSystemReader:
-    reader = FileSystemReader(location.uri)
-    reader.fs, reader.path = RunStorage(location, files), ""  # type: ignore[assignment]
-    return reader
+class _Reader(FileSystemReader):
+    """DCP's reader on the run's storage; with ``node``, the files this rank's plan reads are
+    read once per node (``RunStorage.share_on_node``) before DCP reads them."""
+
+    def __init__(self, location: Location, files: dict[str, Any], node: Any = None):
+        super().__init__(location.uri)
+        self.fs, self.path = RunStorage(location, files), ""  # type: ignore[assignment]
+        self.node = node
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        if self.node is not None:
+            names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            self.fs.share_on_node(sorted(names), self.node)  # type: ignore[attr-defined]
+        return super().read_data(plan, planner)
+
+
+def _reader(
+    location: Location, files: dict[str, dict[str, Any]], node: Any = None
+) -> FileSystemReader:
+    return _Reader(location, files, node)
 
 
 def _cause(error: CheckpointException) -> Exception:

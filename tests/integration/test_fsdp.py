@@ -73,8 +73,15 @@ def test_fsdp_worker_killed_mid_run_resumes_exactly(uninterrupted, tmp_path):
     with pytest.raises(InfrastructureError):
         run_attempt(spec)
     run_dir = run_dir_of(spec)
-    assert run_dir.scan().newest.step == 20
+    at_20 = run_dir.scan().newest
+    assert at_20.step == 20
     assert run_attempt(spec).resumed_from_step == 20
+    # Each file once for the node's 2 ranks (rank 0's shard file also holds what DCP saved once
+    # for both, so rank 1 needs part of it too: handed on, not read again), but for DCP's
+    # .metadata, which every rank reads itself.
+    sizes = {name: entry["size"] for name, entry in at_20.files.items()}
+    read = run_dir.read_attempts()[1]["restore"]["bytes_read"]
+    assert read == sum(sizes.values()) + sizes[".metadata"]
     assert_same_tensors(final_state(run_dir), uninterrupted["state"])
     assert losses(run_dir) == uninterrupted["losses"]
 
