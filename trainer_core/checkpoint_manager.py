@@ -163,7 +163,7 @@ class CheckpointManager:
         What every rank restores alike (rank 0's model and optimizer, the schedule) is read once
         per node, by the node's first rank, and handed to the node's other ranks; what is a
         rank's own (its RNG state) it reads itself. A DCP checkpoint's files are read once per
-        node too, each by the node's first rank, for the ranks that need a part of it."""
+        node too, each by one of the ranks that need a part of it, for the others."""
         started = time.perf_counter()
         skipped: list[dict[str, Any]] = []
         self.bytes_read = 0

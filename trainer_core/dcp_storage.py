@@ -13,8 +13,8 @@ DCP writes and reads through a small file-system interface (``FileSystemBase``);
 - every file DCP reads is read whole once and checked against the manifest before DCP seeks in
   it, so a damaged shard is a ``CheckpointCorruptError`` and the older checkpoint is used;
 - given the node's group (``load(node=...)``), a file that several ranks of a node need (the
-  one holding what DCP saved once for all, rank 0's) is read once there, by the node's first
-  rank, and handed to the others.
+  one holding what DCP saved once for all, rank 0's) is read once there, by one of them, and
+  handed to the others.
 """
 
 from __future__ import annotations
@@ -151,21 +151,33 @@ class RunStorage(FileSystemBase):
 
     def share_on_node(self, names: list[str], node: tuple[Any, int]) -> None:
         """Every file that ``names`` (this rank's) and the node's other ranks' lists name is read
-        once, by the node's first rank, and handed to the ranks that need it. A collective on
-        the node's group."""
-        group, first = node
-        wanted: list[Any] = [None] * dist.get_world_size(group)
+        once on the node, by one of the ranks that need it (the largest files first, each to
+        the rank with the fewest bytes yet, so the ranks read in parallel), and handed to the
+        others that need it. A collective on the node's group."""
+        group, _ = node
+        ranks = dist.get_process_group_ranks(group)
+        wanted: list[Any] = [None] * len(ranks)
         dist.all_gather_object(wanted, sorted(names), group=group)
-        mine = set(names)
-        for name in sorted({n for ranks in wanted for n in ranks}):
-            said: list[Any] = [None]
-            if dist.get_rank() == first:
-                try:
-                    said[0] = self._read_verified(name)
-                except CheckpointCorruptError as e:
-                    said[0] = str(e)
-            dist.broadcast_object_list(said, src=first, group=group)
-            if name in mine:
+        needs = {name: [r for r, w in zip(ranks, wanted, strict=True) if name in w] for name in
+                 {n for w in wanted for n in w}}  # fmt: skip
+        size = {name: int((self.expected or {}).get(name, {}).get("size", 0)) for name in needs}
+        load = dict.fromkeys(ranks, 0)
+        reader = {}
+        for name in sorted(needs, key=lambda n: (-size[n], n)):
+            reader[name] = min(needs[name], key=lambda r: (load[r], r))
+            load[reader[name]] += size[name]
+        me = dist.get_rank()
+        read: dict[str, bytes | str] = {}
+        for name in sorted(n for n, r in reader.items() if r == me):
+            try:
+                read[name] = self._read_verified(name)
+            except CheckpointCorruptError as e:
+                read[name] = str(e)
+        for name in sorted(needs):
+            said: list[Any] = [read.get(name)]
+            if len(needs[name]) > 1:
+                dist.broadcast_object_list(said, src=reader[name], group=group)
+            if me in needs[name]:
                 value = said[0]
                 self.handed[name] = (
                     value if isinstance(value, bytes) else CheckpointCorruptError(value)

@@ -97,11 +97,12 @@ def test_quick_fsdp_checkpoints_benchmark_measures_every_variant(tmp_path):
         (tmp_path / f"{dt.date.today().isoformat()}-fsdp_checkpoints.json").read_text()
     )
     assert set(data["variants"]) == {
-        f"local/{v}" for v in ("relaytrain", "dcp_save", "dcp_async_save", "raw_copy")
+        f"local/{v}"
+        for v in ("relaytrain", "dcp_save", "dcp_async_save", "raw_copy", "relaytrain_loop")
     }
     assert all(v["samples"] and not v["errors"] for v in data["variants"].values())
     assert data["variants"]["local/relaytrain"]["samples"][0]["state_mb"] > 100
-    assert [t["value"] is not None for t in data["targets"]] == [True, True, True]
+    assert [t["value"] is not None for t in data["targets"]] == [True, True, True, True]
 
 
 def test_quick_restore_benchmark_reads_replicated_files_once_per_node(tmp_path):
