@@ -31,16 +31,19 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(
-    ("case", "kind", "at_step", "rank"),
+    ("case", "kind", "at_step", "rank", "strategy"),
     [
-        ("1 exception in training code", "raise", 17, 0),
-        ("2 worker process SIGKILL", "kill", 23, 1),
+        ("1 exception in training code", "raise", 17, 0, "ddp"),
+        ("2 worker process SIGKILL", "kill", 23, 1, "ddp"),
+        # FSDP on 2 gloo ranks ends bit-identical to the DDP reference (test_fsdp.py).
+        ("2f worker process SIGKILL, scaling.strategy fsdp", "kill", 23, 1, "fsdp"),
     ],
 )
 def test_worker_fault_is_retried_and_exact(
-    relaytrain_prefect, uninterrupted, tmp_path, case, kind, at_step, rank
+    relaytrain_prefect, uninterrupted, tmp_path, case, kind, at_step, rank, strategy
 ):
-    spec = with_fault(build_spec(tiny_raw(tmp_path, f"matrix-{kind}")), kind, at_step, rank)
+    raw = tiny_raw(tmp_path, f"matrix-{kind}-{strategy}", scaling={"strategy": strategy})
+    spec = with_fault(build_spec(raw), kind, at_step, rank)
     state = training(spec, return_state=True)
     assert state.is_completed(), state
     run_dir = run_dir_of(spec)
