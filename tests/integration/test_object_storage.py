@@ -110,9 +110,18 @@ def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, uninterrupted, s3, kind):
     # Retention on the server: the newest 2 and val_loss's argmin, nothing else.
     kept, best = expected_retention(uninterrupted["checkpoint_metrics"], keep_last=2, keep_best=1)
     assert_retained(run_dir, result.best_checkpoint_uri, kept, best)
-    assert {k.split("/")[2] for k in keys if "/checkpoint-" in k} == {
-        f"checkpoint-{step:09d}" for step in kept
-    }
+    names = {k.split("/")[2] for k in keys if k.split("/")[2].startswith("checkpoint-")}
+    assert names == {f"checkpoint-{step:09d}" for step in kept}
+    # An fsdp run's consumers get one torch.load file for best and latest, beside a record;
+    # a DDP run's checkpoints hold model.pt already, so it exports nothing.
+    exported = {k.split("/")[3] for k in keys if k.split("/")[2] == "exports"}
+    if kind == "s3fs":
+        ends = {result.best_model_uri.rsplit("/", 1)[1], result.latest_model_uri.rsplit("/", 1)[1]}
+        assert exported == ends | {e.replace(".pt", ".json") for e in ends}
+        assert result.latest_model_uri == f"{prefix}/exports/checkpoint-000000039.pt"
+    else:
+        assert not exported
+        assert result.latest_model_uri == f"{prefix}/checkpoint-000000039/model.pt"
 
 
 # -- bad inputs: rejected by setup, no retry, nothing written, fast ---------------------------
