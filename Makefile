@@ -33,7 +33,7 @@ test: $(STAMP) system lint
 	$(VENV)/bin/pytest tests --durations=30
 
 run: $(STAMP)
-	$(PY) -m flows.training --config examples/digits_cnn.yaml
+	$(VENV)/bin/relaytrain run --config examples/digits_cnn.yaml
 
 # Every benchmark in full, one process tree each (bench/README.md; about 100 min on 2 cores: run it
 # on a quiet machine), then the tables of bench/README.md. BENCH_ARGS goes to each benchmark.

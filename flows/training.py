@@ -1,7 +1,9 @@
 """The training flow: setup -> train (retried, resuming) -> finalize; and its command line.
 
-    python -m flows.training --config examples/digits_cnn.yaml [--set key=value ...]
+    relaytrain run --config examples/digits_cnn.yaml [--set key=value ...]
         [--run-name NAME] [--result-json PATH]
+
+(``python -m flows.training`` takes the same options.)
 
 Runs under Prefect's embedded API, or against PREFECT_API_URL when set. Re-running with the
 same run name resumes from the newest committed checkpoint; a finished run returns its result.
@@ -66,9 +68,9 @@ def training(spec: RunSpec) -> TrainingResult:
         return finalize(spec, prepared)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m flows.training") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m flows.training",
+        prog=prog,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -121,6 +123,10 @@ def print_summary(result: TrainingResult) -> None:
     print(f"  best checkpoint:  {result.best_checkpoint_uri} {best}")
     print(f"  best model file:  {result.best_model_uri}  (torch.load(path, weights_only=True))")
     print(f"  run directory:    {result.run_uri}  (summary.json, loss_curve.png, metrics/)")
+    print(f"  inspect it:       relaytrain show {result.run_uri}")
+    print(f"  TensorBoard:      tensorboard --logdir {result.storage_uri}")
+    if result.mlflow is not None:
+        print(f"  MLflow:           {result.mlflow.describe()}")
     print(
         "  Prefect UI:       `prefect server start`, then rerun with "
         "PREFECT_API_URL=http://127.0.0.1:4200/api to see flow runs and artifacts there"

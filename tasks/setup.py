@@ -10,7 +10,7 @@ from tasks import credentials
 from trainer_core import engine, jobs, lease
 from trainer_core.execution import cluster
 from trainer_core.spec import RunSpec
-from trainer_core.summary import TrainingResult, read_stored_result
+from trainer_core.summary import TrainingResult, read_stored_result, sync_tracking
 
 
 class Prepared(BaseModel):
@@ -64,6 +64,9 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
             plan.run_name,
             stored.steps_completed if stored else "?",
         )
+        if stored is not None and stored.mlflow is not None and stored.mlflow.pending:
+            stored = sync_tracking(spec, run_dir, stored) or stored
+            logger.info("%s", stored.mlflow.describe() if stored.mlflow else "")
         lease.release(run_dir.location, lease_owner)
     else:
         logger.info("run %s at %s: %s", plan.run_name, plan.run_uri, plan.reason)

@@ -13,7 +13,7 @@ from prefect.states import State
 
 from tasks.naming import artifact_key
 from tasks.setup import Prepared
-from trainer_core import attempts, engine, jobs, lease
+from trainer_core import attempts, engine, jobs, lease, mlflow_log, tensorboard_log
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import RelaytrainError
 from trainer_core.retry import RetryDecision, decide_retry
@@ -33,8 +33,11 @@ def should_retry(task: Any, task_run: TaskRun, state: State) -> bool:
 class ProgressRelay:
     """Turns relayed training events into task logs and a live progress artifact."""
 
-    def __init__(self, spec: RunSpec, prepared: Prepared):
+    def __init__(
+        self, spec: RunSpec, prepared: Prepared, tracker: mlflow_log.Tracker | None = None
+    ):
         self.logger = get_run_logger()
+        self.tracker = tracker
         self.total_steps = prepared.total_steps
         self.epochs = spec.schedule.epochs if spec.schedule else None
         self.last_update = 0.0
@@ -52,6 +55,8 @@ class ProgressRelay:
 
     def __call__(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
+        if self.tracker is not None:  # metric rows, logged once their checkpoint commits
+            self.tracker.on_event(event)
         if kind == "restarting":
             limit = "no limit" if event["limit"] is None else f"at most {event['limit']}"
             self.logger.warning(
@@ -149,7 +154,10 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
     logger = get_run_logger()
     run_dir = RunDirectory.of(prepared.storage_uri, prepared.run_name)
     held = lease.acquire(run_dir.location, owner=prepared.lease_owner)
-    progress = ProgressRelay(spec, prepared)
+    tracker = mlflow_log.for_run(spec, run_dir)
+    if tracker is not None:
+        tracker.attempt_started()
+    progress = ProgressRelay(spec, prepared, tracker)
     with lease.LeaseKeeper(run_dir.location, held):
         try:
             if jobs.job_address(spec):  # a remote cluster: the attempt runs as a Ray job
@@ -160,6 +168,9 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
         except RelaytrainError as error:
             decision = _decide(spec, run_dir, error)
             progress.publish()
+            tensorboard_log.write_quietly(run_dir)  # what the attempt committed, before a retry
+            if tracker is not None:
+                tracker.attempt_ended()
             error.retry_decision = decision  # type: ignore[attr-defined]
             logger.error(
                 "attempt failed with %s: %s. %s", type(error).__name__, error, decision.reason

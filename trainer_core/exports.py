@@ -61,7 +61,12 @@ def model_file(checkpoint: CheckpointInfo) -> str:
 def read_model_weights(checkpoint_uri: str) -> dict[str, torch.Tensor]:
     """The model's whole state dict of a committed checkpoint, verified, in this process: a
     DCP checkpoint's export when it has a sound one, else its shards, gathered here."""
-    run_dir, checkpoint = open_checkpoint(checkpoint_uri)
+    return model_weights(*open_checkpoint(checkpoint_uri))
+
+
+def model_weights(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """``read_model_weights`` of a checkpoint found through its run directory (whose location
+    keeps the storage's options, such as an S3 endpoint, which a checkpoint's URI does not)."""
     if is_dcp(checkpoint):
         exported = read(run_dir, checkpoint)
         if exported is not None:

@@ -340,6 +340,38 @@ class ReportSection(_Section):
     every: PositiveInt = 10
 
 
+class TrackingSection(_Section):
+    """Experiment trackers the driver reports to. TensorBoard event files are always written
+    into the run directory; MLflow is used when a tracking URI is set here or in
+    ``MLFLOW_TRACKING_URI``."""
+
+    #: An MLflow tracking URI (``http://host:5000``, ``databricks``, ``sqlite:///mlflow.db``).
+    #: Credentials never go in it: MLflow reads MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN
+    #: from the environment.
+    mlflow_uri: str | None = None
+    #: The MLflow experiment the run is logged under (created when missing).
+    mlflow_experiment: str = "relaytrain"
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _mlflow_uri(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        from trainer_core.mlflow_log import check_uri
+
+        problem = check_uri(value)
+        if problem:
+            raise ValueError(f"tracking.mlflow_uri cannot be used: {problem}")
+        return value
+
+    @field_validator("mlflow_experiment")
+    @classmethod
+    def _experiment(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("tracking.mlflow_experiment is empty: name an experiment")
+        return value
+
+
 class RetriesSection(_Section):
     #: Retries after a worker/node death, preemption or transient storage failure.
     infrastructure: NonNegativeInt = 3
@@ -390,6 +422,7 @@ class RunSpec(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     report: ReportSection = Field(default_factory=ReportSection)
     retries: RetriesSection = Field(default_factory=RetriesSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
     #: The built-in loop's arithmetic: fp32, or autocast to bf16 or fp16 (fp16 with a gradient
     #: scaler whose state is checkpointed). Parameters and optimizer state stay fp32.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -724,10 +757,15 @@ def format_validation_error(error: ValidationError) -> str:
     for item in error.errors():
         loc = _error_field(item) or "spec"
         given = item.get("input")
-        shown = "" if isinstance(given, dict) else f" (got {given!r})"
+        # never echo a credential: user:password@ in a URI is masked
+        shown = "" if isinstance(given, dict) else f" (got {_masked(repr(given))})"
         message = item["msg"].removeprefix("Value error, ")
         lines.append(f"  {loc}: {message}{shown}")
     return "invalid run spec:\n" + "\n".join(lines)
+
+
+def _masked(text: str) -> str:
+    return re.sub(r"//[^/@\s]*@", "//***@", text)
 
 
 def _error_field(item: Any) -> str | None:

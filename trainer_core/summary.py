@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from trainer_core import exports
+from trainer_core import exports, mlflow_log, tensorboard_log
 from trainer_core.attempts import AttemptRecord
 from trainer_core.attempts import read as read_attempts
 from trainer_core.checkpoints import SCHEMA_VERSION, CheckpointInfo, RunDirectory
@@ -93,6 +93,8 @@ class TrainingResult(_Frozen):
     #: file: the checkpoint's own ``model.pt``, or the export of a DCP (fsdp) checkpoint.
     best_model_uri: str | None = None
     latest_model_uri: str | None = None
+    #: Where the run is in MLflow and whether everything reached it (None: no MLflow).
+    mlflow: mlflow_log.MlflowState | None = None
 
 
 def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
@@ -234,15 +236,39 @@ def finalize_run(
     spec: RunSpec, run_dir: RunDirectory, storage_uri: str, status: Literal["completed", "failed"]
 ) -> TrainingResult:
     """Apply retention one last time, give the best and latest checkpoints a model file (an
-    export, for DCP ones), then write ``summary.json`` and return the result."""
+    export, for DCP ones), write the TensorBoard event file, then ``summary.json``; return the
+    result."""
     run_dir.apply_retention(spec.checkpoint)
+    tensorboard_log.write_quietly(run_dir)
     committed = run_dir.scan().committed
     exports.prune(run_dir, committed)
     best = best_checkpoint(committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
     chosen = {c.step: c for c in (best, committed[-1] if committed else None) if c is not None}
     model_uris = {step: _model_uri(run_dir, c) for step, c in chosen.items()}
     result = build_result(spec, run_dir, storage_uri, status, model_uris)
+    tracker = mlflow_log.for_run(spec, run_dir)
+    if tracker is not None:
+        tracker.finish(result)
+        result = result.model_copy(update={"mlflow": tracker.state})
+    write_summary(run_dir, result)
+    return result
+
+
+def write_summary(run_dir: RunDirectory, result: TrainingResult) -> None:
     run_dir.summary_file.write_json({"schema": SCHEMA_VERSION, **result.model_dump(mode="json")})
+
+
+def sync_tracking(
+    spec: RunSpec | None, run_dir: RunDirectory, result: TrainingResult | None = None
+) -> TrainingResult | None:
+    """Log to MLflow what its server missed (see ``mlflow_log.sync_run``); a finalized run's
+    summary then records the new state. Returns the summary as it now is."""
+    state = mlflow_log.sync_run(run_dir, spec=spec)
+    result = result or read_stored_result(run_dir)
+    if result is None:
+        return None
+    result = result.model_copy(update={"mlflow": state})
+    write_summary(run_dir, result)
     return result
 
 
@@ -338,6 +364,15 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         f"- best: `{result.best_checkpoint_uri}` {_metrics(result.best_metrics)}",
         f"- latest: `{result.latest_checkpoint_uri}` {_metrics(result.final_metrics)}",
     ]
+    lines += [
+        "",
+        "## Tracking",
+        "",
+        f"- TensorBoard: `tensorboard --logdir {result.run_uri}` (event files in the run "
+        "directory, one value per step across attempts)",
+    ]
+    if result.mlflow is not None:
+        lines.append(f"- {result.mlflow.describe()}")
     if result.best_model_uri or result.latest_model_uri:
         lines += [
             "",

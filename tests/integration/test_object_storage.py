@@ -107,6 +107,9 @@ def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, uninterrupted, s3, kind):
     shards = {f"runs-{kind}/s3-{kind}/checkpoint-000000039/__{r}_0.distcp" for r in (0, 1)}
     assert shards <= set(keys) if kind == "s3fs" else not shards & set(keys)
     assert f"runs-{kind}/s3-{kind}/summary.json" in keys
+    # TensorBoard's event file lives beside them, on the server too
+    events = [k for k in keys if k.split("/")[2].startswith("events.out.tfevents.")]
+    assert len(events) == 1 and events[0].endswith(".relaytrain") and keys[events[0]]
     # Retention on the server: the newest 2 and val_loss's argmin, nothing else.
     kept, best = expected_retention(uninterrupted["checkpoint_metrics"], keep_last=2, keep_best=1)
     assert_retained(run_dir, result.best_checkpoint_uri, kept, best)
@@ -122,6 +125,49 @@ def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, uninterrupted, s3, kind):
     else:
         assert not exported
         assert result.latest_model_uri == f"{prefix}/checkpoint-000000039/model.pt"
+
+
+def test_relaytrain_commands_read_runs_on_s3(s3_runs, s3_server, s3, tmp_path, monkeypatch):
+    """`relaytrain runs/show/export` against the server alone, with the credentials from the
+    environment: the fsdp run's best model comes out as one plain state_dict file, locally and
+    written back to S3."""
+    import io
+    import os
+    import sys
+
+    import torch
+
+    from trainer_core import exports
+
+    for key, value in s3_server.credential_env().items():
+        monkeypatch.setenv(key, value)
+    relaytrain = str(Path(sys.executable).with_name("relaytrain"))
+
+    def command(*args: str) -> str:
+        done = subprocess.run(
+            [relaytrain, *args], capture_output=True, text=True, timeout=120, env=dict(os.environ)
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    listed = command("runs", s3.uri("runs-s3fs"))
+    line = next(row for row in listed.splitlines() if row.strip().startswith("s3-s3fs"))
+    assert "completed" in line and " 39 " in line
+    run_uri = s3.uri("runs-s3fs/s3-s3fs")
+    shown = command("show", run_uri)
+    assert "run s3-s3fs: completed" in shown and "s3://" in shown
+    spec, state, _ = s3_runs["s3fs"]
+    run_dir = run_dir_of(spec)
+    best = next(c for c in run_dir.scan().committed if c.uri == state.result().best_checkpoint_uri)
+    expected = exports.read(run_dir, best)
+    assert expected is not None
+    command("export", run_uri, str(tmp_path / "best.pt"))
+    local = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert set(local) == set(expected)
+    assert all(torch.equal(local[k], v) for k, v in expected.items())
+    command("export", run_uri, "--step", str(best.step), s3.uri("exported/best.pt"))
+    written = torch.load(io.BytesIO(s3.objects("exported/")["exported/best.pt"]), weights_only=True)
+    assert all(torch.equal(written[k], v) for k, v in expected.items())
 
 
 # -- bad inputs: rejected by setup, no retry, nothing written, fast ---------------------------

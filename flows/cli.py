@@ -1,0 +1,237 @@
+"""relaytrain: train a run spec, and list, inspect and export runs.
+
+    relaytrain run --config SPEC.yaml [--set key=value ...] [--run-name NAME] [--result-json PATH]
+    relaytrain runs [STORAGE]                 the runs in a storage (default ./runs)
+    relaytrain show RUN                       attempts, checkpoints and metrics of one run
+    relaytrain export RUN [--best | --latest | --step N] OUT.pt
+    relaytrain sync RUN                       log to MLflow what its tracking server missed
+
+RUN is a run directory (runs/digits-cnn, s3://bucket/runs/NAME) or a run name under ./runs.
+Everything but `run` reads the run directory alone: no Ray cluster, no Prefect server.
+Credentials for object storage come from the environment (AWS_*, ...), as for training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from trainer_core import catalog, storage
+from trainer_core.errors import RelaytrainError, SpecError
+from trainer_core.summary import epoch_table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "run":  # flows.training owns run's options
+        from flows.training import main as run_main
+
+        return run_main(args[1:], prog="relaytrain run")
+    parser = _parser()
+    parsed = parser.parse_args(args)
+    if parsed.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(parsed.handler(parsed) or 0)
+    except (SpecError, RelaytrainError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="relaytrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parser("run", help="train a spec (see `relaytrain run --help`)")
+    runs = commands.add_parser("runs", help="the runs in a storage, with status and size")
+    runs.add_argument("storage", nargs="?", default="./runs", help="a run.storage path or URI")
+    runs.set_defaults(handler=_runs)
+    show = commands.add_parser("show", help="one run: attempts, checkpoints, metric table")
+    show.add_argument("run", help="a run directory (path or URI) or a run name under ./runs")
+    show.set_defaults(handler=_show)
+    export = commands.add_parser("export", help="write a checkpoint's model as one .pt file")
+    export.add_argument("run", help="a run directory (path or URI) or a run name under ./runs")
+    export.add_argument("out", help="the file to write (a path or a storage URI)")
+    which = export.add_mutually_exclusive_group()
+    which.add_argument("--best", action="store_true", help="the best checkpoint (the default)")
+    which.add_argument("--latest", action="store_true", help="the newest committed checkpoint")
+    which.add_argument("--step", type=int, help="the committed checkpoint at this step")
+    export.set_defaults(handler=_export)
+    sync = commands.add_parser("sync", help="log to MLflow what the tracking server missed")
+    sync.add_argument("run", help="a run directory (path or URI) or a run name under ./runs")
+    sync.set_defaults(handler=_sync)
+    return parser
+
+
+def resolve_run(run: str) -> Any:
+    """A run directory from what the user typed: a path or URI, else a name under ./runs."""
+    if "://" not in run and "/" not in run and not storage.resolve(run).is_dir():
+        run = f"./runs/{run}"
+    return catalog.open_run(run)
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+def _runs(args: argparse.Namespace) -> int:
+    views, problems = catalog.list_runs(args.storage)
+    rows = [
+        {
+            "run": v.name,
+            "status": v.status,
+            "steps": v.result.steps_completed,
+            "epochs": _epochs(v),
+            "attempts": len(v.result.attempts),
+            "best": _best(v),
+            "storage": _size(v.result.storage_bytes),
+            "updated": time.strftime("%Y-%m-%d %H:%M", time.localtime(v.updated))
+            if v.updated
+            else "-",
+        }
+        for v in views
+    ]
+    if rows:
+        print(_table(rows))
+    else:
+        print(f"no runs in {storage.resolve(args.storage).uri}")
+    for problem in problems:
+        print(f"skipped: {problem}", file=sys.stderr)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    run_dir = resolve_run(args.run)
+    v = catalog.view(run_dir)
+    result = v.result
+    print(f"run {v.name}: {v.status}")
+    print(f"  directory:  {v.uri} ({_size(result.storage_bytes)})")
+    print(
+        f"  steps:      {result.steps_completed}, epochs {_epochs(v)}"
+        + (f", stopped early: {result.stop_reason}" if result.stop_reason else "")
+    )
+    print(f"  best:       {_best(v)} at {result.best_checkpoint_uri or '-'}")
+    if result.best_model_uri:
+        print(f"  best model: {result.best_model_uri}")
+    print("\nattempts")
+    attempts = [
+        {
+            "#": a.attempt,
+            "status": a.status,
+            "resumed from": _dash(a.resumed_from_step),
+            "last step": _dash(a.last_step),
+            "steps lost": _dash(a.steps_lost),
+            "seconds": "-" if a.duration_s is None else f"{a.duration_s:.1f}",
+            "reason": _reason(a),
+        }
+        for a in result.attempts
+    ]
+    print(_table(attempts) if attempts else "  none yet")
+    print("\ncheckpoints")
+    found = catalog.committed(run_dir)
+    best_step = (
+        catalog.checkpoint_step(result.best_checkpoint_uri.rsplit("/", 1)[-1])
+        if (result.best_checkpoint_uri)
+        else None
+    )
+    checkpoints = [
+        {
+            "step": c.step,
+            "epoch": c.manifest.get("epoch", "-"),
+            **{k: _number(c.metrics[k]) for k in sorted(c.metrics) if k.startswith("val_")},
+            "files": len(c.files),
+            "size": _size(sum(int(e.get("size", 0)) for e in c.files.values())),
+            "": "best" if c.step == best_step else "",
+        }
+        for c in found
+    ]
+    print(_table(checkpoints) if checkpoints else "  none committed")
+    print("\nmetrics per epoch")
+    table = epoch_table(run_dir.read_metrics_history())
+    print(_table([{k: _number(val) for k, val in row.items()} for row in table]) or "  none")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    run_dir = resolve_run(args.run)
+    which: Any = args.step if args.step is not None else ("latest" if args.latest else "best")
+    checkpoint = catalog.choose_checkpoint(run_dir, which)
+    where, size = catalog.export_model(run_dir, checkpoint, args.out)
+    print(
+        f"wrote {where} ({_size(size)}): the model of {checkpoint.uri}; load it with "
+        "torch.load(path, weights_only=True)"
+    )
+    return 0
+
+
+def _sync(args: argparse.Namespace) -> int:
+    from trainer_core.mlflow_log import read_state
+    from trainer_core.summary import sync_tracking
+
+    run_dir = resolve_run(args.run)
+    sync_tracking(catalog.stored_spec(run_dir), run_dir)
+    state = read_state(run_dir)
+    print(state.describe() if state else "nothing logged")
+    return 0 if state is not None and state.pending is None else 1
+
+
+# -- formatting -------------------------------------------------------------------------------
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    columns: list[str] = []
+    for row in rows:
+        columns += [c for c in row if c not in columns]
+    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join("  " + line for line in lines)
+
+
+def _best(v: catalog.RunView) -> str:
+    value = v.best_value
+    return f"{v.best_metric} {_number(value)}" if value is not None else "-"
+
+
+def _epochs(v: catalog.RunView) -> str:
+    target = v.result.target_epochs
+    return f"{v.result.epochs_completed}/{target}" if target else str(v.result.epochs_completed)
+
+
+def _reason(a: Any) -> str:
+    if not a.error_class:
+        return ""
+    text = f"{a.error_class}: {' '.join((a.error_message or '').split())}"
+    text = text if len(text) <= 80 else text[:77] + "..."
+    decision = " ".join((a.retry_decision or "").split())
+    return f"{text} -> {decision[:60]}" if decision else text
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def _size(n: int | None) -> str:
+    n = n or 0
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The tools users already run: TensorBoard event files, a real `mlflow server`, and the
+`relaytrain` command, on a run that a fault interrupted and a retry resumed."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.pytest_plugin import tiny_spec_dict, with_fault
+from flows.training import training
+from tests.mlflow_server import MlflowServer
+from tests.net import free_port, stop, wait_until_answers
+from tests.prefect_api import artifacts
+from tests.recovery import losses, run_dir_of
+from trainer_core import mlflow_log, tensorboard_log
+from trainer_core.exports import read_model_weights
+from trainer_core.spec import build_spec
+
+pytestmark = pytest.mark.integration
+RELAYTRAIN = str(Path(sys.executable).with_name("relaytrain"))
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "runs" / "e2e-screenshots"
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def retried(relaytrain_ray, relaytrain_prefect, mlflow_server, tmp_path_factory):
+    """A tiny run that raises at step 23 on attempt 1 and resumes from step 20, tracked in
+    MLflow."""
+    storage = tmp_path_factory.mktemp("tracked")
+    raw = tiny_spec_dict(storage, "tracked", tracking={"mlflow_uri": mlflow_server.uri})
+    spec = with_fault(build_spec(raw), "raise", at_step=23)
+    state = training(spec, return_state=True)
+    assert state.is_completed(), state
+    return spec, state, storage
+
+
+def test_tensorboard_holds_one_value_per_step_after_a_retry(retried, uninterrupted):
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    spec, state, _ = retried
+    run_dir = run_dir_of(spec)
+    assert [a.status for a in state.result().attempts] == ["failed", "completed"]
+    files = tensorboard_log.event_files(run_dir)
+    assert len(files) == 1, files
+    path = Path(run_dir.location.path, files[0])
+    series: dict[str, list[tuple[int, float]]] = {}
+    for event in LegacyEventFileLoader(str(path)).Load():
+        for value in event.summary.value:
+            series.setdefault(value.tag, []).append((event.step, value.simple_value))
+    steps = [step for step, _ in series["train/loss"]]
+    assert steps == sorted(set(steps))  # steps 21-23 ran twice; each is shown once
+    # the same curve as a run nothing interrupted (float32 in the event file)
+    expected = [
+        (step, float(torch.tensor(loss, dtype=torch.float32)))
+        for step, loss in uninterrupted["losses"]
+    ]
+    assert series["train/loss"] == expected
+    assert {"train/lr", "val/loss"} <= set(series)
+    assert len(series["val/loss"]) == spec.schedule.epochs
+
+
+def test_mlflow_continues_one_run_across_the_retry(retried, mlflow_server, uninterrupted):
+    import mlflow.pytorch
+
+    spec, state, _ = retried
+    result = state.result()
+    run_dir = run_dir_of(spec)
+    assert result.mlflow is not None and result.mlflow.pending is None, result.mlflow
+    client = mlflow_server.client()
+    experiment = client.get_experiment_by_name("relaytrain")
+    runs = client.search_runs(
+        [experiment.experiment_id], filter_string=f"tags.`relaytrain.run_uri` = '{run_dir.uri}'"
+    )
+    assert [r.info.run_id for r in runs] == [result.mlflow.run_id]  # one run, not one per try
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "tracked"
+    # per-step metrics from the merged history, once per step across the retry
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == uninterrupted["losses"]
+    assert len({m.step for m in history}) == len(history)
+    assert len(client.get_metric_history(run.info.run_id, "val_loss")) == spec.schedule.epochs
+    # the spec as params; the attempts and their errors as tags
+    params = run.data.params
+    assert params["scaling.num_workers"] == "2" and params["optimizer.lr"] == "0.01"
+    assert params["model.kwargs.hidden"] == "[16, 16]"
+    tags = run.data.tags
+    assert tags["relaytrain.attempts"] == "2"
+    assert tags["relaytrain.attempt.1"].startswith("failed: TrainingCodeError")
+    assert "-> " in tags["relaytrain.attempt.1"]  # the retry decision
+    assert tags["relaytrain.attempt.2"] == "completed (resumed from step 20)"
+    assert tags["relaytrain.status"] == "completed"
+    # the best checkpoint as an MLflow pytorch model that loads and holds its weights
+    assert result.mlflow.model_uri and result.mlflow.model_step is not None
+    assert result.best_checkpoint_uri.endswith(f"checkpoint-{result.mlflow.model_step:09d}")
+    mlflow.set_tracking_uri(mlflow_server.uri)  # models:/ URIs resolve through the server
+    model = mlflow.pytorch.load_model(result.mlflow.model_uri)
+    expected = read_model_weights(result.best_checkpoint_uri)
+    loaded = model.state_dict()
+    assert set(loaded) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"loss_curve.png", "summary.json"} <= names
+    png = client.download_artifacts(run.info.run_id, "loss_curve.png")
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # and the run's summary says where
+    summary = artifacts(state.state_details.flow_run_id)["tracked-summary"].data
+    assert f"MLflow run {result.mlflow.run_id} at {mlflow_server.uri}" in summary
+    assert mlflow_log.read_state(run_dir).run_id == result.mlflow.run_id
+
+
+def test_a_stopped_tracking_server_never_fails_training_and_is_backfilled(
+    relaytrain_ray, relaytrain_prefect, mlflow_server, uninterrupted, tmp_path
+):
+    """The server goes down after attempt 1 failed (once MLflow shows it) and stays down for the
+    retry and finalize: the run completes, the summary says what is pending, and `relaytrain
+    sync` later logs the rest into the same MLflow run, each step once."""
+    raw = tiny_spec_dict(
+        tmp_path,
+        "tracked-down",
+        tracking={"mlflow_uri": mlflow_server.uri, "mlflow_experiment": "down"},
+        retries={"delay_s": 3, "jitter": 0},
+    )
+    spec = with_fault(build_spec(raw), "raise", at_step=23)
+    run_dir = run_dir_of(spec)
+    client = mlflow_server.client()
+    stopped = threading.Event()
+
+    def stop_after_attempt_1() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            state = mlflow_log._read_state_quietly(run_dir)
+            if state and state.run_id:
+                tags = client.get_run(state.run_id).data.tags
+                if tags.get("relaytrain.attempt.1", "").startswith("failed"):
+                    mlflow_server.stop()
+                    stopped.set()
+                    return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=stop_after_attempt_1, daemon=True)
+    watcher.start()
+    try:
+        state = training(spec, return_state=True)
+    finally:
+        watcher.join(5)
+        if not stopped.is_set():
+            mlflow_server.start()
+    assert stopped.is_set(), "the server was not stopped between the attempts"
+    assert state.is_completed(), state
+    result = state.result()
+    assert result.status == "completed" and len(result.attempts) == 2
+    assert result.mlflow is not None and result.mlflow.pending, result.mlflow
+    logged_before = result.mlflow.logged_through_step
+    assert 20 <= logged_before < 39  # attempt 1's committed steps, nothing of attempt 2
+    summary = artifacts(state.state_details.flow_run_id)["tracked-down-summary"].data
+    assert "not reached" in summary and "relaytrain sync" in summary
+
+    mlflow_server.start()
+    done = subprocess.run(
+        [RELAYTRAIN, "sync", run_dir.uri], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "logged through step 39" in done.stdout
+    run = client.get_run(result.mlflow.run_id)  # the same run, continued
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == uninterrupted["losses"]
+    assert run.data.tags["relaytrain.attempt.2"] == "completed (resumed from step 20)"
+    stored = mlflow_log.read_state(run_dir)
+    assert stored.pending is None and stored.finished and stored.model_uri
+    assert losses(run_dir) == uninterrupted["losses"]
+
+
+# -- the relaytrain command -------------------------------------------------------------------
+
+
+def _relaytrain(*args: str, env: dict | None = None) -> str:
+    done = subprocess.run([RELAYTRAIN, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_relaytrain_commands_read_a_local_run(retried, tmp_path):
+    spec, state, storage = retried
+    result = state.result()
+    listed = _relaytrain("runs", str(storage))
+    line = next(row for row in listed.splitlines() if row.strip().startswith("tracked"))
+    assert "completed" in line and " 39 " in line and "val_loss" in line
+    shown = _relaytrain("show", str(Path(storage, "tracked")))
+    assert "run tracked: completed" in shown
+    assert "TrainingCodeError" in shown and "resumed from" in shown
+    sections = shown.split("\n\n")
+    checkpoints = next(s for s in sections if s.startswith("checkpoints"))
+    rows = [line.split() for line in checkpoints.splitlines()[2:]]
+    assert [int(r[0]) for r in rows] == [c.step for c in run_dir_of(spec).scan().committed]
+    assert [r[-1] for r in rows].count("best") == 1
+    epochs = next(s for s in sections if s.startswith("metrics per epoch"))
+    assert "train_loss" in epochs and len(epochs.splitlines()) == 2 + spec.schedule.epochs
+    out = tmp_path / "best.pt"
+    _relaytrain("export", str(Path(storage, "tracked")), str(out))
+    exported = torch.load(out, weights_only=True)
+    expected = read_model_weights(result.best_checkpoint_uri)
+    assert set(exported) == set(expected)
+    assert all(torch.equal(exported[k], v) for k, v in expected.items())
+    _relaytrain("export", str(Path(storage, "tracked")), "--latest", str(tmp_path / "last.pt"))
+    latest = torch.load(tmp_path / "last.pt", weights_only=True)
+    newest = read_model_weights(result.latest_checkpoint_uri)
+    assert all(torch.equal(latest[k], v) for k, v in newest.items())
+
+
+def test_relaytrain_refuses_what_is_not_a_run(tmp_path):
+    done = subprocess.run(
+        [RELAYTRAIN, "show", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "not a relaytrain run directory" in done.stderr and "relaytrain runs" in done.stderr
+    done = subprocess.run(
+        [RELAYTRAIN, "run", "--config", str(tmp_path / "missing.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "missing.yaml" in done.stderr
+
+
+@pytest.mark.e2e
+def test_tensorboard_shows_the_retried_run_as_one_curve(retried, uninterrupted):
+    """`tensorboard --logdir STORAGE`, read through its own HTTP API and seen in headless
+    chromium (screenshot: runs/e2e-screenshots/tensorboard-scalars.png)."""
+    import requests
+    from playwright.sync_api import sync_playwright
+
+    _, _, storage = retried
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = Path(storage, "tensorboard.log")
+    command = [str(Path(sys.executable).with_name("tensorboard")), "--logdir", str(storage)]
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [*command, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_until_answers(f"{url}/data/runs", process, log, "tensorboard", 120)
+        deadline = time.monotonic() + 60  # it loads event files in the background
+        while "tracked" not in requests.get(f"{url}/data/runs", timeout=5).json():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        served = requests.get(
+            f"{url}/data/plugin/scalars/scalars",
+            params={"run": "tracked", "tag": "train/loss"},
+            timeout=10,
+        ).json()
+        assert [step for _, step, _ in served] == [step for step, _ in uninterrupted["losses"]]
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=shutil.which("chromium") or "/usr/bin/chromium",
+                args=["--no-sandbox", "--disable-gpu", "--no-first-run"],
+            )
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{url}/?darkMode=false#scalars&_smoothingWeight=0")
+            page.get_by_text("train/loss", exact=True).first.wait_for(timeout=60000)
+            page.wait_for_timeout(2000)  # the charts draw after their data arrives
+            page.screenshot(path=str(SCREENSHOTS / "tensorboard-scalars.png"), full_page=True)
+            # the page draws inside web components: ask playwright's locators, which see them
+            shown = {
+                label: page.get_by_text(label, exact=True).count()
+                for label in ("tracked", "train/loss", "train/lr", "val/loss")
+            }
+            browser.close()
+        assert all(shown.values()), shown
+    finally:
+        stop(process)
