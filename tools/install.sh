@@ -3,7 +3,7 @@
 # step goes to a log file that is named on screen.
 #
 #   tools/install.sh venv      .venv: pip, torch 2.13.0 (CPU), relaytrain with its test extras
-#   tools/install.sh system    Debian packages the tests drive (chromium), via apt-get when absent
+#   tools/install.sh system    Debian packages the tests drive (chromium, postgresql), via apt-get when absent
 #
 # PYTHON (default python3.11) makes the venv. A step that fails prints the last lines of the log
 # and exits non-zero at once.
@@ -12,8 +12,10 @@ cd "$(dirname "$0")/.."
 
 VENV=.venv
 PYTHON=${PYTHON:-python3.11}
-#: command the tests run -> the Debian package that provides it
-SYSTEM_PACKAGES=("chromium:chromium")
+#: what the tests run (a command on PATH, or a path glob) -> the Debian package that provides it:
+#: the browser test's chromium, and PostgreSQL's server for the Prefect-on-PostgreSQL test
+#: (Debian keeps its programs in /usr/lib/postgresql/VERSION/bin, off PATH)
+SYSTEM_PACKAGES=("chromium:chromium" "/usr/lib/postgresql/*/bin/initdb:postgresql")
 
 LOG=""
 started=$SECONDS
@@ -57,10 +59,18 @@ install_venv() {
     echo "relaytrain: installed in $((SECONDS - started)) s" >&2
 }
 
+present() {  # present CHECK: CHECK is a command on PATH, or a path glob that matches a file
+    if [[ "$1" == /* ]]; then
+        compgen -G "$1" >/dev/null
+    else
+        command -v "$1" >/dev/null
+    fi
+}
+
 install_system() {
     local missing=() entry
     for entry in "${SYSTEM_PACKAGES[@]}"; do
-        command -v "${entry%%:*}" >/dev/null || missing+=("${entry#*:}")
+        present "${entry%%:*}" || missing+=("${entry#*:}")
     done
     [ ${#missing[@]} -eq 0 ] && return 0
     local sudo=""

@@ -52,8 +52,9 @@ def background(command: list[str], env: dict[str, str], log_path: Path, cwd: Pat
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path, ray_address: str):
-    """A real Prefect server (SQLite in a fresh PREFECT_HOME) and the env to reach it."""
+def prefect_server(home: Path, ray_address: str, database_url: str | None = None):
+    """A real Prefect server (SQLite in a fresh PREFECT_HOME, or the PostgreSQL database at
+    ``database_url``) and the env to reach it."""
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
@@ -64,6 +65,8 @@ def prefect_server(home: Path, ray_address: str):
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "RAY_ADDRESS": ray_address,
     }
+    if database_url:
+        env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database_url
     env.pop("RELAYTRAIN_HOME", None)  # what older releases' pull step needed: not any more
     command = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     with background(command, env, home / "server.log") as process:
@@ -112,8 +115,8 @@ def prefect(
     )
 
 
-@pytest.fixture(scope="module")
-def worker(server, tmp_path_factory):
+@contextlib.contextmanager
+def deployed(server, elsewhere: Path):
     """`make deploy`'s two commands, then a worker started as a Prefect user starts one: plain
     `prefect worker start`, in a directory of its own, with nothing of relaytrain's set."""
     for args in (
@@ -123,8 +126,13 @@ def worker(server, tmp_path_factory):
         done = prefect(server, *args)
         assert done.returncode == 0, done.stdout + done.stderr
     command = [str(BIN / "prefect"), "worker", "start", "--pool", "relaytrain-process"]
-    elsewhere = tmp_path_factory.mktemp("worker-cwd")
     with background(command, server["env"], server["home"] / "worker.log", elsewhere) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def worker(server, tmp_path_factory):
+    with deployed(server, tmp_path_factory.mktemp("worker-cwd")) as process:
         yield process
 
 
@@ -225,7 +233,44 @@ def browse(server, flow_run, artifacts, shots: Path) -> dict:
 
 
 def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, tmp_path):
-    name = "e2e-deployed"
+    run_with_a_fault_and_see_it(server, tmp_path, "e2e-deployed", SCREENSHOTS)
+
+
+def test_the_prefect_server_on_postgresql_runs_the_deployments(relaytrain_ray, tmp_path):
+    """The README's PostgreSQL set-up: a real PostgreSQL (initdb in a temp dir, on loopback),
+    the Prefect server on it, `make deploy`'s commands and a worker; a deployment run with a
+    fault and its retry, its artifacts read back, and the rows really in PostgreSQL."""
+    from tests.postgres import Postgres
+
+    for folder in ("home", "worker-cwd", "runs"):
+        (tmp_path / folder).mkdir()
+    database = Postgres().start()
+    try:
+        address = relaytrain_ray.get_runtime_context().gcs_address
+        with (
+            prefect_server(tmp_path / "home", address, database.url()) as server,
+            deployed(server, tmp_path / "worker-cwd"),
+        ):
+            flow_run = run_with_a_fault_and_see_it(
+                server, tmp_path / "runs", "e2e-postgres", SCREENSHOTS / "postgresql"
+            )
+        rows = database.query(
+            f"SELECT f.name, f.state_type, count(t.id) FROM flow_run f "
+            f"JOIN task_run t ON t.flow_run_id = f.id WHERE f.id = '{flow_run.id}' "
+            "GROUP BY f.name, f.state_type"
+        )
+        assert rows == [("e2e-postgres", "COMPLETED", 3)]
+        (artifacts,) = database.query(
+            f"SELECT count(*) FROM artifact WHERE flow_run_id = '{flow_run.id}'"
+        )
+        assert artifacts[0] >= 6
+    finally:
+        database.stop()
+
+
+def run_with_a_fault_and_see_it(server, tmp_path: Path, name: str, shots: Path):
+    """`prefect deployment run` of a spec whose attempt 1 raises at step 17: it retries,
+    completes, and every artifact reads back, through the API and in the UI."""
     raw = tiny_spec_dict(tmp_path, name, faults=[{"kind": "raise", "at_step": 17}])
     started = time.time()
     done = prefect(
@@ -274,7 +319,7 @@ def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, 
         for k in ("progress", "metrics", "summary", "best-checkpoint", "best-model", "loss-curve")
     }
 
-    seen = browse(server, flow_run, artifacts, SCREENSHOTS)
+    seen = browse(server, flow_run, artifacts, shots)
     assert not seen["problems"], seen["problems"]
     progress_artifacts = [a for a in artifacts if a.type == "progress"]
     assert len(seen["known_noise"]) <= len(progress_artifacts)  # only the progress-icon bug
@@ -291,6 +336,7 @@ def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, 
     assert pages[f"{name}-best-checkpoint"]["links"] == [f"file://{summary['best_checkpoint_uri']}"]
     assert pages[f"{name}-best-model"]["links"] == [f"file://{summary['best_model_uri']}"]
     assert pages[f"{name}-loss-curve"]["images"] and all(pages[f"{name}-loss-curve"]["images"])
+    return flow_run
 
 
 def test_a_deployment_whose_checkout_is_gone_fails_naming_the_fix(server, worker, tmp_path):
