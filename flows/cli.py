@@ -114,6 +114,11 @@ def _show(args: argparse.Namespace) -> int:
         f"  steps:      {result.steps_completed}, epochs {_epochs(v)}"
         + (f", stopped early: {result.stop_reason}" if result.stop_reason else "")
     )
+    if result.goodput is not None:
+        print(
+            f"  goodput:    {result.goodput:.3f} ({result.steps_completed} steps kept of "
+            f"{result.steps_computed} computed)"
+        )
     print(f"  best:       {_best(v)} at {result.best_checkpoint_uri or '-'}")
     if result.best_model_uri:
         print(f"  best model: {result.best_model_uri}")

@@ -93,6 +93,11 @@ class TrainingResult(_Frozen):
     #: file: the checkpoint's own ``model.pt``, or the export of a DCP (fsdp) checkpoint.
     best_model_uri: str | None = None
     latest_model_uri: str | None = None
+    #: Optimizer steps the workers ran, counting again each step a failure made them redo
+    #: (None when a resume point is unknown: a user's loop resumed by Ray), and the share of
+    #: them the result keeps: ``steps_completed / steps_computed``.
+    steps_computed: int | None = None
+    goodput: float | None = None
     #: Where the run is in MLflow and whether everything reached it (None: no MLflow).
     mlflow: mlflow_log.MlflowState | None = None
 
@@ -127,6 +132,23 @@ def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
             )
         )
     return summaries
+
+
+def steps_computed(attempts: Sequence[AttemptSummary]) -> int | None:
+    """Steps the workers ran across every attempt and in-place restart: each attempt from its
+    resume point to its last step, plus what each in-place restart rewound (ran twice)."""
+    total = 0
+    for a in attempts:
+        if a.last_step is None:
+            continue
+        if a.resumed_from_step is None:
+            return None
+        total += max(a.last_step - a.resumed_from_step, 0)
+        for restart in a.restarts:
+            if restart.steps_lost is None:
+                return None
+            total += restart.steps_lost
+    return total
 
 
 def _steps_lost(last_step: Any, resumed_from: Any) -> int | None:
@@ -209,6 +231,8 @@ def build_result(
     ended = max((r.ended_at or 0 for r in records), default=0) or time.time()
     final = newest.metrics if newest else (history[-1] if history else {})
     epochs_done = int(newest.manifest.get("epoch", 0)) if newest else 0
+    computed = steps_computed(attempts)
+    done = newest.step if newest else 0
     return TrainingResult(
         run_name=spec.run.name or run_dir.location.path.rsplit("/", 1)[-1],
         storage_uri=storage_uri,
@@ -224,6 +248,8 @@ def build_result(
         best_model_uri=model_uris.get(best.step) if best else None,
         latest_model_uri=model_uris.get(newest.step) if newest else None,
         wall_time_s=round(ended - started, 3),
+        steps_computed=computed,
+        goodput=round(done / computed, 4) if computed else None,
         storage_bytes=storage_bytes(run_dir),
         target_epochs=spec.schedule.epochs if spec.schedule else None,
         stop_reason=(newest.manifest.get("early_stopping") or {}).get("stopped")
@@ -321,6 +347,14 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         f"{spec.checkpoint.keep_last}, best {spec.checkpoint.keep_best} by "
         f"`{spec.checkpoint.best_metric}` ({spec.checkpoint.best_mode})",
         f"- steps completed: {result.steps_completed}; epochs: {result.epochs_completed}",
+        *(
+            [
+                f"- goodput: {result.goodput:.3f} ({result.steps_completed} steps kept of "
+                f"{result.steps_computed} computed)"
+            ]
+            if result.goodput is not None
+            else []
+        ),
         *([f"- stopped early: {result.stop_reason}"] if result.stop_reason else []),
         f"- run directory: `{result.run_uri}` ({result.storage_bytes / 1e6:.2f} MB)",
         f"- wall time: {result.wall_time_s:.1f} s",

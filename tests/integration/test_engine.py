@@ -243,6 +243,10 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
     # record keeps rank 0's last relayed step, 20). Never a step beyond the last one run.
     assert restart["last_step"] in (20, 22)
     assert restart["resumed_at"] >= restart["failed_at"]
+    # goodput counts the steps the restarted group ran again (as far as the record knows)
+    summary = build_result(spec, run_dir, spec.run.storage, "completed")
+    assert summary.steps_computed == 39 + restart["last_step"] - 20
+    assert summary.goodput == round(39 / summary.steps_computed, 4)
     assert [e["group"] for e in events if e["kind"] in ("resumed", "fresh_start")] == [0, 1]
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]

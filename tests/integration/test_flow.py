@@ -54,6 +54,7 @@ def test_happy_path_tasks_artifacts_and_result(happy):
     flow_run_id = state.state_details.flow_run_id
     assert result.status == "completed" and result.run_name == "flow-happy"
     assert result.steps_completed == 39 and result.epochs_completed == 3
+    assert result.steps_computed == 39 and result.goodput == 1.0
     assert len(result.attempts) == 1 and result.attempts[0].status == "completed"
     assert result.best_checkpoint_uri and result.latest_checkpoint_uri.endswith(
         "checkpoint-000000039"
@@ -130,6 +131,8 @@ def test_raise_fault_is_retried_and_resume_is_exact(happy, tmp_path):
     assert [a.status for a in result.attempts] == ["failed", "completed"]
     assert result.attempts[0].error_class == "TrainingCodeError"
     assert result.attempts[0].steps_lost == 7  # failed at 17, resumed from 10
+    # 17 steps, then 11-39 again from the checkpoint at 10: 46 computed for 39 kept
+    assert result.steps_computed == 17 + 29 and result.goodput == round(39 / 46, 4)
     assert_same_tensors(final_state(run_dir_of(spec)), reference["state"])
     assert losses(run_dir_of(spec)) == reference["losses"]
 

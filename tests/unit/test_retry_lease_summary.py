@@ -10,7 +10,7 @@ from trainer_core.attempts import AttemptRecord
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.retry import decide_retry
 from trainer_core.spec import RetriesSection
-from trainer_core.summary import attempt_summaries, epoch_table, render_markdown
+from trainer_core.summary import attempt_summaries, epoch_table, render_markdown, steps_computed
 
 BUDGETS = RetriesSection(infrastructure=2, code=1)
 
@@ -130,6 +130,27 @@ def test_attempt_summaries_count_steps_lost():
     assert first.steps_lost == 7 and first.duration_s == 5.0
     assert second.steps_lost is None
     assert first.restarts == []
+
+
+def test_steps_computed_count_every_step_run_again():
+    restart = {"last_step": 33, "resumed_from_step": 30}
+    records = [
+        {"attempt": 1, "status": "failed", "last_step": 27, "resumed_from_step": 0},
+        {
+            "attempt": 2,
+            "status": "completed",
+            "last_step": 60,
+            "resumed_from_step": 20,
+            "restarts": [restart],
+        },
+    ]
+    # 27 steps, then 20 -> 60 (40) with 3 of them (31-33) run twice: 70 computed, 60 kept
+    assert steps_computed(summaries_of(records)) == 27 + 40 + 3
+    assert steps_computed(summaries_of(records[:1])) == 27
+    unknown = [{"attempt": 1, "status": "completed", "last_step": 10, "resumed_from_step": None}]
+    assert steps_computed(summaries_of(unknown)) is None
+    never_ran = [{"attempt": 1, "status": "failed", "last_step": None, "resumed_from_step": 0}]
+    assert steps_computed(summaries_of(never_ran)) == 0
 
 
 def test_in_place_restarts_are_summarized_under_their_attempt():
