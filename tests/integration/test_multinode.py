@@ -340,9 +340,13 @@ def kept_batches(groups, restarts) -> list[list[int]]:
 def test_an_elastic_run_goes_on_with_fewer_workers_and_grows_back(
     cluster, relaytrain_prefect, run_storage, tmp_path
 ):
-    """[1, 3] workers on 3 one-CPU nodes: a node is killed mid-run, the group goes on with 2
-    within the attempt (no Prefect retry); a node is added, the group grows back to 3. The
-    global batches trained are the uninterrupted run's, each sample once an epoch."""
+    """[1, 3] workers on 3 one-CPU nodes: a node is killed mid-run, the group goes on with
+    fewer within the attempt (no Prefect retry); a node is added, the group grows back to 3.
+    The global batches trained are the uninterrupted run's, each sample once an epoch.
+
+    Fewer is usually 2, but Ray's policy sizes the new group by the CPUs free at that moment,
+    and a dead group's actor on a surviving node can still hold its CPU: then it starts 1 and
+    grows to 2 at its next look (a CI run saw the wait for exactly 2 time out)."""
     cluster.ensure_worker_nodes(3)
     dataset, logs = str(tmp_path / "table"), tmp_path / "logs"
     write_dataset(dataset)
@@ -357,9 +361,9 @@ def test_an_elastic_run_goes_on_with_fewer_workers_and_grows_back(
     def shrunk():
         (record,) = run_dir.read_attempts()
         restarts = record.get("restarts") or []
-        return bool(restarts) and restarts[0].get("world_size_after") == 2
+        return bool(restarts) and restarts[0].get("world_size_after") in (1, 2)
 
-    wait_until(shrunk, what="the group to go on with 2 workers")
+    wait_until(shrunk, what="the group to go on with fewer workers")
     cluster.command("add")
     thread.join(timeout=600)
     state = box["state"]
@@ -371,7 +375,7 @@ def test_an_elastic_run_goes_on_with_fewer_workers_and_grows_back(
     # The group fails when its rank on the lost node dies; or Ray's policy, which looks at the
     # nodes every resize_interval_s, finds the node gone first and shrinks the group.
     assert lost["reason"] in ("infrastructure", "capacity"), lost
-    assert (lost["world_size_before"], lost["world_size_after"]) == (3, 2)
+    assert lost["world_size_before"] == 3 and lost["world_size_after"] in (1, 2), lost
     assert lost["last_step"] - lost["resumed_from_step"] <= 10  # two intervals at most
     grown = [r for r in later if r["reason"] == "capacity" and r["world_size_after"] == 3]
     assert grown, later
@@ -379,9 +383,9 @@ def test_an_elastic_run_goes_on_with_fewer_workers_and_grows_back(
     assert_epochs_cover_every_sample_once(kept, ELASTIC_EPOCHS)
     assert kept == expected_batches(spec, ELASTIC_EPOCHS)
     result = state.result()  # the flow's result, and the summary artifact, say the sizes
-    assert result.attempts[0].restarts[0].world_size_after == 2
+    assert result.attempts[0].restarts[0].world_size_after == lost["world_size_after"]
     text = render_markdown(spec, result)
-    assert "3 → 2 workers" in text and "2 → 3 workers" in text
+    assert f"3 → {lost['world_size_after']} workers" in text and " → 3 workers" in text
     record_matrix_row("elastic node killed, grown back", run_dir, storage="s3 (moto), Jobs API")
 
 
