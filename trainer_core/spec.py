@@ -372,6 +372,10 @@ class TrackingSection(_Section):
         return value
 
 
+#: Prefect refuses a task with more retry delays than this (prefect/tasks.py).
+PREFECT_MAX_RETRY_DELAYS = 50
+
+
 class RetriesSection(_Section):
     #: Retries after a worker/node death, preemption or transient storage failure.
     infrastructure: NonNegativeInt = 3
@@ -399,8 +403,10 @@ class RetriesSection(_Section):
         return self.infrastructure + self.code + (self.preemption or 0)
 
     def delays(self) -> list[float]:
-        """The delay before each retry (Prefect's ``retry_delay_seconds``)."""
-        return [self.delay_s * self.backoff**i for i in range(self.num_retries)]
+        """The delay before each retry (Prefect's ``retry_delay_seconds``). Prefect takes at
+        most 50 and repeats the last for later retries: a longer budget would fail the flow."""
+        count = min(self.num_retries, PREFECT_MAX_RETRY_DELAYS)
+        return [self.delay_s * self.backoff**i for i in range(count)]
 
 
 class FaultSection(_Section):

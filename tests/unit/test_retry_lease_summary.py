@@ -72,6 +72,9 @@ def test_preemptions_draw_on_their_own_budget_unlimited_by_default():
 def test_retry_delays_back_off():
     assert RetriesSection(infrastructure=2, code=1, delay_s=5, backoff=2).delays() == [5, 10, 20]
     assert RetriesSection(infrastructure=0, code=0).delays() == []
+    # Prefect refuses more than 50 delays and repeats the last one: a budget of 100 must run.
+    many = RetriesSection(infrastructure=100, code=0, delay_s=0, jitter=0).delays()
+    assert many == [0.0] * 50
 
 
 @pytest.fixture
