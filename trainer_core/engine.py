@@ -205,6 +205,9 @@ class LiveState:
     peak_worker_rss_mb: float | None = None
     #: The just-in-time checkpoint of a drain's notice, until the preemption's restart.
     notice: dict[str, Any] | None = None
+    #: Nodes whose preemption an in-place restart already answered: not the cause of a later
+    #: failure.
+    preempted_nodes: set[str] = field(default_factory=set)
 
     def outcome(self) -> dict[str, Any]:
         """What an ended attempt's record says of its workers, failed or completed."""
@@ -243,6 +246,7 @@ class LiveState:
             }
         elif kind == "restarting":
             reason = event["error_budget"]  # the budget the restart drew on
+            self.preempted_nodes |= set(event.get("preempted_nodes") or ())
             notice = None
             if reason == "preemption":  # the just-in-time checkpoint answered this one
                 notice, self.notice = self.notice, None
@@ -324,7 +328,8 @@ def run_attempt(
         try:
             trainer.fit(spec, plan, loop, handle, poll_interval_s, reclaimed_before)
         except BaseException as error:
-            classified = classify.name_preemption(classify.classify(error), reclaimed_before)
+            answered = reclaimed_before | live.preempted_nodes  # by in-place restarts
+            classified = classify.name_preemption(classify.classify(error), answered)
             attempts.write(run_dir, record.failed(classified, live.outcome(), live.step))
             if classified is error:
                 raise

@@ -71,6 +71,27 @@ def test_a_preempted_rank_makes_the_attempt_a_preemption():
     assert not_preempted.budget == "infrastructure"
 
 
+def test_a_preemption_is_blamed_once(monkeypatch):
+    """A node drains and is reclaimed: the failure then is a preemption. A node killed later in
+    the same attempt is not (a chaos run saw it charged to the preemption budget)."""
+    from trainer_core.execution import classify as module
+
+    cluster = {"draining": {"n1"}, "reclaimed": set()}
+    monkeypatch.setattr(module, "draining_nodes", lambda due_only=True: set(cluster["draining"]))
+    monkeypatch.setattr(module, "preempted_nodes", lambda: set(cluster["reclaimed"]))
+    first, blamed = module.name_preemption_now(InfrastructureError("peer lost"), set())
+    assert first.budget == "preemption" and blamed == {"n1"}
+    cluster.update(draining=set(), reclaimed={"n1"})  # the drained node is gone now
+    later, again = module.name_preemption_now(InfrastructureError("node lost"), blamed)
+    assert later.budget == "infrastructure" and again == set()
+    # the attempt's end, deciding with what the in-place restarts answered, agrees
+    ended = module.name_preemption(InfrastructureError("node lost"), blamed, settle_s=0)
+    assert ended.budget == "infrastructure"
+    assert module.name_preemption(InfrastructureError("x"), set(), settle_s=0).budget == (
+        "preemption"
+    )
+
+
 def test_classify_controller_death_as_incompatible_run():
     error = classify(ControllerError(ray.exceptions.ActorDiedError()))
     assert isinstance(error, IncompatibleRunError) and "run.name" in str(error)

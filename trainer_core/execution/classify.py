@@ -134,7 +134,7 @@ def name_preemption(
     """
     if not isinstance(error, InfrastructureError) or isinstance(error, PreemptedError):
         return error
-    pending = draining_nodes()
+    pending = draining_nodes() - reclaimed_before
     deadline = time.monotonic() + settle_s
     while pending and time.monotonic() < deadline:
         pending = pending & alive_nodes() & draining_nodes()
@@ -146,22 +146,29 @@ def name_preemption(
     return _preempted(error, f"node(s) {sorted(reclaimed)} were reclaimed during the attempt")
 
 
-def name_preemption_now(error: BaseException, reclaimed_before: set[str]) -> BaseException:
+def name_preemption_now(
+    error: BaseException, reclaimed_before: set[str]
+) -> tuple[BaseException, set[str]]:
     """``name_preemption`` for a failure being decided now (Ray Train's failure policy, which
     cannot wait): an infrastructure failure while a node drains for preemption, due or not, or
     after one was reclaimed, is that preemption. Ray says so of the lost worker only once the GCS
     has the node's death reason, which relaytrain does not wait for
-    (``RAY_timeout_ms_task_wait_for_death_info``), and the survivors fail first anyway."""
+    (``RAY_timeout_ms_task_wait_for_death_info``), and the survivors fail first anyway.
+
+    Nodes in ``reclaimed_before`` (reclaimed before the attempt, or a preemption an earlier
+    restart already answered) are no one's cause now. Returns the error and the nodes blamed."""
     if not isinstance(error, InfrastructureError) or isinstance(error, PreemptedError):
-        return error
+        return error, set()
     try:
-        underway = draining_nodes(due_only=False) or preempted_nodes() - reclaimed_before
+        underway = (draining_nodes(due_only=False) | preempted_nodes()) - reclaimed_before
     except Exception:  # the GCS's node table is a hint here; the failure is still handled
         logger.debug("could not read the cluster's drains", exc_info=True)
-        return error
+        return error, set()
     if not underway:
-        return error
-    return _preempted(error, "a node drains for preemption or was reclaimed")
+        return error, set()
+    return _preempted(
+        error, f"node(s) {sorted(underway)} drain for preemption or were reclaimed"
+    ), underway
 
 
 def _preempted(error: BaseException, why: str) -> PreemptedError:

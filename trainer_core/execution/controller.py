@@ -220,8 +220,14 @@ class InPlacePolicy(FailurePolicy):
         self.restarts = 0
 
     def make_decision(self, training_failed_error: Any) -> Any:
+        blamed: set[str] = set()
         if isinstance(training_failed_error, (WorkerGroupError, PreemptionError)):
-            classified = name_preemption_now(classify(training_failed_error), self.reclaimed_before)
+            classified, blamed = name_preemption_now(
+                classify(training_failed_error), self.reclaimed_before
+            )
+            # A preemption is answered once: a later failure (a node killed after this one was
+            # reclaimed) is not blamed on it again.
+            self.reclaimed_before = self.reclaimed_before | blamed
             budget = getattr(classified, "budget", "none")
         elif isinstance(training_failed_error, ControllerError) and isinstance(
             training_failed_error.controller_failure, STARTUP_FAILURES
@@ -254,6 +260,7 @@ class InPlacePolicy(FailurePolicy):
                 "error_budget": budget,
                 "error_class": type(classified).__name__,
                 "error_message": str(classified)[:2000],
+                "preempted_nodes": sorted(blamed),
             }
         )
         return FailureDecision.RETRY
