@@ -13,7 +13,7 @@ PREFECT_HOST ?= 127.0.0.1
 PREFECT_PORT ?= 4200
 API_URL := http://$(PREFECT_HOST):$(PREFECT_PORT)/api
 
-.PHONY: install system test lint run clean server worker deploy serve bench
+.PHONY: install system test lint run clean server worker deploy serve bench chaos
 
 $(STAMP): pyproject.toml
 	@PYTHON=$(PYTHON) tools/install.sh venv
@@ -43,6 +43,12 @@ bench: $(STAMP)
 		$(PY) -m bench.$$name $(BENCH_ARGS) || status=1; \
 	done; \
 	$(PY) -m bench && exit $$status
+
+# The chaos campaign (bench/chaos.py): about 10 minutes of training under 21 faults of every kind,
+# after an uninterrupted run of the same spec; about 30 min in all. Its result goes beside the
+# others (CHAOS_ARGS: --seed N, --faults N, --mean-gap-s S).
+chaos: $(STAMP)
+	$(PY) -m bench.chaos $(CHAOS_ARGS) && $(PY) -m bench
 
 # A Prefect server with its UI on http://127.0.0.1:4200 (SQLite under ~/.prefect by default;
 # PostgreSQL with PREFECT_SERVER_DATABASE_CONNECTION_URL=postgresql+asyncpg://user:pw@host/db).

@@ -47,6 +47,7 @@ BENCHMARKS = (
     "precision",
     "data",
     "elastic",
+    "chaos",
 )
 TABLES_START = "<!-- bench:tables:start -->"
 TABLES_END = "<!-- bench:tables:end -->"
@@ -445,6 +446,14 @@ def _render_one(data: dict[str, Any]) -> str:
         "",
     ]
     columns = data.get("columns") or []
+    rows = (data.get("figures") or {}).get("rows")
+    if rows and not data["variants"]:  # one run's figures by row (the chaos campaign's kinds)
+        lines[-2] = lines[-2].replace(" Median [min-max] of n repetitions.", "")
+        lines.append(f"| {data['figures'].get('row_name', 'row')} | " + " | ".join(columns) + " |")
+        lines.append("|---" * (len(columns) + 1) + "|")
+        for name, values in rows.items():
+            lines.append(f"| {name} | " + " | ".join(_fmt(values.get(c)) for c in columns) + " |")
+        return _render_targets(data, lines)
     lines.append("| variant | " + " | ".join(columns) + " | n |")
     lines.append("|---" * (len(columns) + 2) + "|")
     for name, variant in data["variants"].items():
@@ -456,6 +465,11 @@ def _render_one(data: dict[str, Any]) -> str:
         n = max((s["n"] for s in summary.values()), default=0)
         failed = f" ({len(variant['errors'])} failed)" if variant["errors"] else ""
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {n}{failed} |")
+    return _render_targets(data, lines)
+
+
+def _render_targets(data: dict[str, Any], lines: list[str]) -> str:
+    """``lines`` with the result's targets and notes after them."""
     if data.get("targets"):
         lines += ["", "| target | value | threshold | result |", "|---|---|---|---|"]
         for t in data["targets"]:

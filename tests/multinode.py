@@ -69,7 +69,8 @@ class MultiNodeCluster:
         return self._answer()
 
     def nodes(self) -> list[dict[str, Any]]:
-        """Alive worker nodes with the actors on them: [{node_id, actors: [class names]}]."""
+        """Alive worker nodes with the actors on them:
+        [{node_id, actors: [class names], train_worker_pids: [the Ray Train workers' pids]}]."""
         return list(self.command("nodes")["nodes"])
 
     def worker_nodes(self) -> list[str]:
@@ -173,7 +174,13 @@ def _actors_by_node(job_address: str, node_ids: set[str]) -> list[dict[str, Any]
 
     actors = list_actors(address=job_address, filters=[("state", "=", "ALIVE")], limit=1000)
     return [
-        {"node_id": node, "actors": sorted(a.class_name for a in actors if a.node_id == node)}
+        {
+            "node_id": node,
+            "actors": sorted(a.class_name for a in actors if a.node_id == node),
+            "train_worker_pids": sorted(
+                a.pid for a in actors if a.node_id == node and a.class_name == "RayTrainWorker"
+            ),
+        }
         for node in sorted(node_ids)
     ]
 

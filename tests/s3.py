@@ -249,6 +249,15 @@ class OutageProxy:
             with contextlib.suppress(OSError):
                 sock.close()
 
+    def arm(self, cut_on: bytes, outage_s: float) -> None:
+        """Cut once more: down when ``cut_on`` next matches, for ``outage_s``."""
+        with self._lock:
+            self.cut_on, self.outage_s, self._cut = re.compile(cut_on), outage_s, False
+
+    @property
+    def armed(self) -> bool:
+        return self.cut_on is not None and not self._cut
+
     @property
     def was_cut(self) -> bool:
         return self._cut
@@ -275,10 +284,27 @@ class OutageProxy:
                     upstream.close()
                     return
                 self._connections.update((client, upstream))
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+            open_ends = [2]  # the pumps still running; the last one closes both sockets
+            for args in ((client, upstream, True, open_ends), (upstream, client, False, open_ends)):
+                threading.Thread(target=self._pump, args=args, daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
+    def _pump(
+        self, source: socket.socket, sink: socket.socket, from_client: bool, open_ends: list[int]
+    ) -> None:
+        try:
+            self._forward(source, sink, from_client)
+        finally:
+            with self._lock:
+                open_ends[0] -= 1
+                done = open_ends[0] == 0
+                if done:
+                    self._connections.difference_update((source, sink))
+            if done:  # without this a long run leaks two descriptors a connection
+                for sock in (source, sink):
+                    with contextlib.suppress(OSError):
+                        sock.close()
+
+    def _forward(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
         tail = b""
         try:
             while True:
