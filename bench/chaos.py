@@ -99,9 +99,9 @@ GOODPUT_TARGET = Target(
 class Settings:
     seed: int = 0
     faults: int = 21
-    mean_gap_s: float = 20.0
-    #: 64 steps each: 75 make about 10 minutes of training here.
-    epochs: int = 75
+    mean_gap_s: float = 15.0
+    #: 64 steps each: 100 make about 9 minutes of uninterrupted training here.
+    epochs: int = 100
     delay_s: float = 0.06
     #: The reference run's forward delay: the same as ``delay_s`` to measure wall-time
     #: efficiency; 0 when only its parameters matter (SlowMLP's delay changes no number).
@@ -433,10 +433,20 @@ def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
     return sorted(found, key=lambda f: f["at"])
 
 
-def attribute(faults: list[Fault], failure: dict[str, Any]) -> Fault | None:
-    """The fault a failure answers: the newest one before it (a second of clock slack)."""
-    before = [f for f in faults if f.at <= failure["at"] + 1.0 and f.kind not in ("corrupt",)]
-    return before[-1] if before else None
+#: How long after a fault a failure may still be its doing: a drain's deadline (10 s), an
+#: outage's length and the storage retries after it, the detection of a death.
+EFFECT_S = 30.0
+
+
+def attribute(faults: list[Fault], failure: dict[str, Any]) -> list[Fault]:
+    """The faults a failure may answer, newest first: those in the ``EFFECT_S`` before it (a
+    second of clock slack). Overlapping faults blur the cause: a worker killed while a node
+    drains is charged to the preemption, by design (the survivors of a preemption fail first)."""
+    return [
+        f
+        for f in reversed(faults)
+        if failure["at"] - EFFECT_S <= f.at <= failure["at"] + 1.0 and f.kind != "corrupt"
+    ]
 
 
 def verdict(
@@ -470,15 +480,16 @@ def verdict(
     found = failures(records)
     per_kind: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for failure in found:
-        fault = attribute(campaign.faults, failure)
-        if fault is None:
-            problems.append(f"a failure before any fault: {failure}")
+        causes = attribute(campaign.faults, failure)
+        if not causes:
+            problems.append(f"a failure with no fault in the {EFFECT_S:g} s before it: {failure}")
             continue
-        if failure["budget"] not in EXPECTED_BUDGETS[fault.kind]:
+        if not any(failure["budget"] in EXPECTED_BUDGETS[f.kind] for f in causes):
             problems.append(
-                f"{fault.kind} at {fault.at:.1f} was followed by a failure on the "
-                f"{failure['budget']} budget ({failure['error_class']})"
+                f"{[f.kind for f in causes]} at {causes[0].at:.1f} was followed by a failure on "
+                f"the {failure['budget']} budget ({failure['error_class']})"
             )
+        fault = causes[0]
         if failure["resumed_at"] is not None:
             per_kind[fault.kind].append(failure["resumed_at"] - fault.at)
         for step, at in corrupted:
@@ -574,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     cli = common.parser(NAME, __doc__ or "", repetitions=1)
     cli.add_argument("--seed", type=int, default=0)
     cli.add_argument("--faults", type=int, default=None, help="faults in all (default 21)")
-    cli.add_argument("--mean-gap-s", type=float, default=None, help="default 20 (quick: 8)")
+    cli.add_argument("--mean-gap-s", type=float, default=None, help="default 15 (quick: 8)")
     args = cli.parse_args(argv)
     base = QUICK if args.quick else Settings()
     settings = dataclasses.replace(
