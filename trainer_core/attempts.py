@@ -78,11 +78,13 @@ class AttemptRecord:
             self, **_known(outcome), status="completed", ended_at=time.time(), last_step=last_step
         )
 
-    def abandoned(self) -> AttemptRecord:
-        """A record still "running" that its driver can no longer end."""
+    def abandoned(self, last_step: int | None = None) -> AttemptRecord:
+        """A record still "running" that its driver can no longer end; ``last_step``: the
+        newest step it is known to have trained (its metric segments), if any."""
         return dataclasses.replace(
             self,
             status="failed",
+            last_step=last_step if self.last_step is None else self.last_step,
             error_class="DriverLost",
             error_budget="infrastructure",
             error_message="this attempt ended without recording how: its driver died (flow "
@@ -132,4 +134,4 @@ def close_abandoned(run_dir: RunDirectory, attempt: int) -> None:
     """
     for record in read(run_dir):
         if record.status == "running" and record.attempt != attempt:
-            write(run_dir, record.abandoned())
+            write(run_dir, record.abandoned(run_dir.last_recorded_step(record.attempt)))

@@ -364,6 +364,17 @@ class RunDirectory:
         body = "".join(json.dumps({"schema": SCHEMA_VERSION, **r}) + "\n" for r in rows)
         self.location.child(METRICS_DIR, name).write_bytes(body.encode())
 
+    def last_recorded_step(self, attempt: int) -> int | None:
+        """The newest step of ``attempt``'s metric segments (written with each of its commits):
+        how far it is known to have trained, from the segment names alone."""
+        steps = [
+            int(match.group(3))
+            for info in self.location.child(METRICS_DIR).list()
+            if (match := SEGMENT_PATTERN.fullmatch(info.base_name))
+            and int(match.group(1)) == attempt
+        ]
+        return max(steps, default=None)
+
     def read_metrics_history(self) -> list[dict[str, Any]]:
         """One row per step across every attempt: see ``merge_metrics``."""
         segments = []

@@ -136,7 +136,12 @@ def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
 
 def steps_computed(attempts: Sequence[AttemptSummary]) -> int | None:
     """Steps the workers ran across every attempt and in-place restart: each attempt from its
-    resume point to its last step, plus what each in-place restart rewound (ran twice)."""
+    resume point to its last step, plus what each in-place restart rewound (ran twice).
+
+    A restart whose group never resumed (it failed again while starting) rewound nothing: the
+    next one that did counts from the same last step. An attempt whose driver died is counted
+    to the newest step its metric segments hold (a lower bound). None when an attempt's resume
+    point is unknown (a user's loop that Ray resumed)."""
     total = 0
     for a in attempts:
         if a.last_step is None:
@@ -144,10 +149,7 @@ def steps_computed(attempts: Sequence[AttemptSummary]) -> int | None:
         if a.resumed_from_step is None:
             return None
         total += max(a.last_step - a.resumed_from_step, 0)
-        for restart in a.restarts:
-            if restart.steps_lost is None:
-                return None
-            total += restart.steps_lost
+        total += sum(r.steps_lost or 0 for r in a.restarts)
     return total
 
 

@@ -33,7 +33,11 @@ def test_an_attempt_opens_fails_and_is_decided(tmp_path):
 
 def test_a_running_record_of_another_attempt_is_closed_as_driver_lost(tmp_path):
     run_dir = RunDirectory(storage.resolve(str(tmp_path / "run")))
-    attempts.write(run_dir, AttemptRecord.opened(1, "fresh start", None))
+    attempts.write(run_dir, AttemptRecord.opened(1, "fresh start", 0))
+    # what attempt 1 committed before its driver died: its metric rows up to step 20
+    run_dir.write_metrics_segment(1, [{"step": s, "loss": 1.0} for s in range(1, 11)])
+    run_dir.write_metrics_segment(1, [{"step": s, "loss": 1.0} for s in range(11, 21)])
+    run_dir.write_metrics_segment(2, [{"step": 21, "loss": 1.0}])
     attempts.write(run_dir, AttemptRecord.opened(2, "resume", 10))
     attempts.close_abandoned(run_dir, 2)
     first, second = attempts.read(run_dir)
@@ -42,7 +46,11 @@ def test_a_running_record_of_another_attempt_is_closed_as_driver_lost(tmp_path):
         "DriverLost",
         "infrastructure",
     )
+    assert first.last_step == 20  # at least as far as its segments go (goodput counts it)
     assert second.status == "running"
+    attempts.write(run_dir, AttemptRecord.opened(3, "resume", 20))
+    attempts.close_abandoned(run_dir, 3)
+    assert attempts.read(run_dir)[1].last_step == 21
 
 
 def test_records_of_other_releases_read_with_defaults():

@@ -154,6 +154,23 @@ def test_steps_computed_count_every_step_run_again():
     assert steps_computed(summaries_of(unknown)) is None
     never_ran = [{"attempt": 1, "status": "failed", "last_step": None, "resumed_from_step": 0}]
     assert steps_computed(summaries_of(never_ran)) == 0
+    # a group that failed again while starting (no resume) rewound nothing: the next group's
+    # resume counts from the same last step
+    restarts = [
+        {"last_step": 50, "resumed_from_step": 40},
+        {"last_step": 55},
+        {"last_step": 55, "resumed_from_step": 40},
+    ]
+    twice = [
+        {
+            "attempt": 1,
+            "status": "completed",
+            "last_step": 80,
+            "resumed_from_step": 0,
+            "restarts": restarts,
+        }
+    ]
+    assert steps_computed(summaries_of(twice)) == 80 + 10 + 15
 
 
 def test_in_place_restarts_are_summarized_under_their_attempt():
