@@ -314,9 +314,12 @@ def run_attempt(
         cluster.check_capacity(spec)
         reclaimed_before = cluster.preempted_nodes()
         _prepare_run_directory(spec, run_dir, plan)
-        record = attempts.AttemptRecord.opened(plan.attempt, plan.reason, plan.resume_step)
+        # The built-in loop starts from step 0 when nothing is committed; a loop of the user's
+        # own resumes from Ray's checkpoint, which only its workers know.
+        start = plan.resume_step if plan.resume_step is not None or spec.train_loop else 0
+        record = attempts.AttemptRecord.opened(plan.attempt, plan.reason, start)
         attempts.write(run_dir, record)
-        live = LiveState(step=plan.resume_step or 0, resumed_from=plan.resume_step)
+        live = LiveState(step=plan.resume_step or 0, resumed_from=start)
 
         def handle(event: dict[str, Any]) -> None:
             if live.apply(event):  # a worker group ended or began: the record says so now
