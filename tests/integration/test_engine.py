@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -79,8 +81,14 @@ def test_golden_exact_resume_after_raise(reference, tmp_path):
 
 
 def test_kill_mid_epoch_then_resume(reference, tmp_path):
+    """With restarts in place off, a killed worker ends the attempt; the next one resumes."""
     spec = build_spec(
-        tiny_raw(tmp_path, "killed", faults=[{"kind": "kill", "at_step": 23, "rank": 1}])
+        tiny_raw(
+            tmp_path,
+            "killed",
+            retries={"in_place": 0},
+            faults=[{"kind": "kill", "at_step": 23, "rank": 1}],
+        )
     )
     with pytest.raises(InfrastructureError):
         run_attempt(spec)
@@ -190,6 +198,41 @@ def test_bad_model_import_fails_before_any_worker(ray_cluster, tmp_path):
     assert not (tmp_path / "bad-import").exists()
 
 
+def test_a_dead_controller_leaves_no_placement_group_behind(reference, tmp_path):
+    """Ray Train's controller SIGKILLed mid-run: its workers go with it, and the driver removes
+    the placement group it left (Ray would keep its CPUs reserved until the driver exits, and the
+    next attempt could never start). The next attempt resumes, exact."""
+    from ray.util.placement_group import placement_group_table
+
+    spec = build_spec(tiny_raw(tmp_path, "controller-killed", retries={"in_place": 0}))
+    before = set(placement_group_table())
+    started_ms = time.time() * 1000
+    killed: list[int] = []
+
+    def on_event(event):
+        if event["kind"] == "checkpoint" and not killed:  # a commit to resume from
+            (pid,) = [
+                actor["Pid"]
+                for actor in ray._private.state.actors().values()
+                if actor["State"] == "ALIVE"
+                and actor["ActorClassName"] == "CredentialedController"
+                and actor["StartTime"] >= started_ms
+            ]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    with pytest.raises(InfrastructureError, match=r"Ray failed: Actor(Died|Unavailable)Error"):
+        run_attempt(spec, on_event=on_event)
+    assert killed
+    states = [g["state"] for i, g in placement_group_table().items() if i not in before]
+    assert states and set(states) == {"REMOVED"}, states
+    second = run_attempt(spec)
+    assert second.status == "completed" and second.resumed_from_step >= 10
+    run_dir = run_dir_of(spec)
+    assert_same_tensors(final_state(run_dir), reference["state"])
+    assert losses(run_dir) == reference["losses"]
+
+
 def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
     spec = build_spec(
         tiny_raw(
@@ -231,6 +274,7 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
     )
     assert started["RayTrainWorker"] == 4 and started["SynchronizationActor"] == 2
     assert started["DatasetManager"] == 0 and started["PreemptionWatcher"] == 0
+    assert started["PlacementGroupCleaner"] == 0  # the driver cleans up (next test)
     run_dir = run_dir_of(spec)
     (attempt,) = run_dir.read_attempts()  # one attempt: Ray restarted its worker group
     assert attempt["status"] == "completed"

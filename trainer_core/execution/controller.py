@@ -35,6 +35,7 @@ from ray.train.v2._internal.exceptions import (
     WorkerGroupStartupFailedError,
     WorkerGroupStartupTimeoutError,
 )
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller.state import ResizingState
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
@@ -75,6 +76,35 @@ class MetricsRelay:
     def drain(self) -> list[dict[str, Any]]:
         events, self.events = self.events, []
         return events
+
+
+#: The relay event that names a worker group's placement group (for the driver, not the user).
+PLACEMENT_GROUP_EVENT = "placement_group"
+
+
+class PlacementGroupsToDriver(WorkerGroupCallback):
+    """Tells the driver, through the relay, each worker group's placement group, so that the
+    driver removes one a controller that died left behind (``trainer.fit``).
+
+    In place of Ray Train's ``PlacementGroupCleanerCallback``, which does the same from a
+    detached actor of its own: a process started at every fit() on the path to the first step
+    (the controller waits for it before training starts) that asks Ray's state API about the
+    controller every second while training runs. Without it a Prefect retry's first step came
+    1.5 s sooner on 2 cores (7.6 -> 6.1 s), and a first run's 0.6 s.
+    """
+
+    def __init__(self, relay: Any) -> None:
+        self.relay = relay
+
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        handle = worker_group.get_worker_group_state().placement_group_handle
+        self.relay.push.remote(
+            {
+                "kind": PLACEMENT_GROUP_EVENT,
+                "time": time.time(),
+                "placement_group": handle.placement_group,
+            }
+        )
 
 
 # -- the torch process group, set up from a torch-free controller ---------------------------------

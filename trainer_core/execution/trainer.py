@@ -39,10 +39,15 @@ def _abortable_trainer_class() -> type:
     main thread anyway. Each helper actor is a process start (about 2 s of CPU on 2 cores,
     contending with the workers' own start), paid again by every attempt and in-place restart.
     What the controller unpickles comes from ``trainer_core.controller``, which imports no torch.
+    Ray's placement-group cleaner (a detached actor per fit) is replaced by the driver's own
+    cleanup (``PlacementGroupsToDriver``, ``_remove_left_behind``).
     """
     from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import (
+        PlacementGroupCleanerCallback,
+    )
     from ray.train.v2._internal.constants import (
         DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
         get_env_vars_to_propagate,
@@ -52,6 +57,7 @@ def _abortable_trainer_class() -> type:
         CredentialedController,
         CurrentCapacityPolicy,
         InPlacePolicy,
+        PlacementGroupsToDriver,
     )
 
     class AbortableTorchTrainer(TorchTrainer):
@@ -69,11 +75,14 @@ def _abortable_trainer_class() -> type:
 
         def _create_default_callbacks(self) -> list[Any]:
             # Ray's datasets callback starts a DatasetManager actor for every worker group,
-            # datasets or not; relaytrain's loops read their own data and pass none.
+            # datasets or not; relaytrain's loops read their own data and pass none. Its
+            # placement-group cleaner is the driver's job here (PlacementGroupsToDriver).
             callbacks = super()._create_default_callbacks()  # type: ignore[misc]  # V2 method
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+            unused = (PlacementGroupCleanerCallback,) + (
+                () if self.datasets else (DatasetsCallback,)
+            )
+            kept = [c for c in callbacks if not isinstance(c, unused)]
+            return [*kept, PlacementGroupsToDriver(self.relay)]
 
         def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
             env_vars = get_env_vars_to_propagate()
@@ -244,7 +253,7 @@ def fit(
     Cancellation (Prefect's TerminationSignal, KeyboardInterrupt) arrives in this thread as a
     BaseException: the ``finally`` aborts Ray Train's controller, which stops every worker.
     """
-    from trainer_core.execution.controller import MetricsRelay
+    from trainer_core.execution.controller import PLACEMENT_GROUP_EVENT, MetricsRelay
 
     # The relay is the driver's mailbox: it lives on the driver's node, never on a worker node
     # that may be the one being lost (a retry right after a node death could land there).
@@ -261,22 +270,48 @@ def fit(
             outcome["error"] = e
 
     thread = threading.Thread(target=target, name=f"relaytrain-fit-{plan.run_name}", daemon=True)
+    placement_groups: list[Any] = []
+
+    def relay_events() -> None:
+        for event in ray.get(relay.drain.remote()):
+            if event["kind"] == PLACEMENT_GROUP_EVENT:
+                placement_groups.append(event["placement_group"])
+            else:
+                handle(event)
+
     thread.start()
     finished = False
     try:
         while thread.is_alive():
             thread.join(poll_interval_s)
-            for event in ray.get(relay.drain.remote()):
-                handle(event)
-        for event in ray.get(relay.drain.remote()):
-            handle(event)
+            relay_events()
+        relay_events()
         finished = True
     finally:
         if not finished:
             logger.warning("interrupted: stopping the Ray Train worker group of %s", plan.run_name)
             trainer.abort()
             thread.join(30)
+            with contextlib.suppress(Exception):
+                relay_events()
+        _remove_left_behind(placement_groups)
         with contextlib.suppress(Exception):
             ray.kill(relay)
     if "error" in outcome:
         raise outcome["error"]
+
+
+def _remove_left_behind(placement_groups: list[Any]) -> None:
+    """Remove the placement groups of this fit's worker groups that are still there: a controller
+    that ends as it should removes its own, one that died (killed, out of memory) leaves it, and
+    its CPUs would stay reserved until the driver exits, so a retry could never start."""
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
+    for group in placement_groups:
+        try:
+            if placement_group_table(group).get("state") in ("REMOVED", None):
+                continue
+            logger.warning("removing placement group %s that its controller left", group.id)
+            remove_placement_group(group)
+        except Exception as e:  # the cluster is going away too: nothing to hold a retry back
+            logger.warning("could not remove placement group %s: %s", group.id, e)
