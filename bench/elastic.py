@@ -84,7 +84,9 @@ def make_spec(root: Path, name: str, quick: bool, workers: Any, notice: bool = F
         "scaling": {"num_workers": workers, "resize_interval_s": 5},
         "checkpoint": {"every": 50 if notice else 20, "keep_last": 2, "keep_best": 0},
         "report": {"every": REPORT_EVERY_WITH_NOTICE if notice else 5},
-        "retries": {"infrastructure": 2, "code": 0, "delay_s": 0, "jitter": 0},
+        # in_place 0: the fixed-size run's lost node ends its attempt (a Prefect retry, the
+        # path fixed_retry measures); elastic runs restart in place on ``infrastructure``
+        "retries": {"infrastructure": 2, "code": 0, "delay_s": 0, "jitter": 0, "in_place": 0},
     }
     raw["checkpoint"]["best_metric"] = "loss"
     return build_spec(raw)

@@ -92,8 +92,9 @@ def assert_recovered(
     - the run completed, and its final parameters and optimizer state are bit-identical to the
       uninterrupted run's;
     - the metrics history is complete, one row per step, each loss identical (no duplicates);
-    - no committed checkpoint was lost: the first resume came from ``committed_before`` (the
-      newest commit seen before the fault) or later;
+    - no committed checkpoint was lost: the first resume (a new attempt's, or a worker group's
+      restarted in place) came from ``committed_before`` (the newest commit seen before the
+      fault) or later;
     - each failure lost at most one checkpoint interval of steps; when the fault can take the
       checkpoint being written with it (``write_lost``: the write itself failed, or the node
       writing it died), the steps run while that write was in flight are lost too (checkpoints
@@ -103,13 +104,17 @@ def assert_recovered(
     assert attempts and attempts[-1]["status"] == "completed", attempts
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]
-    resumed = [a.get("resumed_from_step") for a in attempts[1:]]
+    resumed = []  # in the order they happened: each attempt's start, then its restarts
+    for index, attempt in enumerate(attempts):
+        if index:
+            resumed.append(attempt.get("resumed_from_step"))
+        resumed += [r.get("resumed_from_step") for r in attempt.get("restarts") or ()]
     if committed_before is not None and resumed:
         assert (resumed[0] or 0) >= committed_before, (resumed, committed_before)
     bound = 2 * interval if write_lost else interval
     for summary in attempt_summaries([AttemptRecord.from_json(a) for a in attempts]):
-        if summary.steps_lost is not None:
-            assert summary.steps_lost <= bound, summary
+        lost = [summary.steps_lost, *(r.steps_lost for r in summary.restarts)]
+        assert all(n is None or n <= bound for n in lost), summary
     return attempts
 
 

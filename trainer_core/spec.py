@@ -388,9 +388,11 @@ class RetriesSection(_Section):
     jitter: Annotated[float, Field(ge=0)] = 0.5
     #: Infrastructure failures Ray Train may recover in place, within one attempt, before a
     #: failure ends the attempt: it restarts the worker group, which resumes from the newest
-    #: committed checkpoint, without a new fit() or a Prefect retry. Each restart is recorded
-    #: on the attempt. 0 (the default): every failure ends the attempt.
-    in_place: NonNegativeInt = 0
+    #: committed checkpoint, without a new fit() or a Prefect retry (the faster path: no new
+    #: controller, relay or Prefect state changes). Each restart is recorded on the attempt.
+    #: 1 (the default): the first infrastructure failure of an attempt restarts in place, the
+    #: next ends the attempt and Prefect retries it; 0: every failure ends the attempt.
+    in_place: NonNegativeInt = 1
     #: Restarts after a node is reclaimed for preemption (Ray's preemption budget, counted apart
     #: from ``infrastructure``). Recovered in place, within the attempt, from the newest commit,
     #: which a notice of the drain makes just in time. None (the default): unlimited, as in Ray.

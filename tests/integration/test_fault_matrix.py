@@ -31,27 +31,39 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(
-    ("case", "kind", "at_step", "rank", "strategy"),
+    ("case", "kind", "at_step", "rank", "strategy", "in_place"),
     [
-        ("1 exception in training code", "raise", 17, 0, "ddp"),
-        ("2 worker process SIGKILL", "kill", 23, 1, "ddp"),
+        ("1 exception in training code", "raise", 17, 0, "ddp", None),
+        ("2 worker process SIGKILL (restarted in place, the default)", "kill", 23, 1, "ddp", None),
+        ("2p worker process SIGKILL, retries.in_place 0 (Prefect retry)", "kill", 23, 1, "ddp", 0),
         # FSDP on 2 gloo ranks ends bit-identical to the DDP reference (test_fsdp.py).
-        ("2f worker process SIGKILL, scaling.strategy fsdp", "kill", 23, 1, "fsdp"),
+        ("2f worker process SIGKILL, scaling.strategy fsdp", "kill", 23, 1, "fsdp", None),
     ],
 )
 def test_worker_fault_is_retried_and_exact(
-    relaytrain_prefect, uninterrupted, tmp_path, case, kind, at_step, rank, strategy
+    relaytrain_prefect, uninterrupted, tmp_path, case, kind, at_step, rank, strategy, in_place
 ):
-    raw = tiny_raw(tmp_path, f"matrix-{kind}-{strategy}", scaling={"strategy": strategy})
+    raw = tiny_raw(tmp_path, f"matrix-{kind}-{strategy}-{in_place}", scaling={"strategy": strategy})
+    if in_place is not None:
+        raw["retries"]["in_place"] = in_place
     spec = with_fault(build_spec(raw), kind, at_step, rank)
     state = training(spec, return_state=True)
     assert state.is_completed(), state
     run_dir = run_dir_of(spec)
     committed = at_step // 10 * 10
     attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=committed)
-    assert [a["status"] for a in attempts] == ["failed", "completed"]
-    assert attempts[0]["error_budget"] == ("code" if kind == "raise" else "infrastructure")
-    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
+    runs = task_runs(state.state_details.flow_run_id)["train"].run_count
+    if kind == "kill" and in_place is None:
+        # Ray Train restarted the worker group within the attempt, from the newest commit
+        assert [a["status"] for a in attempts] == ["completed"] and runs == 1
+        (restart,) = attempts[0]["restarts"]
+        assert restart["reason"] == "infrastructure", restart
+        assert restart["resumed_from_step"] == committed and restart["last_step"] >= committed
+        assert restart["world_size_before"] == restart["world_size_after"] == 2
+    else:
+        assert [a["status"] for a in attempts] == ["failed", "completed"] and runs == 2
+        assert attempts[0]["error_budget"] == ("code" if kind == "raise" else "infrastructure")
+        assert attempts[0]["restarts"] == []
     record_matrix_row(case, run_dir, committed_before=committed, fault_step=at_step)
 
 

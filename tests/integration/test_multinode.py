@@ -105,7 +105,11 @@ def test_job_server_binds_loopback_only(cluster):
 def test_lost_node_resumes_on_the_remaining_nodes(
     cluster, relaytrain_prefect, uninterrupted, run_storage, how
 ):
-    spec = build_spec(slow_raw(run_storage, f"multinode-{how}", cluster))
+    raw = slow_raw(run_storage, f"multinode-{how}", cluster)
+    # A killed node ends the attempt (in_place 0), and Prefect's retry submits attempt 2 as a new
+    # Ray job: the path this case records (the default restart in place is test_fault_matrix's)
+    raw["retries"]["in_place"] = 0
+    spec = build_spec(raw)
     run_dir = run_dir_of(spec)
     if len(cluster.nodes()) < 3:
         cluster.command("add")

@@ -289,7 +289,8 @@ def test_fault5_s3_outage_during_checkpoint_upload(uninterrupted, relaytrain_pre
     cut_on = rb"PUT /[^ ]*/checkpoint-000000020/model\.pt"
     with OutageProxy(s3.port, cut_on=cut_on, outage_s=8.0) as proxy:
         uri = s3.uri("fault5", port=proxy.port)
-        spec = build_spec(tiny_raw(uri, "fault5", retries={"delay_s": 4}))
+        # in_place 0: a failed upload ends the attempt (the path this case records)
+        spec = build_spec(tiny_raw(uri, "fault5", retries={"delay_s": 4, "in_place": 0}))
         state = training(spec, return_state=True)
     assert proxy.was_cut, "the outage never happened"
     assert state.is_completed(), state.result(raise_on_failure=False)

@@ -214,8 +214,10 @@ def test_restart_limits_follow_the_spec(tmp_path):
     from trainer_core.execution.trainer import restart_limits
     from trainer_core.spec import build_spec
 
-    fixed = build_spec(tiny_raw(tmp_path, "r"), ["retries.in_place=1"])
+    fixed = build_spec(tiny_raw(tmp_path, "r"))  # the default: one restart in place
     assert restart_limits(fixed) == {"infrastructure": 1, "preemption": None}
+    every_failure_retried = build_spec(tiny_raw(tmp_path, "r"), ["retries.in_place=0"])
+    assert restart_limits(every_failure_retried) == {"infrastructure": 0, "preemption": None}
     elastic = build_spec(
         tiny_raw(tmp_path, "r"), ["scaling.num_workers=[1, 3]", "retries.preemption=4"]
     )
