@@ -14,6 +14,7 @@ from trainer_core.errors import (
     ClusterCapacityError,
     IncompatibleRunError,
     InfrastructureError,
+    PreemptedError,
     SpecError,
     TrainingCodeError,
 )
@@ -90,6 +91,14 @@ def test_a_preemption_is_blamed_once(monkeypatch):
     assert module.name_preemption(InfrastructureError("x"), set(), settle_s=0).budget == (
         "preemption"
     )
+    # Ray's watcher named the preemption itself (a chaos run: a node killed afterwards was
+    # charged to it, as the drained node was not marked answered)
+    cluster.update(draining={"n2"}, reclaimed={"n1"})
+    named, answered = module.name_preemption_now(PreemptedError("preempted: n2"), blamed)
+    assert named.budget == "preemption" and answered == {"n2"}
+    cluster.update(draining=set(), reclaimed={"n1", "n2"})
+    killed, none = module.name_preemption_now(InfrastructureError("n3 lost"), blamed | answered)
+    assert killed.budget == "infrastructure" and none == set()
 
 
 def test_classify_controller_death_as_incompatible_run():

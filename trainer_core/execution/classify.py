@@ -156,16 +156,18 @@ def name_preemption_now(
     (``RAY_timeout_ms_task_wait_for_death_info``), and the survivors fail first anyway.
 
     Nodes in ``reclaimed_before`` (reclaimed before the attempt, or a preemption an earlier
-    restart already answered) are no one's cause now. Returns the error and the nodes blamed."""
-    if not isinstance(error, InfrastructureError) or isinstance(error, PreemptedError):
+    restart already answered) are no one's cause now. Returns the error and the nodes blamed:
+    for a preemption Ray named itself (its watcher's ``PreemptionError``, a rank lost with
+    Ray's preempted flag) too, so that a later failure is not blamed on the same drain."""
+    if not isinstance(error, InfrastructureError):
         return error, set()
     try:
         underway = (draining_nodes(due_only=False) | preempted_nodes()) - reclaimed_before
     except Exception:  # the GCS's node table is a hint here; the failure is still handled
         logger.debug("could not read the cluster's drains", exc_info=True)
         return error, set()
-    if not underway:
-        return error, set()
+    if isinstance(error, PreemptedError) or not underway:
+        return error, underway if isinstance(error, PreemptedError) else set()
     return _preempted(
         error, f"node(s) {sorted(underway)} drain for preemption or were reclaimed"
     ), underway

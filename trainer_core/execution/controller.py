@@ -255,6 +255,9 @@ class InPlacePolicy(FailurePolicy):
             classified, blamed = name_preemption_now(
                 classify(training_failed_error), self.reclaimed_before
             )
+            if isinstance(training_failed_error, PreemptionError):  # Ray's watcher names them
+                info = training_failed_error.preemption_info
+                blamed |= set(getattr(info, "preempted_node_ids", ()))
             # A preemption is answered once: a later failure (a node killed after this one was
             # reclaimed) is not blamed on it again.
             self.reclaimed_before = self.reclaimed_before | blamed
