@@ -86,6 +86,29 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def rng_to_send(state: Any) -> Any:
+    """``capture_rng``'s state with numpy arrays for its tensors, to pickle across ranks
+    (``dist.gather_object`` cannot unpickle a tensor's storage in this torch); ``rng_received``
+    turns it back."""
+    if isinstance(state, torch.Tensor):
+        return ("tensor", state.numpy().copy())
+    if isinstance(state, dict):
+        return {k: rng_to_send(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [rng_to_send(v) for v in state]
+    return state
+
+
+def rng_received(state: Any) -> Any:
+    if isinstance(state, tuple) and len(state) == 2 and state[0] == "tensor":
+        return torch.from_numpy(state[1])
+    if isinstance(state, dict):
+        return {k: rng_received(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [rng_received(v) for v in state]
+    return state
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

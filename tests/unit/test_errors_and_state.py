@@ -118,6 +118,14 @@ def test_rng_roundtrip_is_exact_and_safe_to_load():
     training_state.restore_rng(state)
     assert (random.random(), np.random.rand()) == expected[:2]
     assert torch.equal(torch.rand(1), expected[2])
+    # across ranks (pickled, as dist.gather_object does), then written, it still restores exactly
+    training_state.seed_everything(6)
+    sent = pickle.loads(pickle.dumps(training_state.rng_to_send(training_state.capture_rng())))
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    received = training_state.rng_received(sent)
+    training_state.restore_rng(training_state.from_bytes(training_state.to_bytes(received)))
+    assert (random.random(), np.random.rand()) == expected[:2]
+    assert torch.equal(torch.rand(1), expected[2])
 
 
 def test_lr_schedule_shapes():
