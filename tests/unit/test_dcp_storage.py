@@ -58,12 +58,13 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
         written = dcp_storage.save({"model": model_state, "optim": optimizer_state}, location)
         entries: list = [None] * world
         dist.all_gather_object(entries, written)
-        saved = get_state_dict(model, optimizer, options=full)[0]
+        saved_model, saved_optim = get_state_dict(model, optimizer, options=full)
         if rank == 0:
             run_dir.commit_checkpoint(
                 3, [e for part in entries for e in part], {"format": DCP_FORMAT}
             )
-            torch.save(saved, Path(root) / "full.pt")
+            torch.save(saved_model, Path(root) / "full.pt")
+            torch.save(_flat(saved_optim), Path(root) / "full-optim.pt")
     else:
         checkpoint = run_dir.read_committed(3)
         assert checkpoint is not None
@@ -77,15 +78,32 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        loaded = get_state_dict(model, optimizer, options=full)[0]
-        if rank == 0:
-            saved = torch.load(Path(root) / "full.pt")
-            assert saved.keys() == loaded.keys()
-            for key in saved:
-                assert torch.equal(saved[key], loaded[key]), key
+        loaded_model, loaded_optim = get_state_dict(model, optimizer, options=full)
+        if rank == 0:  # the model and Adam's moments and step counts, whole, resharded or not
+            for name, loaded in (("full.pt", loaded_model), ("full-optim.pt", _flat(loaded_optim))):
+                saved = torch.load(Path(root) / name)
+                assert saved and saved.keys() == loaded.keys(), name
+                for key in saved:
+                    assert torch.equal(saved[key], loaded[key]), f"{name}: {key}"
     # Every rank done before any tears down: gloo aborts a process whose peer is gone mid-exit.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _flat(state: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor and number of an optimizer's full state dict, by its dotted path."""
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return {prefix: torch.tensor(float(state))} if isinstance(state, (int, float)) else {}
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
 
 
 def _check_staging(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
