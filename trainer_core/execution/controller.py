@@ -203,7 +203,17 @@ class CredentialedController(TrainController):
     (its constructor already reads the run directory), that tells the relay when its elastic
     scaling policy resizes a healthy worker group (a failed one is the failure policy's)."""
 
-    def __init__(self, *, storage_credentials: list[Any], relay: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        environment: dict[str, str],
+        storage_credentials: list[Any],
+        relay: Any,
+        **kwargs: Any,
+    ) -> None:
+        # Ray Train's settings for this controller and, propagated, its workers (Ray reads them
+        # where it uses them); this process is the controller's alone.
+        os.environ.update(environment)
         apply_credentials(storage_credentials)
         self._relay = relay
         super().__init__(**kwargs)

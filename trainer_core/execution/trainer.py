@@ -91,12 +91,14 @@ def _abortable_trainer_class() -> type:
                 DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
             )
             env_vars[PREEMPTION_WATCHER_ENV] = "1" if self.watch_preemption else "0"
+            # The controller sets these itself (Ray Train reads them when it uses them), not
+            # through a runtime_env: an actor with a runtime_env of its own needs a new process,
+            # one without takes an idle one of the job's (0.5-1 s sooner to the first step).
             controller_class = ray.remote(
                 num_cpus=0,
                 label_selector={
                     ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()  # type: ignore[attr-defined]
                 },
-                runtime_env={"env_vars": env_vars},
             )(CredentialedController)
             controller_init_kwargs["scaling_policy"] = CurrentCapacityPolicy.replacing(
                 controller_init_kwargs["scaling_policy"]
@@ -108,6 +110,7 @@ def _abortable_trainer_class() -> type:
                 self.reclaimed_before,
             )
             self.controller = controller_class.remote(
+                environment=env_vars,
                 storage_credentials=self.storage_credentials,
                 relay=self.relay,
                 **controller_init_kwargs,
