@@ -1,6 +1,6 @@
 # Every target that needs Python creates .venv and installs on first use (a line per step; the
 # whole output goes to .venv/install.log); a no-op afterwards. `make test` also installs the
-# Debian packages its browser test drives (tools/install.sh system).
+# Debian packages its tests drive: chromium and postgresql (tools/install.sh system).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python

@@ -219,12 +219,22 @@ def slow_spec_file(tmp_path: Path, name: str) -> Path:
     return path
 
 
-def start_cli(spec_file: Path, name: str, ray_address: str) -> subprocess.Popen:
+def start_cli(
+    spec_file: Path, name: str, ray_address: str, command: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """The run's command line: ``python -m flows.training``, or ``command`` (the console
+    script ``relaytrain run``) with the same options."""
     from prefect.settings import PREFECT_API_URL
 
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_ADDRESS": ray_address}
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "RAY_ADDRESS": ray_address,
+        "PYTHONPATH": str(REPO),  # the tests' own model (a console script does not add cwd)
+    }
+    launcher = list(command) or [sys.executable, "-m", "flows.training"]
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.training", "--config", str(spec_file), "--run-name", name],
+        [*launcher, "--config", str(spec_file), "--run-name", name],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -271,9 +281,12 @@ def test_interrupted_flow_process_resumes_on_rerun(
     assert cpus_free(ray) >= free_before
     assert run_dir.scan().newest.step >= committed  # nothing committed was lost
     rerun_at = time.time()
-    rerun = start_cli(spec_file, name, address)
+    # run again as a user would, with the console script (the same run, resumed)
+    relaytrain = str(Path(sys.executable).with_name("relaytrain"))
+    rerun = start_cli(spec_file, name, address, command=(relaytrain, "run"))
     output, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, output
+    assert f"run {name}: completed" in output and "relaytrain show" in output
     attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=committed)
     assert attempts[-1]["status"] == "completed" and attempts[-1]["resumed_from_step"] >= committed
     case = "4 flow process SIGKILLed, re-run" if how == "sigkill" else "4b flow cancelled (SIGTERM)"
