@@ -61,7 +61,7 @@ COLUMNS = [
     "serialize_s",
     "upload_s",
 ]
-BLOCKED_TARGET = 0.10
+BLOCKED_TARGET = 0.03  # issue 19's higher bar (0.10 before)
 THROUGHPUT_TARGET = 0.8
 KEEP_NEWEST = CheckpointSection(keep_last=1, keep_best=0)
 

@@ -41,8 +41,14 @@ from trainer_core.spec import RunSpec
 from trainer_core.staging import Stager
 
 NAME = "scaling"
+#: Against plain DDP's own 2/1-worker ratio on the same machine (issue 19): what 2 workers can
+#: give is the machine's (1.68 on one 2-core VM, 1.41 on another), what relaytrain keeps of it
+#: is ours.
 SPEEDUP_TARGET = Target(
-    "2w/1w samples/s", "relaytrain samples/s with 2 workers / with 1 worker", ">=", 1.6
+    "2w/1w, relaytrain / plain",
+    "relaytrain's 2w/1w samples/s / plain PyTorch DDP's 2w/1w samples/s",
+    ">=",
+    0.98,
 )
 COLUMNS = [
     "samples_per_s",
@@ -238,6 +244,7 @@ def summarize(result: Result, sizes: list[float]) -> None:
     notes = [
         f"{label}: {value:.2f}"
         for label, value in [
+            ("relaytrain 2w/1w", speedup),
             ("plain PyTorch on this machine", plain),
             ("plain without the per-step gradient sync", ceiling),
             ("plain's loop in Ray Train's workers", on_ray),
@@ -245,7 +252,8 @@ def summarize(result: Result, sizes: list[float]) -> None:
         if value is not None
     ]
     note = "; ".join(notes)
-    result.targets.append(SPEEDUP_TARGET.check(speedup, note))
+    kept = speedup / plain if speedup is not None and plain else None
+    result.targets.append(SPEEDUP_TARGET.check(kept, note))
     figures: dict[str, Any] = {
         "plain 2w/1w samples/s": plain,
         "plain 2w without gradient sync / 1w samples/s": ceiling,
