@@ -611,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     figures["row_name"] = "fault kind"
     figures["rows"] = figures["recovery_s_by_kind"]
     result.notes += [
-        f"{figures['faults']} faults in {figures['wall_s']:g} s; {figures['failures']} ended a "
+        f"{len(figures['faults'])} faults in {figures['wall_s']:g} s; {figures['failures']} ended a"
+        " "
         f"worker group ({figures['attempts']} attempts, {figures['restarts_in_place']} restarts "
         f"in place); {figures['faults_during_recovery']} arrived during a recovery, "
         f"{figures['checkpoint_uploads_cut']} cut a checkpoint upload",
