@@ -449,6 +449,22 @@ def attribute(faults: list[Fault], failure: dict[str, Any]) -> list[Fault]:
     ]
 
 
+def in_effect(faults: list[Fault], proxy_events: list[tuple[float, str]]) -> list[Fault]:
+    """The faults at the time each took effect, oldest first. An outage armed for the next
+    checkpoint upload begins when that upload is cut, which can be long after it was armed (the
+    group was down, or the flow killed and run again); one never cut stays where it was armed.
+    One outage is armed at a time, so the first cut after its arming is its own."""
+    cuts = sorted(t for t, what in proxy_events if what.startswith("cut on"))
+    placed = []
+    for fault in faults:
+        if fault.kind == "s3_outage" and fault.detail.get("when") == "the next checkpoint upload":
+            cut = next((t for t in cuts if t >= fault.at), None)
+            if cut is not None:
+                fault = dataclasses.replace(fault, at=cut)
+        placed.append(fault)
+    return sorted(placed, key=lambda f: f.at)
+
+
 def verdict(
     campaign: Campaign, run_dir: RunDirectory, reference_dir: RunDirectory
 ) -> dict[str, Any]:
@@ -478,9 +494,10 @@ def verdict(
         problems.append(f"committed checkpoints lost: kept {sorted(kept)}, newest {must_keep}")
     corrupted = {(f.detail["step"], f.at) for f in campaign.faults if f.kind == "corrupt"}
     found = failures(records)
+    effective = in_effect(campaign.faults, campaign.proxy.events)
     per_kind: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for failure in found:
-        causes = attribute(campaign.faults, failure)
+        causes = attribute(effective, failure)
         if not causes:
             problems.append(f"a failure with no fault in the {EFFECT_S:g} s before it: {failure}")
             continue
@@ -512,7 +529,7 @@ def verdict(
         "attempts": len(records),
         "restarts_in_place": sum(len(r.restarts) for r in records),
         "failures": len(found),
-        "faults_during_recovery": _during_recovery(campaign.faults, found),
+        "faults_during_recovery": _during_recovery(effective, found),
         "checkpoint_uploads_cut": sum(
             1 for _, what in campaign.proxy.events if what.startswith("cut on")
         ),

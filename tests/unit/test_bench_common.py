@@ -34,3 +34,26 @@ def test_unmatched_reads_shell_patterns():
     assert common.unmatched(None, ["a"]) == []
     assert common.unmatched(["plain_*", "x?"], ["plain_1w", "xy"]) == []
     assert common.unmatched(["plain_*", "ray_plain"], ["ray_plain_1w"]) == ["plain_*", "ray_plain"]
+
+
+def test_a_chaos_outage_armed_for_the_next_upload_counts_from_when_it_cut():
+    """An outage armed for the next checkpoint upload can begin long after it was armed (the
+    flow killed meanwhile): the failure it causes is charged to it from the cut, not left with
+    "no fault before it" (a CI run of the short campaign failed so, 34 s after the arming)."""
+    from bench.chaos import EFFECT_S, Fault, attribute, in_effect
+
+    armed = Fault("s3_outage", 100.0, {"outage_s": 6.8, "when": "the next checkpoint upload"})
+    now = Fault("s3_outage", 300.0, {"outage_s": 4.0, "when": "now"})
+    kill = Fault("flow_kill", 103.0)
+    events = [(90.0, "up"), (100.0 + EFFECT_S + 5, "cut on PUT /relaytrain/checkpoint-360/")]
+    failure = {"at": 100.0 + EFFECT_S + 9}
+    assert attribute([armed, kill], failure) == []
+    placed = in_effect([armed, kill, now], events)
+    assert [(f.kind, f.at) for f in placed] == [
+        ("flow_kill", 103.0),
+        ("s3_outage", 135.0),
+        ("s3_outage", 300.0),
+    ]
+    assert [f.kind for f in attribute(placed, failure)] == ["s3_outage"]
+    # never cut (the run ended first): it stays where it was armed
+    assert in_effect([armed], [(90.0, "up")])[0].at == 100.0
