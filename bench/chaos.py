@@ -627,9 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     figures["faults"] = outcome["faults"]
     figures["row_name"] = "fault kind"
     figures["rows"] = figures["recovery_s_by_kind"]
+    count = len(figures["faults"])
     result.notes += [
-        f"{len(figures['faults'])} faults in {figures['wall_s']:g} s; {figures['failures']} ended a"
-        " "
+        f"{count} faults in {figures['wall_s']:g} s; {figures['failures']} ended a "
         f"worker group ({figures['attempts']} attempts, {figures['restarts_in_place']} restarts "
         f"in place); {figures['faults_during_recovery']} arrived during a recovery, "
         f"{figures['checkpoint_uploads_cut']} cut a checkpoint upload",
