@@ -26,13 +26,18 @@ def ray_cluster(relaytrain_ray):
 @pytest.fixture(scope="session")
 def uninterrupted(relaytrain_ray, tmp_path_factory):
     """The uninterrupted tiny run every recovery test must reproduce bit for bit: its result,
-    final parameters and optimizer state, per-step losses, and the metrics each checkpoint was
-    committed with (by step), which any run of the tiny spec commits too."""
-    from tests.recovery import final_state, losses, run_dir_of
+    final parameters and optimizer state, per-step losses, and every checkpoint's recorded and
+    evaluated metrics by step (``measure_checkpoints``), which any run of the tiny spec commits
+    too."""
+    from tests.recovery import final_state, losses, measure_checkpoints, run_dir_of
     from trainer_core.engine import run_attempt
     from trainer_core.spec import build_spec
 
-    spec = build_spec(tiny_raw(tmp_path_factory.mktemp("reference"), "reference"))
+    # Every checkpoint kept, so each one's weights can be evaluated (tests/recovery.py).
+    raw = tiny_raw(
+        tmp_path_factory.mktemp("reference"), "reference", checkpoint={"keep_last": None}
+    )
+    spec = build_spec(raw)
     events: list = []
     result = run_attempt(spec, on_event=events.append)
     assert result.status == "completed"
@@ -42,9 +47,7 @@ def uninterrupted(relaytrain_ray, tmp_path_factory):
         "result": result,
         "state": final_state(run_dir),
         "losses": losses(run_dir),
-        "checkpoint_metrics": {
-            e["step"]: e["metrics"] for e in events if e["kind"] == "checkpoint"
-        },
+        "checkpoints": measure_checkpoints(spec, run_dir),
     }
 
 

@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from trainer_core import dcp_storage, storage, training_state
+from trainer_core import dcp_storage, evaluate, storage, training_state
 from trainer_core.attempts import AttemptRecord
 from trainer_core.attempts import read as read_attempts
 from trainer_core.checkpoints import RunDirectory
@@ -147,23 +148,44 @@ def record_matrix_row(case: str, run_dir: RunDirectory, **extra: Any) -> dict[st
     return row
 
 
+def measure_checkpoints(spec: Any, run_dir: RunDirectory) -> dict[int, dict[str, Any]]:
+    """Every committed checkpoint, by step: the metrics its manifest records and those its
+    weights score when evaluated on the driver on the validation split (the oracle the "best"
+    checkpoint is checked against: ``evaluate``, not the ranking rule)."""
+    rows = evaluate.holdout(spec)
+    return {
+        c.step: {"recorded": c.metrics, "measured": evaluate.evaluate(spec, c.uri, rows)}
+        for c in run_dir.scan().committed
+    }
+
+
+def assert_records_what_it_measures(measured: dict[int, dict[str, Any]]) -> None:
+    """A checkpoint records only metrics measured on its own weights: each val_* value in its
+    manifest equals what its weights score (rtol 1e-5)."""
+    for step, m in measured.items():
+        for name, value in m["recorded"].items():
+            if name.startswith("val_"):
+                assert value == pytest.approx(m["measured"][name], rel=1e-5), (step, name)
+
+
+def measured_best(
+    measured: dict[int, dict[str, Any]], metric: str = "val_loss", mode: str = "min"
+) -> int:
+    """The step whose weights score best on ``metric`` among the checkpoints that were
+    validated (recorded a val_* metric), by evaluation."""
+    validated = {s: m["measured"][metric] for s, m in measured.items() if metric in m["recorded"]}
+    assert validated, "no checkpoint was validated"
+    pick = min if mode == "min" else max
+    return pick(validated, key=lambda s: validated[s])
+
+
 def expected_retention(
-    metrics_by_step: dict[int, dict[str, Any]],
-    keep_last: int,
-    keep_best: int,
-    metric: str = "val_loss",
-    mode: str = "min",
+    measured: dict[int, dict[str, Any]], keep_last: int, metric: str = "val_loss", mode: str = "min"
 ) -> tuple[set[int], int]:
-    """What retention must leave of checkpoints committed with these metrics: the steps kept
-    (the newest ``keep_last`` and the best ``keep_best``), and the best step (the metric's
-    argmin, or argmax for ``mode="max"``; the newer one on a tie)."""
-    steps = sorted(metrics_by_step)
-    sign = 1.0 if mode == "min" else -1.0
-    ranked = sorted(
-        (s for s in steps if metric in metrics_by_step[s]),
-        key=lambda s: (sign * metrics_by_step[s][metric], -s),
-    )
-    return set(steps[-keep_last:]) | set(ranked[:keep_best]), ranked[0]
+    """What retention must leave of the checkpoints an uninterrupted run committed (all kept in
+    ``measured``): the newest ``keep_last`` and the best by evaluation, and that best step."""
+    best = measured_best(measured, metric, mode)
+    return set(sorted(measured)[-keep_last:]) | {best}, best
 
 
 def assert_retained(

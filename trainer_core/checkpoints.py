@@ -507,6 +507,17 @@ def merge_metrics(
     return [best[step][1] for step in sorted(best)]
 
 
+def rank_by_metric(
+    committed: Sequence[CheckpointInfo], metric: str, mode: Literal["min", "max"] | str
+) -> list[CheckpointInfo]:
+    """The checkpoints that recorded ``metric``, best first (the newer one on a tie). A
+    checkpoint's manifest holds only what was measured on its own weights: one committed
+    between two validations has no ``val_*`` metric and is not ranked by one."""
+    scored = [c for c in committed if _finite(c.metrics.get(metric))]
+    sign = 1.0 if mode == "min" else -1.0
+    return sorted(scored, key=lambda c: (sign * float(c.metrics[metric]), -c.step))
+
+
 def plan_retention(
     committed: Sequence[CheckpointInfo],
     *,
@@ -535,10 +546,7 @@ def plan_retention(
     else:
         for c in ordered:
             reasons.setdefault(c.name, "last")
-    scored = [c for c in ordered if _finite(c.metrics.get(best_metric))]
-    sign = 1.0 if best_mode == "min" else -1.0
-    scored.sort(key=lambda c: (sign * float(c.metrics[best_metric]), -c.step))
-    for c in scored[:keep_best]:
+    for c in rank_by_metric(ordered, best_metric, best_mode)[:keep_best]:
         reasons.setdefault(c.name, "best")
     protected = set(protected_steps)
     for c in ordered:

@@ -271,9 +271,11 @@ class BuiltinLoop:
             extra = self._evaluate()
             stop = self._should_stop(epoch, extra)
             ddp_model.train()
+        # A validation is followed by a checkpoint of the weights it measured: only those
+        # checkpoints carry val_* metrics, so only they are ranked (keep_best, best exports).
         should_checkpoint = (
             step % self.spec.checkpoint.every == 0
-            or (end_of_epoch and epoch == schedule.epochs - 1)
+            or (end_of_epoch and (epoch == schedule.epochs - 1 or bool(extra)))
             or stop
         )
         at_report = step % self.spec.report.every == 0 or end_of_epoch or should_checkpoint
@@ -418,11 +420,12 @@ class BuiltinLoop:
         ]
         rows[-1].update(extra)
         self.unsaved.extend(rows)
+        # The newest step's metrics alone: a checkpoint's manifest records these, so a
+        # validation's figures never outlive the weights they were measured on.
         self.progress.metrics = {
             "step": rows[-1]["step"],
             "epoch": rows[-1]["epoch"],
             "loss": rows[-1]["loss"],
-            **{k: v for k, v in self.progress.metrics.items() if k.startswith("val_")},
             **extra,
         }
         started = time.perf_counter()

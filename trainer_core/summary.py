@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from trainer_core import exports, mlflow_log, tensorboard_log
 from trainer_core.attempts import AttemptRecord
 from trainer_core.attempts import read as read_attempts
-from trainer_core.checkpoints import SCHEMA_VERSION, CheckpointInfo, RunDirectory
+from trainer_core.checkpoints import SCHEMA_VERSION, CheckpointInfo, RunDirectory, rank_by_metric
 from trainer_core.errors import CheckpointCorruptError
 from trainer_core.spec import RunSpec
 from trainer_core.storage import walk_files
@@ -179,11 +179,12 @@ def _restart(record: dict[str, Any]) -> InPlaceRestart:
 def best_checkpoint(
     committed: Sequence[CheckpointInfo], metric: str, mode: str
 ) -> CheckpointInfo | None:
-    scored = [c for c in committed if _finite(c.metrics.get(metric))]
-    if not scored:
-        return committed[-1] if committed else None
-    sign = 1.0 if mode == "min" else -1.0
-    return min(scored, key=lambda c: (sign * float(c.metrics[metric]), -c.step))
+    """The best checkpoint by ``metric`` (``rank_by_metric``); the newest when none recorded
+    it."""
+    ranked = rank_by_metric(committed, metric, mode)
+    if ranked:
+        return ranked[0]
+    return committed[-1] if committed else None
 
 
 def epoch_table(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,12 +20,14 @@ from flows.pytest_plugin import tiny_spec_dict, with_fault
 from flows.training import training
 from tests.prefect_api import artifacts, task_runs
 from tests.recovery import (
+    assert_records_what_it_measures,
     assert_recovered,
     assert_retained,
     assert_same_tensors,
     expected_retention,
     final_state,
     losses,
+    measure_checkpoints,
     record_matrix_row,
     run_dir_of,
 )
@@ -87,24 +89,34 @@ def test_happy_path_tasks_artifacts_and_result(happy):
         assert client.read_flow_run(flow_run_id).name == "flow-happy"
 
 
-def test_retention_keeps_the_newest_and_the_metrics_best(happy, uninterrupted):
+def test_retention_keeps_the_newest_and_the_measured_best(happy, uninterrupted):
     """On the run's real directory: keep_last 2 + keep_best 1 by val_loss (min) left exactly
-    those, and the best checkpoint is val_loss's argmin over every checkpoint committed."""
+    those, and the best checkpoint is the one whose weights score the lowest val_loss when
+    evaluated (the uninterrupted run kept every checkpoint of the same weights)."""
     spec, state, _ = happy
-    kept, best = expected_retention(uninterrupted["checkpoint_metrics"], keep_last=2, keep_best=1)
+    kept, best = expected_retention(uninterrupted["checkpoints"], keep_last=2)
     assert_retained(run_dir_of(spec), state.result().best_checkpoint_uri, kept, best)
 
 
-def test_retention_keeps_a_best_checkpoint_older_than_the_last(uninterrupted, tmp_path):
-    """keep_last 1 + keep_best 1 by val_loss (max): the best is not the newest, and survives."""
+def test_the_best_checkpoint_is_the_one_its_metric_was_measured_on(uninterrupted, tmp_path):
+    """checkpoint.every 10 does not divide the 13-step epoch. Every checkpoint records only
+    what its own weights score, evaluated on the driver; the one called best (keep_best 1 by
+    val_loss, max) scores its recorded value, no validated checkpoint of the same weights
+    scores better, and it survives keep_last 1 though it is not the newest."""
     policy = {"keep_last": 1, "keep_best": 1, "best_metric": "val_loss", "best_mode": "max"}
     spec = build_spec(tiny_spec_dict(tmp_path, "flow-keep", checkpoint=policy))
     result = training(spec)
-    kept, best = expected_retention(
-        uninterrupted["checkpoint_metrics"], keep_last=1, keep_best=1, mode="max"
+    run_dir = run_dir_of(spec)
+    measured = measure_checkpoints(spec, run_dir)
+    assert_records_what_it_measures(measured)
+    best = {c.uri: c for c in run_dir.scan().committed}[result.best_checkpoint_uri]
+    assert result.best_metrics["val_loss"] == pytest.approx(
+        measured[best.step]["measured"]["val_loss"], rel=1e-5
     )
-    assert len(kept) == 2 and best != max(kept)  # the best is not among the last
-    assert_retained(run_dir_of(spec), result.best_checkpoint_uri, kept, best)
+    assert_records_what_it_measures(uninterrupted["checkpoints"])
+    kept, expected_best = expected_retention(uninterrupted["checkpoints"], keep_last=1, mode="max")
+    assert best.step == expected_best and expected_best != max(kept)
+    assert_retained(run_dir, result.best_checkpoint_uri, kept, expected_best)
 
 
 def test_finished_run_returns_stored_result_unless_more_epochs(happy):

@@ -69,7 +69,7 @@ def test_run_on_gcs_is_exact_and_lives_on_the_server(gcs_runs, uninterrupted, gc
     run_dir = run_dir_of(spec)
     assert_same_tensors(final_state(run_dir), uninterrupted["state"])
     assert losses(run_dir) == uninterrupted["losses"]
-    kept, best = expected_retention(uninterrupted["checkpoint_metrics"], keep_last=2, keep_best=1)
+    kept, best = expected_retention(uninterrupted["checkpoints"], keep_last=2)
     assert_retained(run_dir, result.best_checkpoint_uri, kept, best)
     # Read back from the server itself, over its JSON API.
     names = gcs.objects(f"runs-{kind}/{kind}/")

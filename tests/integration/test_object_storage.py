@@ -111,7 +111,7 @@ def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, uninterrupted, s3, kind):
     events = [k for k in keys if k.split("/")[2].startswith("events.out.tfevents.")]
     assert len(events) == 1 and events[0].endswith(".relaytrain") and keys[events[0]]
     # Retention on the server: the newest 2 and val_loss's argmin, nothing else.
-    kept, best = expected_retention(uninterrupted["checkpoint_metrics"], keep_last=2, keep_best=1)
+    kept, best = expected_retention(uninterrupted["checkpoints"], keep_last=2)
     assert_retained(run_dir, result.best_checkpoint_uri, kept, best)
     names = {k.split("/")[2] for k in keys if k.split("/")[2].startswith("checkpoint-")}
     assert names == {f"checkpoint-{step:09d}" for step in kept}
