@@ -35,7 +35,11 @@ def _registry(spec: RunSpec, model_name: str) -> Registry:
 
 @task(name="load-champion", cache_policy=NO_CACHE)
 def load_champion(spec: RunSpec, model_name: str) -> tuple[Champion | None, bool]:
-    """The current champion, and whether its weights can warm-start this spec's model."""
+    """The current champion, and whether its weights can warm-start this spec's model.
+
+    First, a spec whose data holds no rows out is refused: the comparison after training would
+    have nothing to compare on."""
+    evaluate.check_holdout(spec)
     logger = get_run_logger()
     champion = _registry(spec, model_name).champion()
     if champion is None:

@@ -17,14 +17,35 @@ from trainer_core.exports import read_model_weights
 from trainer_core.spec import RunSpec
 
 
-def holdout(spec: RunSpec) -> data_mod.Arrays:
-    """The validation rows of the spec's data (at least a tenth of them): the same rows for
-    every model evaluated, and the rows the loop validates on."""
+def check_holdout(spec: RunSpec) -> None:
+    """SpecError unless the spec holds rows out for validation: a comparison of models needs
+    rows that none of them trained on."""
     assert spec.data is not None
-    fraction = max(spec.data.validation_fraction, 0.1)
-    data = spec.data.resolved().model_copy(update={"validation_fraction": fraction})
-    rows = stream.RankStream(stream.scan(data), data, spec.run.seed, 1, 0)
-    parts = list(rows.validation())
+    if spec.data.validation_fraction == 0:
+        raise SpecError(
+            "data.validation_fraction is 0: the loop holds out no rows, and comparing a "
+            "challenger with the champion needs rows neither trained on. Set "
+            "data.validation_fraction above 0 (e.g. 0.1)",
+            field="data.validation_fraction",
+        )
+
+
+def holdout(spec: RunSpec) -> data_mod.Arrays:
+    """The rows the loop validates on (``data.validation_fraction`` of them, by row id): the
+    same rows for every model evaluated, none of them trained on (SpecError if there are
+    none)."""
+    assert spec.data is not None
+    check_holdout(spec)
+    data = spec.data.resolved()
+    layout = stream.scan(data)
+    parts = list(stream.RankStream(layout, data, spec.run.seed, 1, 0).validation())
+    if not parts:
+        raise SpecError(
+            f"data.validation_fraction {data.validation_fraction} holds out none of the "
+            f"{layout.num_rows} rows of {layout.uri}, and comparing a challenger with the "
+            "champion needs rows neither trained on: raise data.validation_fraction",
+            field="data.validation_fraction",
+        )
     return data_mod.Arrays(
         np.concatenate([p.features for p in parts]), np.concatenate([p.labels for p in parts])
     )
