@@ -9,6 +9,8 @@ it replays exactly the batches an uninterrupted run would have trained, on any n
 from __future__ import annotations
 
 import importlib.resources
+import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +21,12 @@ from trainer_core.spec import DataSection
 
 #: The synthetic regression set does not depend on the run's seed: one dataset for every run.
 SYNTHETIC_DATA_SEED = 20240607
+
+#: The key of a Parquet file's key-value metadata that says how the loop scales the file's
+#: features: JSON ``{"schema": 1, "scale": s, "offset": o}`` (by default 1 and 0), and the loop
+#: trains on ``(x - offset) * scale``. Scaling follows the file, whatever name or path it is given
+#: by: the bundled digits file records ``"scale": 0.0625`` (its pixels 0..16 become 0..1).
+FEATURE_SCALING_KEY = "relaytrain.features"
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,36 @@ def check_column_types(schema: pa.Schema, data: DataSection, uri: str) -> None:
             )
 
 
+def feature_scaling(schema: pa.Schema) -> tuple[float, float]:
+    """The ``(offset, scale)`` a file's metadata records under ``FEATURE_SCALING_KEY``
+    (``(0.0, 1.0)`` without it); SpecError naming the key when it holds something else."""
+    raw = (schema.metadata or {}).get(FEATURE_SCALING_KEY.encode())
+    if raw is None:
+        return 0.0, 1.0
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and value.get("schema") == 1 and set(value) <= _SCALING_FIELDS:
+        offset, scale = value.get("offset", 0.0), value.get("scale", 1.0)
+        if _is_finite(offset) and _is_finite(scale) and scale != 0:
+            return float(offset), float(scale)
+    raise SpecError(
+        f"the Parquet metadata {FEATURE_SCALING_KEY!r} of data.dataset is "
+        f"{raw.decode(errors='replace')!r}: write JSON "
+        '{"schema": 1, "scale": S, "offset": O} (finite numbers, S not 0; scale and offset '
+        "optional) or remove the key",
+        field="data.dataset",
+    )
+
+
+_SCALING_FIELDS = {"schema", "scale", "offset"}
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _features_matrix(table: pa.Table, features: str | list[str]) -> np.ndarray:
     if isinstance(features, str):
         column = table.column(features).combine_chunks()
@@ -141,8 +179,11 @@ def table_arrays(table: pa.Table, data: DataSection) -> Arrays:
     """The features and labels of a table holding ``data``'s (resolved) columns."""
     assert data.features is not None and data.label is not None
     features = _features_matrix(table, data.features)
-    if data.dataset == "digits":
-        features = features / 16.0
+    offset, scale = feature_scaling(table.schema)
+    if offset:
+        features = features - np.float32(offset)
+    if scale != 1.0:
+        features = features * np.float32(scale)
     label_column = table.column(data.label)
     if label_column.null_count:
         raise SpecError(f"data.label column {data.label!r} has null values", field="data.label")

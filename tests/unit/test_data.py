@@ -1,3 +1,7 @@
+import json
+import shutil
+from itertools import islice
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -88,3 +92,83 @@ def test_no_sample_is_left_out_of_every_epoch_even_in_one_row_group():
         assert len(set(rows.tolist())) == 100
         trained.update(rows.tolist())
     assert trained == set(range(103))
+
+
+def rank_batches(section: DataSection, world_size: int, rank: int, count: int) -> list:
+    """What the loop's stream gives ``rank``: its first ``count`` batches of epoch 0 (row ids,
+    features, labels), then its validation rows."""
+    rank_stream = stream.RankStream(stream.scan(section), section, 0, world_size, rank)
+    epoch = rank_stream.epoch(0)
+    try:
+        batches = [(ids, rows.features, rows.labels) for _, ids, rows in islice(epoch, count)]
+    finally:
+        epoch.close()
+    validation = list(rank_stream.validation())
+    features = np.concatenate([part.features for part in validation])
+    return [*batches, ("validation", features, np.concatenate([p.labels for p in validation]))]
+
+
+def test_digits_by_name_and_the_same_file_by_path_train_the_same(tmp_path):
+    """Feature scaling follows the data: the bundled digits file, named or given by its path
+    (a copy elsewhere), gives the loop the same batches, its pixels (0..16) scaled to 0..1."""
+    copy = tmp_path / "my-digits.parquet"
+    shutil.copyfile(data.digits_uri(), copy)
+    by_name = DataSection(dataset="digits", batch_size=64)
+    by_path = DataSection(
+        dataset=str(copy), features="pixels", label="label", task="classification", batch_size=64
+    )
+    raw = pq.read_table(copy)  # the file as any Parquet reader sees it: pixels 0..16
+    pixels = np.stack(raw.column("pixels").to_numpy(zero_copy_only=False)).astype(np.float32)
+    assert pixels.max() == 16.0
+    for rank in range(2):
+        named = rank_batches(by_name, 2, rank, count=5)
+        pathed = rank_batches(by_path, 2, rank, count=5)
+        for (ids, features, labels), (path_ids, path_features, path_labels) in zip(
+            named, pathed, strict=True
+        ):
+            assert np.array_equal(features, path_features)
+            assert np.array_equal(labels, path_labels)
+            if not isinstance(ids, str):
+                assert np.array_equal(ids, path_ids)
+                assert np.array_equal(features, pixels[ids] / 16)
+        assert named[-1][1].max() == 1.0 and named[-1][1].min() == 0.0
+
+
+def scaling_file(path, metadata: dict | None) -> DataSection:
+    table = pa.table({"x": pa.array([[2.0, 4.0], [6.0, 10.0]], pa.list_(pa.float32(), 2))})
+    table = table.append_column("y", pa.array([0, 1]))
+    if metadata is not None:
+        table = table.replace_schema_metadata({data.FEATURE_SCALING_KEY: json.dumps(metadata)})
+    pq.write_table(table, path)
+    return DataSection(dataset=str(path), features="x", label="y", task="classification")
+
+
+def read_features(section: DataSection) -> list[list[float]]:
+    return stream.Reader(stream.scan(section), section, seed=0).read(0).features.tolist()
+
+
+def test_a_file_records_how_its_features_scale(tmp_path):
+    assert read_features(scaling_file(tmp_path / "plain.parquet", None)) == [[2, 4], [6, 10]]
+    scaled = scaling_file(tmp_path / "s.parquet", {"schema": 1, "scale": 0.5, "offset": 2})
+    assert read_features(scaled) == [[0, 1], [2, 4]]  # (x - 2) * 0.5
+    only_scale = scaling_file(tmp_path / "t.parquet", {"schema": 1, "scale": 0.25})
+    assert read_features(only_scale) == [[0.5, 1], [1.5, 2.5]]
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"scale": 0.5},  # no schema version
+        {"schema": 2, "scale": 0.5},
+        {"schema": 1, "scale": 0},
+        {"schema": 1, "scale": "1/16"},
+        {"schema": 1, "offset": float("nan")},
+        {"schema": 1, "shift": 1},
+        [1, 2],
+    ],
+)
+def test_a_scaling_the_loop_cannot_apply_names_the_key_and_the_fix(tmp_path, metadata):
+    section = scaling_file(tmp_path / "bad.parquet", metadata)
+    with pytest.raises(SpecError, match=r"'relaytrain\.features' of data\.dataset .*remove") as e:
+        read_features(section)
+    assert e.value.field == "data.dataset"
