@@ -44,7 +44,8 @@ def test_reference_run_is_complete(reference):
     assert reference["result"].steps_completed == 39  # 3 epochs x 13 batches per rank
     assert "val_loss" in reference["result"].final_metrics
     timings = reference["result"].timings
-    assert timings["num_steps"] == 39 and timings["num_checkpoints"] == 4
+    # every 10 steps, after each validation (13, 26) and at the end: 10 13 20 26 30 39
+    assert timings["num_steps"] == 39 and timings["num_checkpoints"] == 6
 
 
 def test_golden_exact_resume_after_raise(reference, tmp_path):
@@ -60,9 +61,9 @@ def test_golden_exact_resume_after_raise(reference, tmp_path):
     with pytest.raises(TrainingCodeError) as failure:
         run_attempt(spec)
     assert failure.value.step == 17 and failure.value.error_type == "InjectedFault"
-    at_10 = run_dir_of(spec).scan().newest
+    newest = run_dir_of(spec).scan().newest
     second = run_attempt(spec)
-    assert second.attempt == 2 and second.resumed_from_step == 10
+    assert second.attempt == 2 and second.resumed_from_step == 13
     run_dir = run_dir_of(spec)
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]
@@ -70,10 +71,10 @@ def test_golden_exact_resume_after_raise(reference, tmp_path):
     assert [a["status"] for a in attempts] == ["failed", "completed"]
     assert attempts[0]["error_class"] == "TrainingCodeError" and attempts[0]["error_step"] == 17
     assert attempts[0]["restarts"] == []
-    assert attempts[1]["resumed_from_step"] == 10
+    assert attempts[1]["resumed_from_step"] == 13
     # Rank 0's model and optimizer and the schedule are read once for the node's 2 ranks (and
     # handed on), each RNG state by its own rank: every file once.
-    assert attempts[1]["restore"]["bytes_read"] == sum(e["size"] for e in at_10.files.values())
+    assert attempts[1]["restore"]["bytes_read"] == sum(e["size"] for e in newest.files.values())
     # Each attempt's world size and its workers' peak memory (every rank's, max-reduced at
     # each checkpoint: the failed attempt's as of step 10). A Ray worker with torch: > 100 MB.
     assert [a["world_size"] for a in attempts] == [2, 2]
@@ -126,9 +127,9 @@ def test_corrupt_newest_checkpoint_falls_back(reference, tmp_path):
     events = []
     second = run_attempt(spec, on_event=events.append)
     resumed = next(e for e in events if e["kind"] == "resumed")
-    assert resumed["step"] == 10
+    assert resumed["step"] == 13
     assert [s["step"] for s in resumed["skipped"]] == [20]
-    assert second.resumed_from_step == 10
+    assert second.resumed_from_step == 13
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]
 
@@ -312,7 +313,7 @@ def test_mixed_precision_resumes_exactly(reference, tmp_path, precision):
     )
     with pytest.raises(TrainingCodeError):
         run_attempt(spec)
-    assert run_attempt(spec).resumed_from_step == 10
+    assert run_attempt(spec).resumed_from_step == 13
     whole, resumed = run_dir_of(uninterrupted), run_dir_of(spec)
     assert_same_tensors(final_state(resumed), final_state(whole))
     assert losses(resumed) == losses(whole)
@@ -325,7 +326,8 @@ def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tm
     """Two global batches of 16 per optimizer step (DDP all-reduces once per step), gradients
     clipped, a Huber loss and two validation metrics of the user's own. The cursor counts
     optimizer steps, so a checkpoint never holds half a step: the run interrupted at step 17
-    resumes from step 10 and ends bit-identical to the uninterrupted one."""
+    resumes from step 13 (epoch 0's validated checkpoint) and ends bit-identical to the
+    uninterrupted one."""
     essentials = {
         "data": {"batch_size": 16},
         "optimizer": {"grad_accumulation": 2, "clip_grad_norm": 0.5},
@@ -347,7 +349,7 @@ def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tm
     )
     with pytest.raises(TrainingCodeError):
         run_attempt(spec)
-    assert run_attempt(spec).resumed_from_step == 10
+    assert run_attempt(spec).resumed_from_step == 13
     whole_dir, resumed_dir = run_dir_of(whole_spec), run_dir_of(spec)
     final = final_state(resumed_dir)
     assert_same_tensors(final, final_state(whole_dir))

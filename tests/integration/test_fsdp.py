@@ -42,7 +42,7 @@ def test_fsdp_resumes_exactly_and_consumers_read_its_checkpoint(uninterrupted, t
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "scheduler.pt"} <= set(newest.files)
     assert not {"model.pt", "optimizer.pt"} & set(newest.files)
     second = run_attempt(spec)
-    assert second.resumed_from_step == 10
+    assert second.resumed_from_step == 13
     # Each file read once for the node's 2 ranks (rank 0's shard file also holds what DCP saved
     # once for both, so rank 1 needs part of it too: handed on, not read again), but DCP's
     # .metadata, which every rank reads itself.
@@ -89,9 +89,9 @@ def test_corrupt_dcp_shard_falls_back_to_the_older_checkpoint(uninterrupted, tmp
     events: list[dict] = []
     second = run_attempt(spec, on_event=events.append)
     resumed = next(e for e in events if e["kind"] == "resumed")
-    assert resumed["step"] == 10 and [s["step"] for s in resumed["skipped"]] == [20]
+    assert resumed["step"] == 13 and [s["step"] for s in resumed["skipped"]] == [20]
     assert "__1_0.distcp" in resumed["skipped"][0]["reason"]
-    assert second.resumed_from_step == 10
+    assert second.resumed_from_step == 13
     assert_same_tensors(final_state(run_dir), uninterrupted["state"])
     assert losses(run_dir) == uninterrupted["losses"]
 

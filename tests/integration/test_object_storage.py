@@ -314,7 +314,7 @@ def test_fault5_s3_outage_during_checkpoint_upload(uninterrupted, relaytrain_pre
         assert failed["error_class"] == "StorageUnavailableError", failed
         assert failed["error_budget"] == "infrastructure"
         assert "resuming" in failed["retry_decision"]
-        assert attempts[1]["resumed_from_step"] == 10  # step 20 never committed in attempt 1
+        assert attempts[1]["resumed_from_step"] == 13  # step 20 never committed in attempt 1
         assert all(c.manifest["attempt"] == 2 for c in scan.committed if c.step >= 20), scan
         assert runs["train"].run_count == 2
         outcome = "attempt failed, resumed"
@@ -341,7 +341,7 @@ def _assert_nothing_lost(run_dir: RunDirectory, committed_steps: list[int]) -> N
 
 def test_fault7_s3_write_denied_mid_run(uninterrupted, relaytrain_prefect, s3):
     """An IAM policy denies writing step 20's checkpoint: a clear, non-retried StorageError;
-    step 10 intact; once access is granted again, the same run resumes and ends exact."""
+    steps 10 and 13 intact; once access is granted again, the same run resumes and ends exact."""
     uri = s3.uri("fault7")
     spec = build_spec(tiny_raw(uri, "f7-denied"))
     run_dir = run_dir_of(spec)
@@ -356,7 +356,7 @@ def test_fault7_s3_write_denied_mid_run(uninterrupted, relaytrain_prefect, s3):
     attempts = run_dir.read_attempts()
     assert attempts[-1]["error_class"] == "StorageAccessError"
     assert "not retryable" in attempts[-1]["retry_decision"]
-    _assert_nothing_lost(run_dir, [10])
+    _assert_nothing_lost(run_dir, [10, 13])  # 13: epoch 0's validation
     again = training(spec, return_state=True)  # access granted again: resume, exactly
     assert again.is_completed(), again.result(raise_on_failure=False)
     assert_recovered(run_dir, uninterrupted, interval=10, committed_before=10, write_lost=True)
@@ -410,14 +410,14 @@ def _fill_after_commit(run_dir: RunDirectory, root: Path, step: int) -> threadin
 
 
 def test_fault7_storage_full_mid_run(uninterrupted, relaytrain_prefect, tmp_path):
-    """The disk fills up after step 10 is committed: a clear, non-retried StorageFullError;
-    step 10 intact, no partial checkpoint counted; after freeing space the run resumes."""
+    """The disk fills up after step 13 is committed: a clear, non-retried StorageFullError;
+    steps 10 and 13 intact, no partial checkpoint counted; after freeing space the run resumes."""
     with tmpfs(tmp_path / "small", "8m") as root:
         slow = {"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16, 16], "dropout": 0.1}}
         slow["kwargs"]["delay_s"] = 0.05  # ~1 s between commits: room to fill the disk
         spec = build_spec(tiny_raw(root, "f7-full", model=slow))
         run_dir = run_dir_of(spec)
-        watcher = _fill_after_commit(run_dir, root, 10)
+        watcher = _fill_after_commit(run_dir, root, 13)  # epoch 0's validated checkpoint
         state = training(spec, return_state=True)
         watcher.join(5)
         assert state.is_failed()
@@ -425,7 +425,7 @@ def test_fault7_storage_full_mid_run(uninterrupted, relaytrain_prefect, tmp_path
         assert isinstance(error, StorageFullError), error
         assert str(root) in str(error) and "run.storage" in str(error)
         assert task_runs(state.state_details.flow_run_id)["train"].run_count == 1
-        _assert_nothing_lost(run_dir, [10])
+        _assert_nothing_lost(run_dir, [10, 13])
         (root / "filler.bin").unlink()
         again = training(spec, return_state=True)
         assert again.is_completed(), again.result(raise_on_failure=False)

@@ -90,5 +90,5 @@ def test_rerunning_a_failed_night_resumes_that_nights_run(
     assert rerun.training.run_name == "flaky-20260304-0200"  # that night's run, not a new one
     first, second = rerun.training.attempts
     assert (first.status, first.error_class) == ("failed", "TrainingCodeError")
-    assert second.status == "completed" and second.resumed_from_step == 10
+    assert second.status == "completed" and second.resumed_from_step == 13
     assert rerun.training.steps_completed == 39 and rerun.comparison.promoted
