@@ -91,6 +91,14 @@ class ProgressRelay:
                 event["wait_s"],
                 event["since_s"],
             )
+        if kind == "dataset_added":
+            self.logger.info(
+                "%s file(s) added to %s since this run took its dataset snapshot are ignored "
+                "(a new run.name trains on them): %s",
+                len(event["files"]),
+                event["uri"],
+                ", ".join(event["files"][:5]) + (" ..." if len(event["files"]) > 5 else ""),
+            )
         if kind == "resumed":
             skipped = event.get("skipped") or []
             note = f" (skipped unusable {[s['step'] for s in skipped]})" if skipped else ""
@@ -131,10 +139,13 @@ class ProgressRelay:
         self.logger.info("epoch %s%s (step %s): %s", row["epoch"] + 1, of, row["step"], shown)
 
 
-def _decide(spec: RunSpec, run_dir: RunDirectory, error: RelaytrainError) -> RetryDecision:
-    """Decide retry-or-stop from the attempt the engine just recorded; record the verdict."""
+def _decide(
+    spec: RunSpec, run_dir: RunDirectory, error: RelaytrainError, number: int
+) -> RetryDecision:
+    """Decide retry-or-stop from attempt ``number``, which the engine just recorded (or
+    failed before recording: a preflight check); record the verdict."""
     records = attempts.read(run_dir)
-    if not records or records[-1].status != "failed":  # failed before it was recorded
+    if not records or records[-1].attempt < number or records[-1].status != "failed":
         failure = attempts.AttemptRecord(
             attempt=attempts.next_number(records),
             status="failed",
@@ -158,6 +169,7 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
     if tracker is not None:
         tracker.attempt_started()
     progress = ProgressRelay(spec, prepared, tracker)
+    number = attempts.next_number(attempts.read(run_dir))  # the attempt this one records
     with lease.LeaseKeeper(run_dir.location, held):
         try:
             if jobs.job_address(spec):  # a remote cluster: the attempt runs as a Ray job
@@ -166,7 +178,7 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
                 result = engine.run_attempt(spec, on_event=progress)
             progress.publish()
         except RelaytrainError as error:
-            decision = _decide(spec, run_dir, error)
+            decision = _decide(spec, run_dir, error, number)
             progress.publish()
             tensorboard_log.write_quietly(run_dir)  # what the attempt committed, before a retry
             if tracker is not None:

@@ -36,6 +36,8 @@ from trainer_core.storage import Location
 
 SCHEMA_VERSION = 1
 RUN_FILE = "run.json"
+#: The run's pinned dataset snapshot (trainer_core.dataset_snapshot).
+DATASET_FILE = "dataset.json"
 ATTEMPTS_FILE = "attempts.jsonl"
 SUMMARY_FILE = "summary.json"
 CURVE_FILE = "loss_curve.png"
@@ -192,17 +194,33 @@ class RunDirectory:
         identity: dict[str, Any],
         fingerprint: str,
         versions: dict[str, str],
+        dataset: str | None = None,
     ) -> None:
+        """``dataset``: the fingerprint of the dataset snapshot the run trains on."""
         self.location.child(RUN_FILE).write_json(
             {
                 "schema": SCHEMA_VERSION,
                 "spec": spec_json,
                 "fingerprint": fingerprint,
                 "identity": identity,
+                "dataset": dataset,
                 "versions": versions,
                 "created_at": time.time(),
             }
         )
+
+    # -- dataset.json --------------------------------------------------------------------------
+
+    def read_dataset_snapshot(self) -> dict[str, Any] | None:
+        record = self.location.child(DATASET_FILE)
+        if not record.exists():
+            return None
+        data = record.read_json()
+        _check_schema(data, record.uri)
+        return data
+
+    def write_dataset_snapshot(self, snapshot: dict[str, Any]) -> None:
+        self.location.child(DATASET_FILE).write_json(snapshot)
 
     def check_compatible(self, identity: dict[str, Any], fingerprint: str) -> None:
         """Refuse to continue a run whose checkpoints were written by an incompatible spec."""

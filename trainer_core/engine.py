@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow
 import torch
 
-from trainer_core import __version__, attempts, storage, stream, workloads
+from trainer_core import __version__, attempts, dataset_snapshot, storage, stream, workloads
 from trainer_core import data as data_mod
 from trainer_core.checkpoints import RunDirectory, Scan, open_checkpoint
 from trainer_core.errors import IncompatibleRunError, SpecError
@@ -48,6 +48,9 @@ class Plan:
     resume_step: int | None
     candidates: list[int]
     reason: str
+    #: The dataset snapshot the workers read (``PinnedDataset.for_workers``; None: generated
+    #: data or a user's own loop).
+    dataset: dict[str, Any] | None = None
 
 
 def versions() -> dict[str, str]:
@@ -66,9 +69,48 @@ def canonical_storage_uri(uri: str) -> str:
     return location.path if location.is_local else uri
 
 
-def validate_workload(spec: RunSpec) -> int | None:
-    """Import what the spec names, read the dataset and build the model: SpecError before any
-    worker starts. Returns the run's total optimizer steps (None for a user's own loop)."""
+@dataclass(frozen=True)
+class PinnedDataset:
+    """The dataset an attempt trains on: the run's snapshot (taken now on the first attempt,
+    else read from the run directory and verified), what it holds, and the files added to
+    the dataset since the snapshot (ignored)."""
+
+    layout: stream.Layout
+    info: data_mod.DatasetInfo
+    record: dict[str, Any] | None
+    added: list[str]
+
+    def for_workers(self) -> dict[str, Any] | None:
+        """What every rank builds its stream from, with no listing or footer read of its own."""
+        if self.record is None:
+            return None
+        return {"snapshot": self.record, "info": asdict(self.info)}
+
+
+def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDataset | None:
+    """The built-in loop's dataset as this attempt must read it: the snapshot ``run_dir``
+    records, checked against the files (SpecError naming a file that changed or vanished), or
+    a new scan when the run has none (its first attempt). None for a user's own loop."""
+    if spec.train_loop is not None:
+        return None
+    assert spec.data is not None
+    data = spec.data.resolved()
+    stored = run_dir.read_dataset_snapshot() if run_dir is not None else None
+    location = None if data.dataset == "synthetic" else stream.dataset_location(data)
+    added: list[str] = []
+    if stored is not None and location is not None and stored["uri"] == location.uri:
+        layout = dataset_snapshot.from_json(stored)
+        added = dataset_snapshot.verify(layout, data).added
+    else:
+        layout = stream.scan(data)  # footers only
+    record = dataset_snapshot.to_json(layout) if layout.files else None
+    return PinnedDataset(layout, stream.describe(layout, data), record, added)
+
+
+def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int | None:
+    """Import what the spec names, read the dataset (``pinned``, else a scan now) and build
+    the model: SpecError before any worker starts. Returns the run's total optimizer steps
+    (None for a user's own loop)."""
     if spec.train_loop is not None:
         workloads.resolve_train_loop(spec.train_loop)
         for name, uri in spec.datasets.items():  # footers only: the files are Parquet
@@ -76,8 +118,9 @@ def validate_workload(spec: RunSpec) -> int | None:
         return None
     assert spec.model is not None and spec.data is not None and spec.schedule is not None
     data = spec.data.resolved()
-    layout = stream.scan(data)  # footers only
-    info = stream.describe(layout, data)
+    pinned = pinned or pin_dataset(spec)
+    assert pinned is not None
+    layout, info = pinned.layout, pinned.info
     one = stream.RankStream(layout, data, spec.run.seed, 1, 0)  # row ids only: no rows read
     if one.batches_per_epoch == 0:
         raise SpecError(
@@ -308,8 +351,13 @@ def run_attempt(
 ) -> AttemptResult:
     """Run one attempt of ``spec`` (resuming if the run has committed checkpoints)."""
     started = time.time()
-    validate_workload(spec)
     plan, run_dir = plan_attempt(spec, attempt)
+    pinned = pin_dataset(spec, run_dir)
+    validate_workload(spec, pinned)
+    if pinned is not None:
+        plan = dataclasses.replace(plan, dataset=pinned.for_workers())
+        if pinned.added and on_event is not None:
+            on_event({"kind": "dataset_added", "files": pinned.added, "uri": pinned.layout.uri})
     with cluster.ray_cluster():
         cluster.check_capacity(spec)
         reclaimed_before = cluster.preempted_nodes()
@@ -343,11 +391,19 @@ def run_attempt(
 
 
 def _prepare_run_directory(spec: RunSpec, run_dir: RunDirectory, plan: Plan) -> None:
-    """The run record on the first attempt; earlier attempts that ended without a word closed;
-    checkpoint directories no attempt committed removed (before any worker starts)."""
+    """The dataset snapshot and the run record on the first attempt (in that order: the run
+    record names the snapshot's fingerprint); earlier attempts that ended without a word
+    closed; checkpoint directories no attempt committed removed (before any worker starts)."""
+    snapshot = plan.dataset["snapshot"] if plan.dataset else None
+    if snapshot is not None and run_dir.read_dataset_snapshot() is None:
+        run_dir.write_dataset_snapshot(snapshot)
     if run_dir.read_run_record() is None:
         run_dir.write_run_record(
-            spec.model_dump(mode="json"), spec.identity(), spec.fingerprint(), versions()
+            spec.model_dump(mode="json"),
+            spec.identity(),
+            spec.fingerprint(),
+            versions(),
+            dataset=snapshot["fingerprint"] if snapshot else None,
         )
     attempts.close_abandoned(run_dir, plan.attempt)
     _clean_orphans(run_dir)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_core import data as data_mod
-from trainer_core import stream, training_state, workloads
+from trainer_core import dataset_snapshot, stream, training_state, workloads
 from trainer_core.checkpoint_manager import CheckpointManager, TrainingState
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.errors import InfrastructureError, RelaytrainError, TrainingCodeError
@@ -77,8 +77,13 @@ class BuiltinLoop:
         self.relay = Relay(config.relay, self.rank)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.data_spec = self.spec.data.resolved()
-        layout = stream.scan(self.data_spec)
-        info = stream.describe(layout, self.data_spec)
+        # The run's dataset snapshot, as the driver pinned it: no rank lists the dataset.
+        if config.dataset is not None:
+            layout = dataset_snapshot.from_json(config.dataset["snapshot"])
+            info = data_mod.DatasetInfo(**config.dataset["info"])
+        else:  # generated data
+            layout = stream.scan(self.data_spec)
+            info = stream.describe(layout, self.data_spec)
         #: This rank's slice of every global batch, and its share of the validation rows.
         self.data = stream.RankStream(
             layout, self.data_spec, self.spec.run.seed, self.world_size, self.rank

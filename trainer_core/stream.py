@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
 import posixpath
 import queue
 import threading
@@ -47,6 +48,18 @@ class RowGroup:
 
 
 @dataclass(frozen=True)
+class DataFile:
+    """One Parquet file as a scan found it: its size, modification time (ns, when the
+    filesystem gives one) and a digest of its footer, which names every row group, column
+    chunk and their statistics: a file rewritten in place has another."""
+
+    path: str
+    size: int
+    mtime_ns: int | None
+    footer: str
+
+
+@dataclass(frozen=True)
 class Layout:
     """What a dataset holds, from its Parquet footers alone (or, for the generated
     ``synthetic`` set, the table itself, cut into row groups of ``MEMORY_ROW_GROUP`` rows)."""
@@ -56,15 +69,26 @@ class Layout:
     row_groups: tuple[RowGroup, ...]
     schema: pa.Schema
     table: pa.Table | None = None
+    #: The files, in name order (none for a generated set).
+    files: tuple[DataFile, ...] = ()
 
     @property
     def num_rows(self) -> int:
         return sum(g.rows for g in self.row_groups)
 
+    def file_size(self, path: str) -> int | None:
+        return next((f.size for f in self.files if f.path == path), None)
+
 
 def columns_of(data: DataSection) -> list[str]:
     features = [data.features] if isinstance(data.features, str) else list(data.features or [])
     return [*features, *([data.label] if data.label else [])]
+
+
+def dataset_location(data: DataSection) -> storage.Location:
+    """Where ``data.dataset``'s files are (the built-in digits: the file shipped with
+    relaytrain)."""
+    return storage.resolve(data_mod.digits_uri() if data.dataset == "digits" else data.dataset)
 
 
 def scan(data: DataSection) -> Layout:
@@ -74,11 +98,10 @@ def scan(data: DataSection) -> Layout:
     data = data.resolved()
     if data.dataset == "synthetic":
         return _synthetic_layout(data)
-    uri = data_mod.digits_uri() if data.dataset == "digits" else data.dataset
-    location = storage.resolve(uri)
-    row_groups, schema = scan_files(location, columns_of(data), data.label, "data.dataset")
+    location = dataset_location(data)
+    row_groups, schema, files = scan_files(location, columns_of(data), data.label, "data.dataset")
     data_mod.check_column_types(schema, data, location.uri)
-    return Layout(location.uri, location, tuple(row_groups), schema)
+    return Layout(location.uri, location, tuple(row_groups), schema, files=tuple(files))
 
 
 #: Rows per row group of a dataset relaytrain generates in memory.
@@ -108,21 +131,17 @@ def scan_files(
     columns: list[str] | None,
     label: str | None,
     field: str,
-) -> tuple[list[RowGroup], pa.Schema]:
+) -> tuple[list[RowGroup], pa.Schema, list[DataFile]]:
     """Every file's row groups and the schema of ``columns`` (None: all of them), the same in
-    every file; SpecError naming ``field`` and the file otherwise."""
+    every file, and the files; SpecError naming ``field`` and the file otherwise."""
     row_groups: list[RowGroup] = []
+    files: list[DataFile] = []
     schema: pa.Schema | None = None
     first_file = ""
-    for path in _parquet_files(location, field):
-        try:
-            metadata = pq.read_metadata(location.filesystem.open_input_file(path))
-        except (pa.ArrowInvalid, OSError) as e:
-            raise SpecError(
-                f"{field} {location.uri}: file {path!r} is not Parquet ({str(e).rstrip('.')}). "
-                f"Remove it or convert it: relaytrain reads {DATASET_FORMATS}.",
-                field=field,
-            ) from e
+    for info in parquet_files(location, field):
+        path = info.path
+        metadata = read_footer(location, path, field)
+        files.append(DataFile(path, info.size, info.mtime_ns, footer_digest(metadata)))
         file_schema = metadata.schema.to_arrow_schema()
         wanted = file_schema.names if columns is None else columns
         missing = [c for c in wanted if c not in file_schema.names]
@@ -152,7 +171,27 @@ def scan_files(
             )
             first_row += group.num_rows
     assert schema is not None
-    return row_groups, schema
+    return row_groups, schema, files
+
+
+def read_footer(location: storage.Location, path: str, field: str) -> pq.FileMetaData:
+    """A Parquet file's footer; SpecError naming ``field`` and the file when it is not one."""
+    try:
+        with location.filesystem.open_input_file(path) as f:
+            return pq.read_metadata(f)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SpecError(
+            f"{field} {location.uri}: file {path!r} is not Parquet ({str(e).rstrip('.')}). "
+            f"Remove it or convert it: relaytrain reads {DATASET_FORMATS}.",
+            field=field,
+        ) from e
+
+
+def footer_digest(metadata: pq.FileMetaData) -> str:
+    """sha256 of a footer as Parquet serializes it."""
+    out = pa.BufferOutputStream()
+    metadata.write_metadata_file(out)
+    return hashlib.sha256(out.getvalue().to_pybytes()).hexdigest()
 
 
 def _range(group: pq.RowGroupMetaData, column: str | None) -> tuple[float, float] | None:
@@ -173,7 +212,7 @@ def _types(schema: pa.Schema) -> str:
     return ", ".join(f"{f.name}: {f.type}" for f in schema)
 
 
-def _parquet_files(location: storage.Location, field: str) -> list[str]:
+def parquet_files(location: storage.Location, field: str) -> list[pafs.FileInfo]:
     """The dataset's files, in name order: the file itself, or every file below a directory
     except hidden ones and markers (``_SUCCESS``, ``.crc``)."""
     info = location.info()
@@ -183,12 +222,16 @@ def _parquet_files(location: storage.Location, field: str) -> list[str]:
             field=field,
         )
     if info.type == pafs.FileType.File:
-        return [location.path]
+        return [info]
     selector = pafs.FileSelector(location.path, recursive=True)
     files = sorted(
-        f.path
-        for f in location.filesystem.get_file_info(selector)
-        if f.type == pafs.FileType.File and not posixpath.basename(f.path).startswith(("_", "."))
+        (
+            f
+            for f in location.filesystem.get_file_info(selector)
+            if f.type == pafs.FileType.File
+            and not posixpath.basename(f.path).startswith(("_", "."))
+        ),
+        key=lambda f: f.path,
     )
     if not files:
         raise SpecError(
@@ -256,8 +299,34 @@ class Reader:
         else:
             assert self.layout.location is not None
             with self.layout.location.filesystem.open_input_file(g.file) as f:
+                expected = self.layout.file_size(g.file)
+                if expected is not None and f.size() != expected:
+                    raise SpecError(
+                        f"data.dataset {self.layout.uri}: file {g.file!r} changed while the run "
+                        f"trained on it ({expected} bytes in the run's snapshot, {f.size()} "
+                        "now). Restore the file, or start a new run.name to train on the "
+                        "dataset as it is now.",
+                        field="data.dataset",
+                    )
                 table = pq.ParquetFile(f).read_row_group(g.index, columns=columns_of(self.data))
         return data_mod.table_arrays(table, self.data)
+
+    def read_labels(self, group: int) -> np.ndarray:
+        """Row group ``group``'s label column alone (no feature read)."""
+        g = self.layout.row_groups[group]
+        assert self.data.label is not None
+        if self.layout.table is not None:
+            column = self.layout.table.slice(g.first_row, g.rows).column(self.data.label)
+        else:
+            assert self.layout.location is not None
+            with self.layout.location.filesystem.open_input_file(g.file) as f:
+                table = pq.ParquetFile(f).read_row_group(g.index, columns=[self.data.label])
+            column = table.column(self.data.label)
+        if column.null_count:
+            raise SpecError(
+                f"data.label column {self.data.label!r} has null values", field="data.label"
+            )
+        return column.to_numpy(zero_copy_only=False)
 
     def prefetch(self, groups: Sequence[int] | np.ndarray) -> None:
         """Start reading ``groups`` (those neither decoded nor on their way) in the background.
@@ -343,8 +412,8 @@ def describe(layout: Layout, data: DataSection) -> data_mod.DatasetInfo:
         if layout.table is None and all(r is not None for r in ranges):
             low = min(r[0] for r in ranges if r is not None)
             high = max(r[1] for r in ranges if r is not None)
-        else:
-            labels = [reader.read(i).labels for i, g in enumerate(layout.row_groups) if g.rows]
+        else:  # the label column alone, one row group at a time
+            labels = [reader.read_labels(i) for i, g in enumerate(layout.row_groups) if g.rows]
             low, high = min(int(x.min()) for x in labels), max(int(x.max()) for x in labels)
         if low < 0:
             raise SpecError(

@@ -22,6 +22,9 @@ class WorkerConfig:
     #: Whether Ray Train watches the group's nodes for drains (a cluster of several nodes):
     #: then the loop asks for a preemption notice at every report.
     watch_preemption: bool = False
+    #: The run's dataset snapshot and what it holds (``engine.PinnedDataset.for_workers``):
+    #: the files every rank reads, listed by the driver once. None: generated data.
+    dataset: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``train_loop_config``: plain values only, because Ray Train's controller

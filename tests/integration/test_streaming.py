@@ -6,6 +6,8 @@ dataset's feature 0 is the row id)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from flows.training import training
 from tests.conftest import tiny_raw
-from tests.recovery import run_dir_of
+from tests.prefect_api import task_runs
+from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
 from trainer_core import storage, stream
 from trainer_core.engine import run_attempt
-from trainer_core.errors import TrainingCodeError
+from trainer_core.errors import SpecError, TrainingCodeError
 from trainer_core.spec import RunSpec, build_spec
 
 pytestmark = pytest.mark.integration
@@ -169,3 +173,107 @@ def test_a_dataset_on_s3_streams_and_resumes(ray_cluster, tmp_path, s3_server, m
     assert [a.get("resumed_from_step") for a in attempts] == [0, 10]
     assert_epochs_cover_every_sample_once(kept)
     assert kept == expected_batches(spec)
+
+
+# -- a run reads a pinned snapshot of its dataset --------------------------------------------
+
+
+def _write_file(directory: Path, name: str, seed: int, rows: int = 100) -> None:
+    """One more Parquet file of the dataset's schema (row ids from 1000 on, so a row of it
+    trained would show in the weights)."""
+    rng = np.random.default_rng(seed)
+    ids = np.arange(1000, 1000 + rows)
+    features = np.concatenate([ids[:, None], rng.standard_normal((rows, 4))], axis=1)
+    features = features.astype(np.float32)
+    table = pa.table(
+        {
+            "x": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), 5),
+            "y": pa.array(features[:, 1] + features[:, 2], pa.float32()),
+        }
+    )
+    pq.write_table(table, directory / name, row_group_size=50)
+
+
+def _snapshot_spec(tmp_path: Path, dataset: Path, name: str, faults: list) -> RunSpec:
+    """A flow run over the directory dataset: validation rows too (chosen by row id), and a
+    Prefect retry delay in which the test changes the dataset."""
+    raw = tiny_raw(
+        tmp_path / "runs",
+        name,
+        data={
+            "dataset": str(dataset),
+            "features": "x",
+            "label": "y",
+            "task": "regression",
+            "batch_size": BATCH,
+            "validation_fraction": 0.2,
+        },
+        schedule={"epochs": EPOCHS, "lr_schedule": "cosine", "warmup_steps": 3},
+        checkpoint={"every": 5},
+        retries={"delay_s": 4, "in_place": 0},
+        faults=faults,
+    )
+    return build_spec(raw)
+
+
+def _between_attempts(spec: RunSpec, change: Any) -> Any:
+    """Run the flow; once its first attempt has failed, ``change()`` the dataset (the retry
+    waits ``retries.delay_s``); the flow's final state."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(state=training(spec, return_state=True)))
+    thread.start()
+    run_dir = run_dir_of(spec)
+    deadline = time.time() + 300
+    while not any(a.get("status") == "failed" for a in run_dir.read_attempts()):
+        assert time.time() < deadline and thread.is_alive(), "attempt 1 never failed"
+        time.sleep(0.05)
+    change()
+    thread.join(timeout=300)
+    return box["state"]
+
+
+def test_a_file_added_between_attempts_is_ignored(relaytrain_prefect, ray_cluster, tmp_path):
+    """The run pins its dataset at the first attempt: a Parquet file that lands before the
+    retry is not read, and the run ends bit-identical to an uninterrupted run over the
+    original files. A new run over the same directory trains on the new file too."""
+    dataset = tmp_path / "table"
+    write_dataset(str(dataset))
+    reference = run_attempt(_snapshot_spec(tmp_path, dataset, "reference", []))
+    assert reference.status == "completed"
+    spec = _snapshot_spec(tmp_path, dataset, "grown", [{"kind": "raise", "at_step": 8}])
+    state = _between_attempts(spec, lambda: _write_file(dataset, "part-3.parquet", seed=1))
+    assert state.is_completed(), state
+    run_dir = run_dir_of(spec)
+    assert [a["status"] for a in run_dir.read_attempts()] == ["failed", "completed"]
+    reference_dir = run_dir_of(_snapshot_spec(tmp_path, dataset, "reference", []))
+    assert_same_tensors(final_state(run_dir), final_state(reference_dir))
+    assert losses(run_dir) == losses(reference_dir)
+    pinned = run_dir.read_dataset_snapshot()
+    assert [Path(f["path"]).name for f in pinned["files"]] == [
+        f"part-{i}.parquet" for i in (0, 1, 2)
+    ]
+    # A new run sees the new rows: more of them, so more steps an epoch.
+    fresh = run_attempt(_snapshot_spec(tmp_path, dataset, "fresh", []))
+    assert fresh.steps_completed > reference.steps_completed
+
+
+def test_a_file_rewritten_between_attempts_is_refused(relaytrain_prefect, ray_cluster, tmp_path):
+    """A file of the snapshot rewritten before the retry: the retry fails with a SpecError that
+    names the file and the fix, is not retried again, and leaves every checkpoint as it was."""
+    dataset = tmp_path / "table"
+    write_dataset(str(dataset))
+    spec = _snapshot_spec(tmp_path, dataset, "rewritten", [{"kind": "raise", "at_step": 8}])
+    run_dir = run_dir_of(spec)
+    before: dict = {}
+
+    def rewrite() -> None:
+        before.update({c.step: c.manifest for c in run_dir.scan().committed})
+        _write_file(dataset, "part-1.parquet", seed=2, rows=150)
+
+    state = _between_attempts(spec, rewrite)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, SpecError), repr(error)
+    assert "part-1.parquet" in str(error) and "run.name" in str(error)
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2  # no 3rd
+    assert {c.step: c.manifest for c in run_dir.scan().committed} == before

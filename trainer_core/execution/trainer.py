@@ -175,6 +175,7 @@ def _trainer(spec: RunSpec, plan: Any, loop: TrainLoop, relay: Any) -> Any:
         candidates=plan.candidates,
         relay=relay,
         watch_preemption=watches_preemption(),
+        dataset=plan.dataset,
     )
     user_loop = spec.train_loop is not None
     # A running Ray cluster does not see this process's environment, so the controller and

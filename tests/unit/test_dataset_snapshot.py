@@ -1,0 +1,87 @@
+"""A run's dataset snapshot (trainer_core.dataset_snapshot) on real Parquet files: what it pins,
+and what a later attempt finds against it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trainer_core import dataset_snapshot, stream
+from trainer_core.errors import SpecError
+from trainer_core.spec import DataSection
+
+
+def write(path: Path, values: np.ndarray) -> None:
+    pq.write_table(pa.table({"x": values.astype(np.float32), "y": np.arange(len(values))}), path)
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> tuple[Path, DataSection]:
+    directory = tmp_path / "table"
+    directory.mkdir()
+    for i in range(3):
+        write(directory / f"part-{i}.parquet", np.arange(10) + 10 * i)
+    data = DataSection(dataset=str(directory), features=["x"], label="y", task="regression")
+    return directory, data
+
+
+def test_a_snapshot_round_trips_and_reads_the_same_rows(table) -> None:
+    _, data = table
+    layout = stream.scan(data)
+    again = dataset_snapshot.from_json(dataset_snapshot.to_json(layout))
+    assert again.row_groups == layout.row_groups and again.files == layout.files
+    assert again.schema.equals(layout.schema)
+    assert stream.Reader(again, data, 0).read(1).features.tolist() == [
+        [float(v)] for v in range(10, 20)
+    ]
+
+
+def test_files_added_later_are_ignored_and_counted(table) -> None:
+    directory, data = table
+    layout = dataset_snapshot.from_json(dataset_snapshot.to_json(stream.scan(data)))
+    write(directory / "part-3.parquet", np.arange(5))
+    check = dataset_snapshot.verify(layout, data)
+    assert [Path(p).name for p in check.added] == ["part-3.parquet"]
+    assert layout.num_rows == 30  # the snapshot's rows, not the directory's
+
+
+def test_a_file_rewritten_with_the_same_size_is_refused_by_its_footer(table) -> None:
+    directory, data = table
+    layout = stream.scan(data)
+    target = directory / "part-1.parquet"
+    size = target.stat().st_size
+    write(target, np.arange(10) + 11)  # one more in every row: other statistics
+    assert target.stat().st_size == size
+    os.utime(target, ns=(0, layout.files[1].mtime_ns + 1))
+    with pytest.raises(SpecError, match="part-1.parquet.*changed.*run.name"):
+        dataset_snapshot.verify(layout, data)
+
+
+def test_a_file_only_touched_is_accepted(table) -> None:
+    """Its footer is unchanged (a copy, a touch). The footer pins sizes, offsets and every
+    column's statistics, not the values: a rewrite that keeps all of those is not seen."""
+    directory, data = table
+    layout = stream.scan(data)
+    os.utime(directory / "part-0.parquet", ns=(0, layout.files[0].mtime_ns + 10**9))
+    assert dataset_snapshot.verify(layout, data).added == []
+
+
+def test_a_vanished_file_is_refused(table) -> None:
+    directory, data = table
+    layout = stream.scan(data)
+    (directory / "part-2.parquet").unlink()
+    with pytest.raises(SpecError, match="part-2.parquet.*gone"):
+        dataset_snapshot.verify(layout, data)
+
+
+def test_a_worker_refuses_a_file_that_changed_under_it(table) -> None:
+    directory, data = table
+    layout = stream.scan(data)
+    write(directory / "part-2.parquet", np.arange(20))
+    with pytest.raises(SpecError, match="part-2.parquet.*changed while the run"):
+        stream.Reader(layout, data, 0).read(2)
