@@ -1,5 +1,5 @@
 """Plumbing every training worker shares: its config, fault injection, the relay to the driver,
-and how to tell a lost peer from a bug."""
+and how to tell a lost peer from a bug (``is_peer_failure``, ``execution.classify``'s rule)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from trainer_core.errors import InjectedFault
 from trainer_core.execution import worker_api
+from trainer_core.execution.classify import is_peer_failure as is_peer_failure  # the driver's too
 from trainer_core.spec import FaultSection
 
 logger = logging.getLogger("relaytrain.worker")
@@ -126,26 +127,6 @@ def all_reduce(values: list[float], op: Any = None) -> list[float]:
 
 def all_ok(ok: bool) -> bool:
     return all_reduce([1.0 if ok else 0.0], dist.ReduceOp.MIN)[0] == 1.0
-
-
-#: What a collective says when a peer process vanished (gloo over TCP, NCCL): the peer died,
-#: this rank did nothing wrong.
-PEER_FAILURE_SIGNS = (
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "Broken pipe",
-    "Read error",
-    "Write error",
-    "NCCL communicator was aborted",
-)
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    """True when ``error`` is a collective failing because another rank went away."""
-    if isinstance(error, dist.DistBackendError | dist.DistNetworkError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(sign in text for sign in PEER_FAILURE_SIGNS)
 
 
 @dataclass

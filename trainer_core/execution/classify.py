@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import ray
@@ -19,6 +20,42 @@ from trainer_core.errors import (
 from trainer_core.execution.cluster import alive_nodes, draining_nodes, preempted_nodes
 
 logger = logging.getLogger("relaytrain.engine")
+
+#: torch.distributed's root error, by name (Ray Train's controller imports this module and must
+#: not import torch; where one is raised, torch is loaded). torch raises it and its subclasses
+#: for a collective, its communicator or the rendezvous store failing: ``DistBackendError`` for
+#: NCCL's watchdog timeout ("Watchdog caught collective operation timeout: WorkNCCL(...) ran for N
+#: milliseconds before timing out"), for a communicator the watchdog or an abort tore down ("NCCL
+#: communicator was aborted on rank N") and for NCCL's errors (ncclRemoteError: a peer exited);
+#: ``DistStoreError`` for a store's wait timing out; ``DistNetworkError`` for the store's socket.
+TORCH_DIST_ERROR = "torch.distributed.DistError"
+
+#: gloo raises its TCP transport's I/O failures as a plain RuntimeError (gloo::IoException: no
+#: torch type), the message led by gloo's source location: "[.../gloo/transport/tcp/pair.cc:598]
+#: Connection closed by peer [10.0.0.2]:4301", "[.../gloo/transport/tcp/unbound_buffer.cc:78]
+#: Timed out waiting 1800000ms for recv operation to complete" (a peer silent past the timeout).
+#: gloo's failed checks ("[enforce fail at .../pair.cc:456] ...": a collective mismatch, a bug)
+#: are not among them.
+GLOO_IO_FAILURE = re.compile(
+    r"\[[^\]\s]*gloo/transport/[^\]\s]*:\d+\] "
+    r"(Timed out waiting \d+ms for (recv|send) operation to complete|Connection closed by peer"
+    r"|Read error|Read timeout|Write timeout|writev|Connect timeout|Socket closed"
+    r"|Socket unexpectedly closed)"
+)
+#: What the other operations of a gloo context raise once one of them timed out (no location).
+GLOO_PAIR_CLOSED = "Application timeout caused pair closure"
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because another rank went away, hung or was
+    cut off (an infrastructure failure, not this rank's code): a ``torch.distributed.DistError``
+    of any kind, by its type; gloo's transport failures, which have no type, by their message."""
+    if any(f"{c.__module__}.{c.__qualname__}" == TORCH_DIST_ERROR for c in type(error).__mro__):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    text = str(error)
+    return text == GLOO_PAIR_CLOSED or GLOO_IO_FAILURE.search(text) is not None
 
 
 def _unwrap(error: BaseException) -> BaseException:
@@ -100,7 +137,12 @@ def classify(error: BaseException) -> BaseException:
         )
         if any(isinstance(e, died) for e in failures.values()):
             return InfrastructureError(f"a training worker died: {detail}"[:4000])
-        first = next(iter(failures.values()), error)
+        # A rank's own error explains its peers' lost collectives; lost collectives alone are
+        # the infrastructure's.
+        own = [e for e in failures.values() if not is_peer_failure(e)]
+        if failures and not own:
+            return InfrastructureError(f"a collective lost its peers: {detail}"[:4000])
+        first = next(iter(own), error)
         return TrainingCodeError(
             f"{type(first).__name__}: {first}"[:4000], error_type=type(first).__name__
         )
@@ -117,6 +159,8 @@ def classify(error: BaseException) -> BaseException:
         return InfrastructureError(f"Ray failed: {type(error).__name__}: {error}"[:4000])
     if isinstance(error, OSError):
         return InfrastructureError(f"storage or system error: {error}")
+    if is_peer_failure(error):
+        return InfrastructureError(f"a collective lost its peers: {type(error).__name__}: {error}")
     return TrainingCodeError(f"{type(error).__name__}: {error}", error_type=type(error).__name__)
 
 
