@@ -2,11 +2,11 @@
 what torch 2.13 raises for a gloo timeout, an NCCL watchdog timeout, an aborted NCCL
 communicator or a lost rendezvous store, by its type where torch gives one.
 
-The gloo and store errors are raised here for real (two gloo ranks in threads of this process, one
-of them silent; a rank whose peer process exits). NCCL's need GPUs: they are torch's own exception types with the messages torch
-2.13 builds (``ProcessGroupNCCL.cpp``'s ``WorkNCCL::checkTimeout``, ``NCCLUtils.cpp``'s
-``getNcclComm`` and ``C10D_NCCL_CHECK``; the strings are in ``libtorch_cuda.so`` of the CUDA
-wheel)."""
+The gloo and store errors are raised here for real (two gloo ranks in threads of this process,
+one of them silent; a rank whose peer process exits). NCCL's need GPUs: they are torch's own
+exception types with the messages torch 2.13 builds (``ProcessGroupNCCL.cpp``'s
+``WorkNCCL::checkTimeout``, ``NCCLUtils.cpp``'s ``getNcclComm`` and ``C10D_NCCL_CHECK``; the
+strings are in ``libtorch_cuda.so`` of the CUDA wheel)."""
 
 from __future__ import annotations
 
