@@ -5,7 +5,6 @@ shard refuses to load."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.net import free_port
+from tests.unit.gloo_group import run_ranks
 
 
 def _build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -29,7 +28,7 @@ def _build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def _worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
+def _worker(rank: int, world: int, root: str, mode: str) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_state_dict,
@@ -41,8 +40,6 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
     from trainer_core.errors import CheckpointCorruptError
     from trainer_core.exports import DCP_FORMAT
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     model, optimizer = _build()
     run_dir = RunDirectory(storage.resolve(root))
     location = run_dir.checkpoint_location(3)
@@ -85,9 +82,6 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str) -> None:
                 assert saved and saved.keys() == loaded.keys(), name
                 for key in saved:
                     assert torch.equal(saved[key], loaded[key]), f"{name}: {key}"
-    # Every rank done before any tears down: gloo aborts a process whose peer is gone mid-exit.
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _flat(state: object, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -143,9 +137,7 @@ def _check_staging(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def _spawn(world: int, root: Path, mode: str) -> None:
-    mp.start_processes(
-        _worker, args=(world, free_port(), str(root), mode), nprocs=world, start_method="spawn"
-    )
+    run_ranks(_worker, world, str(root), mode)
 
 
 @pytest.fixture(scope="module")
