@@ -290,7 +290,14 @@ class CheckpointManager:
         """Model and optimizer of a DCP checkpoint, laid out as this group holds them (its own
         shards under FSDP, whole tensors under DDP), read into new tensors: a load that fails
         part-way leaves the live ones as they were."""
-        model_state, optimizer_state = get_state_dict(self.state.model, self.state.optimizer)
+        optimizer = self.state.optimizer
+        fresh = not optimizer.state
+        model_state, optimizer_state = get_state_dict(self.state.model, optimizer)
+        if fresh:
+            # get_state_dict made the state it lays out by a step of zero gradients at lr 0 (Adam's
+            # step count 1): keep its layout, not the state, so that if no checkpoint loads,
+            # training starts from the optimizer as it was built (set_state_dict makes it again)
+            optimizer.state.clear()
         target = {"model": _empty_like(model_state), "optimizer": _empty_like(optimizer_state)}
         location = self.run_dir.checkpoint_location(checkpoint.step)
         node = self._node_group()
