@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from trainer_core import storage, stream
+from trainer_core import stream
 from trainer_core.errors import SpecError
 from trainer_core.spec import DataSection
 
@@ -40,9 +40,11 @@ def to_json(layout: stream.Layout) -> dict[str, Any]:
     }
 
 
-def from_json(record: dict[str, Any]) -> stream.Layout:
-    """The layout a snapshot records, read from the files it names (nothing listed)."""
-    location = storage.resolve(record["uri"])
+def from_json(record: dict[str, Any], data: DataSection) -> stream.Layout:
+    """The layout a snapshot records, read from the files it names (nothing listed), through
+    ``data.dataset``'s filesystem (its URI carries the endpoint and options; the record only
+    the location)."""
+    location = stream.dataset_location(data.resolved())
     schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(record["arrow_schema"])))
     row_groups = tuple(
         stream.RowGroup(

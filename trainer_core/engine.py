@@ -99,7 +99,7 @@ def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDat
     location = None if data.dataset == "synthetic" else stream.dataset_location(data)
     added: list[str] = []
     if stored is not None and location is not None and stored["uri"] == location.uri:
-        layout = dataset_snapshot.from_json(stored)
+        layout = dataset_snapshot.from_json(stored, data)
         added = dataset_snapshot.verify(layout, data).added
     else:
         layout = stream.scan(data)  # footers only
@@ -121,6 +121,7 @@ def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int
     pinned = pinned or pin_dataset(spec)
     assert pinned is not None
     layout, info = pinned.layout, pinned.info
+    _check_reader_memory(data, layout)
     one = stream.RankStream(layout, data, spec.run.seed, 1, 0)  # row ids only: no rows read
     if one.batches_per_epoch == 0:
         raise SpecError(
@@ -147,6 +148,20 @@ def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int
         data_mod.steps_per_epoch(one.batches_per_epoch, spec.optimizer.grad_accumulation)
         * spec.schedule.epochs
     )
+
+
+def _check_reader_memory(data: Any, layout: stream.Layout) -> None:
+    """The live shuffle windows of every partition must fit in half of data.memory_mb (the
+    row group slices around them take the rest): SpecError naming the settings otherwise."""
+    windows_mb = data.partitions * data.shuffle_window * stream.row_bytes(layout) / 2**20
+    if windows_mb > data.memory_mb / 2:
+        raise SpecError(
+            f"data.partitions ({data.partitions}) x data.shuffle_window ({data.shuffle_window}) "
+            f"rows of {stream.row_bytes(layout):.0f} bytes hold {windows_mb:.0f} MB, more than "
+            f"half of data.memory_mb ({data.memory_mb}): lower data.shuffle_window or "
+            "data.partitions, or raise data.memory_mb",
+            field="data.shuffle_window",
+        )
 
 
 def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDirectory]:

@@ -79,7 +79,7 @@ class BuiltinLoop:
         self.data_spec = self.spec.data.resolved()
         # The run's dataset snapshot, as the driver pinned it: no rank lists the dataset.
         if config.dataset is not None:
-            layout = dataset_snapshot.from_json(config.dataset["snapshot"])
+            layout = dataset_snapshot.from_json(config.dataset["snapshot"], self.data_spec)
             info = data_mod.DatasetInfo(**config.dataset["info"])
         else:  # generated data
             layout = stream.scan(self.data_spec)

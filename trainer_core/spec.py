@@ -192,6 +192,10 @@ class DataSection(_Section):
     partitions: PositiveInt = 8
     #: Micro-batches each worker reads ahead in a background thread.
     prefetch: PositiveInt = 2
+    #: What a worker's reader may hold, in MB: the live shuffle windows (at most half of it)
+    #: and the row group slices around them. Row groups bigger than a slice are read in parts
+    #: (streamed once, spilled to local disk), so this holds whatever the files' row groups.
+    memory_mb: Annotated[int, Field(ge=64)] = 512
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
 
     @field_validator("dataset")
@@ -679,7 +683,9 @@ class RunSpec(_Section):
 
     def identity(self) -> dict[str, Any]:
         """The parts a resumed run must share with the run that wrote its checkpoints."""
-        data = self.data.resolved().model_dump(exclude={"prefetch"}) if self.data else None
+        # How a worker reads (memory, read-ahead) does not change what it reads.
+        read = {"prefetch", "memory_mb"}
+        data = self.data.resolved().model_dump(exclude=read) if self.data else None
         identity = {
             "model": self.model.model_dump() if self.model else None,
             "data": data,

@@ -29,7 +29,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from trainer_core import data as data_mod
-from trainer_core import sample_order, storage
+from trainer_core import row_slices, sample_order, storage
 from trainer_core.errors import SpecError
 from trainer_core.spec import DATASET_FORMATS, DataSection
 
@@ -45,6 +45,8 @@ class RowGroup:
     first_row: int
     #: The label column's (min, max) from the footer's statistics, when it has them.
     label_range: tuple[float, float] | None = None
+    #: Its uncompressed size in the file (the footer's): about its decoded size.
+    bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,14 @@ class Layout:
 def columns_of(data: DataSection) -> list[str]:
     features = [data.features] if isinstance(data.features, str) else list(data.features or [])
     return [*features, *([data.label] if data.label else [])]
+
+
+def row_bytes(layout: Layout) -> float:
+    """Decoded bytes of a row, the largest of any row group's (from the footers: Parquet's
+    uncompressed size; the in-memory table's own)."""
+    if layout.table is not None:
+        return layout.table.nbytes / max(layout.table.num_rows, 1)
+    return max((g.bytes / g.rows for g in layout.row_groups if g.rows), default=1.0)
 
 
 def dataset_location(data: DataSection) -> storage.Location:
@@ -167,7 +177,14 @@ def scan_files(
         for index in range(metadata.num_row_groups):
             group = metadata.row_group(index)
             row_groups.append(
-                RowGroup(path, index, group.num_rows, first_row, _range(group, label))
+                RowGroup(
+                    path,
+                    index,
+                    group.num_rows,
+                    first_row,
+                    _range(group, label),
+                    group.total_byte_size,
+                )
             )
             first_row += group.num_rows
     assert schema is not None
@@ -245,23 +262,41 @@ def parquet_files(location: storage.Location, field: str) -> list[pafs.FileInfo]
 class Reader:
     """Rows of a layout by (row group, training row), for one rank.
 
-    Decoded row groups are kept, most recently used last, while they hold at most
-    ``cache_rows`` rows (the newest always stays): size it to the row groups the live shuffle
-    windows span (``RankStream`` does), or a batch re-reads them.
+    Row groups are decoded in slices of ``slice_rows`` rows (``row_slices``: a row group that
+    small is one slice, a bigger one is streamed once and spilled slice by slice). Decoded
+    slices are kept, most recently used last, while they hold at most ``cache_rows`` rows (the
+    newest always stays): size it to the slices the live shuffle windows span (``RankStream``
+    does), or a batch re-reads them.
     """
 
-    def __init__(self, layout: Layout, data: DataSection, seed: int, cache_rows: int = 0):
+    def __init__(
+        self,
+        layout: Layout,
+        data: DataSection,
+        seed: int,
+        cache_rows: int = 0,
+        slice_rows: int | None = None,
+    ):
         self.layout = layout
         self.data = data.resolved()
         self.seed = seed
         self.fraction = self.data.validation_fraction
         self.cache_rows = cache_rows
-        self._decoded: collections.OrderedDict[int, data_mod.Arrays] = collections.OrderedDict()
+        largest = max((g.rows for g in layout.row_groups), default=1)
+        self.slices = row_slices.SliceStore(
+            [g.rows for g in layout.row_groups],
+            slice_rows or largest,
+            self.read,
+            self._stream,
+            lambda table: data_mod.table_arrays(table, self.data),
+        )
+        Key = tuple[int, int]  # (row group, slice)
+        self._decoded: collections.OrderedDict[Key, data_mod.Arrays] = collections.OrderedDict()
         self._train_rows: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
-        #: Row groups being read ahead (``prefetch``), by two threads: decoding overlaps use.
-        self._pending: dict[int, concurrent.futures.Future[data_mod.Arrays]] = {}
+        #: Slices being read ahead (``prefetch``), by two threads: decoding overlaps use.
+        self._pending: dict[Key, concurrent.futures.Future[data_mod.Arrays]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.row_groups_read = 0
+        self.row_groups_read = 0  # slices decoded, whole row groups or parts
 
     def _row_ids(self, group: int) -> np.ndarray:
         g = self.layout.row_groups[group]
@@ -291,25 +326,45 @@ class Reader:
         """Training rows per row group, from row ids alone (no data read)."""
         return [int(self._is_train(g).sum()) for g in range(len(self.layout.row_groups))]
 
+    def _open(self, group: int) -> pa.NativeFile:
+        """Row group ``group``'s file, refused when its size is not the snapshot's."""
+        g = self.layout.row_groups[group]
+        assert self.layout.location is not None
+        f = self.layout.location.filesystem.open_input_file(g.file)
+        expected = self.layout.file_size(g.file)
+        if expected is not None and f.size() != expected:
+            size = f.size()
+            f.close()
+            raise SpecError(
+                f"data.dataset {self.layout.uri}: file {g.file!r} changed while the run "
+                f"trained on it ({expected} bytes in the run's snapshot, {size} now). Restore "
+                "the file, or start a new run.name to train on the dataset as it is now.",
+                field="data.dataset",
+            )
+        return f
+
     def read(self, group: int) -> data_mod.Arrays:
-        """Row group ``group`` decoded (every row), bypassing the cache."""
+        """Row group ``group`` decoded whole (every row), bypassing the cache: for row groups
+        no larger than a slice."""
         g = self.layout.row_groups[group]
         if self.layout.table is not None:
             table = self.layout.table.slice(g.first_row, g.rows)
         else:
-            assert self.layout.location is not None
-            with self.layout.location.filesystem.open_input_file(g.file) as f:
-                expected = self.layout.file_size(g.file)
-                if expected is not None and f.size() != expected:
-                    raise SpecError(
-                        f"data.dataset {self.layout.uri}: file {g.file!r} changed while the run "
-                        f"trained on it ({expected} bytes in the run's snapshot, {f.size()} "
-                        "now). Restore the file, or start a new run.name to train on the "
-                        "dataset as it is now.",
-                        field="data.dataset",
-                    )
-                table = pq.ParquetFile(f).read_row_group(g.index, columns=columns_of(self.data))
+            with self._open(group) as f:
+                table = pq.ParquetFile(f).read_row_group(
+                    g.index, columns=columns_of(self.data), use_threads=False
+                )
         return data_mod.table_arrays(table, self.data)
+
+    def _stream(self, group: int) -> Iterator[pa.RecordBatch]:
+        """Row group ``group``'s record batches, about ``STREAM_BATCH_BYTES`` each."""
+        g = self.layout.row_groups[group]
+        rows = max(64, int(row_slices.STREAM_BATCH_BYTES / row_bytes(self.layout)))
+        if self.layout.table is not None:
+            yield from self.layout.table.slice(g.first_row, g.rows).to_batches(rows)
+            return
+        with self._open(group) as f:
+            yield from row_slices.stream_row_group(f, g.index, rows, columns_of(self.data))
 
     def read_labels(self, group: int) -> np.ndarray:
         """Row group ``group``'s label column alone (no feature read)."""
@@ -318,8 +373,7 @@ class Reader:
         if self.layout.table is not None:
             column = self.layout.table.slice(g.first_row, g.rows).column(self.data.label)
         else:
-            assert self.layout.location is not None
-            with self.layout.location.filesystem.open_input_file(g.file) as f:
+            with self._open(group) as f:
                 table = pq.ParquetFile(f).read_row_group(g.index, columns=[self.data.label])
             column = table.column(self.data.label)
         if column.null_count:
@@ -328,16 +382,26 @@ class Reader:
             )
         return column.to_numpy(zero_copy_only=False)
 
-    def prefetch(self, groups: Sequence[int] | np.ndarray) -> None:
-        """Start reading ``groups`` (those neither decoded nor on their way) in the background.
-        Files only: a table in memory is sliced when asked."""
+    def slice_keys(self, groups: np.ndarray, train_index: np.ndarray) -> list[tuple[int, int]]:
+        """The (row group, slice) pairs training rows ``train_index[i]`` of ``groups[i]`` lie
+        in, in first-seen order."""
+        keys: dict[tuple[int, int], None] = {}
+        for group in dict.fromkeys(np.asarray(groups).tolist()):
+            rows = self.train_rows(group)[train_index[groups == group]]
+            for index in dict.fromkeys(self.slices.slice_of(rows, group).tolist()):
+                keys[(group, index)] = None
+        return list(keys)
+
+    def prefetch(self, keys: Sequence[tuple[int, int]]) -> None:
+        """Start reading the slices ``keys`` (those neither decoded nor on their way) in the
+        background. Files only: a table in memory is sliced when asked."""
         if self.layout.table is not None:
             return
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(2, "relaytrain-read")
-        for group in np.asarray(groups).tolist():
-            if group not in self._decoded and group not in self._pending:
-                self._pending[group] = self._pool.submit(self.read, group)
+        for key in keys:
+            if key not in self._decoded and key not in self._pending:
+                self._pending[key] = self._pool.submit(self.slices.read, *key)
 
     def close(self) -> None:
         """Drop what is being read ahead and stop the reading threads."""
@@ -348,16 +412,17 @@ class Reader:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def row_group(self, group: int) -> data_mod.Arrays:
-        """Row group ``group`` decoded (every row), through the cache."""
-        found = self._decoded.get(group)
+    def slice(self, group: int, index: int) -> data_mod.Arrays:
+        """Slice ``index`` of row group ``group`` decoded (every row), through the cache."""
+        key = (group, index)
+        found = self._decoded.get(key)
         if found is not None:
-            self._decoded.move_to_end(group)
+            self._decoded.move_to_end(key)
             return found
-        pending = self._pending.pop(group, None)
-        arrays = pending.result() if pending is not None else self.read(group)
+        pending = self._pending.pop(key, None)
+        arrays = pending.result() if pending is not None else self.slices.read(group, index)
         self.row_groups_read += 1
-        self._decoded[group] = arrays
+        self._decoded[key] = arrays
         held = sum(len(a) for a in self._decoded.values())
         while len(self._decoded) > 1 and held > self.cache_rows:
             held -= len(self._decoded.popitem(last=False)[1])
@@ -373,17 +438,32 @@ class Reader:
         features: np.ndarray | None = None
         labels: np.ndarray | None = None
         for group in dict.fromkeys(groups.tolist()):  # first-seen order: few row groups a batch
-            where = np.flatnonzero(groups == group)
-            rows = self.train_rows(group)[train_index[where]]
-            part = self.row_group(group).take(rows)
-            if features is None or labels is None:
-                features = np.empty((len(groups), part.features.shape[1]), np.float32)
-                labels = np.empty(len(groups), part.labels.dtype)
-            features[where], labels[where] = part.features, part.labels
-            ids[where] = self.layout.row_groups[group].first_row + rows
+            in_group = np.flatnonzero(groups == group)
+            rows = self.train_rows(group)[train_index[in_group]]
+            ids[in_group] = self.layout.row_groups[group].first_row + rows
+            slices = self.slices.slice_of(rows, group)
+            for index in dict.fromkeys(slices.tolist()):
+                where = in_group[slices == index]
+                within = rows[slices == index] - self.slices.start(group, index)
+                part = self.slice(group, index).take(within)
+                if features is None or labels is None:
+                    features = np.empty((len(groups), part.features.shape[1]), np.float32)
+                    labels = np.empty(len(groups), part.labels.dtype)
+                features[where], labels[where] = part.features, part.labels
         if features is None or labels is None:
             return ids, data_mod.Arrays(np.zeros((0, 0), np.float32), np.zeros(0, np.float32))
         return ids, data_mod.Arrays(features, labels)
+
+    def validation_parts(self, group: int) -> Iterator[data_mod.Arrays]:
+        """Row group ``group``'s validation rows, a slice at a time (not cached: the training
+        windows keep theirs)."""
+        rows = self.validation_rows(group)
+        if not len(rows):
+            return
+        slices = self.slices.slice_of(rows, group)
+        for index in dict.fromkeys(slices.tolist()):
+            within = rows[slices == index] - self.slices.start(group, index)
+            yield self.slices.read(group, index).take(within)
 
 
 def describe(layout: Layout, data: DataSection) -> data_mod.DatasetInfo:
@@ -401,7 +481,13 @@ def describe(layout: Layout, data: DataSection) -> data_mod.DatasetInfo:
             width = kind.list_size
         elif pa.types.is_list(kind):
             first = next(i for i, g in enumerate(layout.row_groups) if g.rows)
-            width = reader.read(first).features.shape[1]
+            with reader._open(first) as f:
+                batch = next(
+                    row_slices.stream_row_group(
+                        f, layout.row_groups[first].index, 1, columns_of(data)
+                    )
+                )
+            width = data_mod.table_arrays(pa.Table.from_batches([batch]), data).features.shape[1]
         else:
             width = 1
     else:
@@ -435,6 +521,15 @@ class RankStream:
         self.seed, self.world_size, self.rank = seed, world_size, rank
         self.reader = Reader(layout, self.data, seed)
         self.train_counts = self.reader.train_counts()
+        # Every partition this rank reads has a window live, spanning its rows and, at most,
+        # a slice beyond each end; slices are sized so that stays under data.memory_mb.
+        largest = max(g.rows for g in layout.row_groups)
+        partitions = len(self.order(0).partitions_of(world_size, rank))
+        slice_rows = row_slices.slice_rows_for(
+            self.data.memory_mb, row_bytes(layout), partitions, self.data.shuffle_window, largest
+        )
+        self.reader.slices.slice_rows = slice_rows
+        self.reader.cache_rows = partitions * (self.data.shuffle_window + 2 * slice_rows)
         self.train_rows = sum(self.train_counts)
         #: Global batches in every epoch (the last ``train_rows % batch_size`` positions of an
         #: epoch's stream are left out; each epoch leaves out others).
@@ -442,11 +537,6 @@ class RankStream:
         self.slice = sample_order.rank_slice(self.data.batch_size, world_size, rank)
         #: This rank's mean loss times this: DDP's average is then the global batch's mean.
         self.weight = sample_order.rank_weight(self.data.batch_size, world_size, rank)
-        # Every partition this rank reads has a window live, spanning its rows and, at most,
-        # a row group beyond each end.
-        largest = max(g.rows for g in layout.row_groups)
-        partitions = len(self.order(0).partitions_of(world_size, rank))
-        self.reader.cache_rows = partitions * (self.data.shuffle_window + 2 * largest)
 
     def order(self, epoch: int) -> sample_order.EpochOrder:
         return sample_order.epoch_order(
@@ -474,12 +564,9 @@ class RankStream:
         (not cached: the training windows keep theirs)."""
         groups = self.reader.layout.row_groups
         for group in range(self.rank, len(groups), self.world_size):
-            rows = self.reader.validation_rows(group)
-            if not len(rows):
-                continue
-            arrays = self.reader.read(group).take(rows)
-            for start in range(0, len(arrays), chunk):
-                yield arrays.take(np.arange(start, min(start + chunk, len(arrays))))
+            for arrays in self.reader.validation_parts(group):
+                for start in range(0, len(arrays), chunk):
+                    yield arrays.take(np.arange(start, min(start + chunk, len(arrays))))
 
 
 _END = object()
@@ -529,7 +616,7 @@ class Prefetcher:
                     for ahead in (window, window + 1):
                         if (partition, ahead) not in asked:
                             asked.add((partition, ahead))
-                            reader.prefetch(order.window_row_groups(partition, ahead))
+                            reader.prefetch(reader.slice_keys(*order.window_rows(partition, ahead)))
                 groups, rows = order.locate(order.rank_positions(index, world_size, rank))
                 if not self._put((index, *reader.take(groups, rows))):
                     return

@@ -277,3 +277,73 @@ def test_a_file_rewritten_between_attempts_is_refused(relaytrain_prefect, ray_cl
     assert "part-1.parquet" in str(error) and "run.name" in str(error)
     assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2  # no 3rd
     assert {c.step: c.manifest for c in run_dir.scan().committed} == before
+
+
+# -- a worker's memory follows data.memory_mb, not the row groups -------------------------------
+
+WIDE = 256  # float32 features: 1 KB a row, as in the issue's 1.2 GB dataset
+MEMORY_MB = 128
+
+
+def _write_wide(
+    directory: Path, rows_per_file: int, files: int, row_group_size: int | None
+) -> None:
+    """``files`` Parquet files of 256 float32 features and a class label, written as pyarrow
+    writes them by default (row_group_size None: one row group of the whole file) or in
+    row groups of ``row_group_size``."""
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for index in range(files):
+        features = rng.standard_normal((rows_per_file, WIDE), dtype=np.float32)
+        table = pa.table(
+            {
+                "x": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), WIDE),
+                "y": pa.array(rng.integers(0, 10, rows_per_file)),
+            }
+        )
+        pq.write_table(table, directory / f"part-{index}.parquet", row_group_size=row_group_size)
+
+
+def _peak_rss_mb(tmp_path: Path, dataset: Path, name: str) -> float:
+    """The largest peak resident memory of any worker of a one-epoch run over ``dataset``."""
+    raw = tiny_raw(
+        tmp_path / "runs",
+        name,
+        model={"name": "mlp", "kwargs": {"hidden": [16]}},
+        data={
+            "dataset": str(dataset),
+            "features": "x",
+            "label": "y",
+            "task": "classification",
+            "batch_size": 2048,
+            "validation_fraction": 0.1,
+            "partitions": 2,
+            "shuffle_window": 4096,
+            "memory_mb": MEMORY_MB,
+        },
+        schedule={"epochs": 1, "lr_schedule": "constant", "warmup_steps": 0},
+        checkpoint={"every": 1000},
+    )
+    result = run_attempt(build_spec(raw))
+    assert result.status == "completed"
+    (attempt,) = run_dir_of(build_spec(raw)).read_attempts()
+    return float(attempt["peak_worker_rss_mb"])
+
+
+@pytest.fixture(scope="module")
+def idle_worker_rss_mb(ray_cluster, tmp_path_factory) -> float:
+    """A training worker's peak over data it hardly holds (one small row group a file)."""
+    tmp_path = tmp_path_factory.mktemp("idle")
+    _write_wide(tmp_path / "table", 2048, 2, None)
+    return _peak_rss_mb(tmp_path, tmp_path / "table", "idle")
+
+
+@pytest.mark.parametrize("row_group_size", [None, 4096], ids=["pyarrow-default", "small"])
+def test_a_worker_holds_at_most_data_memory_mb_whatever_the_row_groups(
+    idle_worker_rss_mb, tmp_path, row_group_size
+):
+    """192 MB in two files; pyarrow's default writes each as one 96 MB row group. A worker's
+    peak resident memory above an idle training worker's stays within data.memory_mb (128)."""
+    _write_wide(tmp_path / "table", 96 * 1024, 2, row_group_size)
+    peak = _peak_rss_mb(tmp_path, tmp_path / "table", "wide")
+    assert peak - idle_worker_rss_mb <= MEMORY_MB, (peak, idle_worker_rss_mb)

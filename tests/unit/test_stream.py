@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from trainer_core import data as data_mod
-from trainer_core import sample_order, stream
+from trainer_core import row_slices, sample_order, stream
 from trainer_core.errors import SpecError
 from trainer_core.spec import DataSection
 
@@ -186,3 +186,60 @@ def test_a_rank_holds_the_row_groups_of_its_windows_not_the_dataset(dataset):
         held = sum(len(a) for a in rank.reader._decoded.values())
         assert held <= rank.reader.cache_rows < layout.num_rows
     assert rank.reader.row_groups_read <= len(layout.row_groups)
+
+
+def _epoch(rank: stream.RankStream, epoch: int = 0, first: int = 0) -> list:
+    ahead = rank.epoch(epoch, first)
+    try:
+        return [(index, ids.tolist(), rows.features.tolist()) for index, ids, rows in ahead]
+    finally:
+        ahead.close()
+
+
+def test_big_row_groups_are_read_in_slices_with_the_same_rows(tmp_path, monkeypatch):
+    """Two files of one 3000-row row group each (pyarrow's default groups are this whole):
+    read in slices of 256 rows, a rank trains on exactly the rows, in the order, that whole
+    row groups give, validates on the same rows, and never holds more than its cache
+    (windows + a slice each side), far below a row group."""
+    monkeypatch.setenv("RELAYTRAIN_SPILL_DIR", str(tmp_path / "spill"))
+    write(tmp_path / "big" / "part-0.parquet", 0, 3000, 1_000_000)
+    write(tmp_path / "big" / "part-1.parquet", 3000, 3000, 1_000_000)
+    data = section(tmp_path / "big", batch_size=30, partitions=2, shuffle_window=128)
+    layout = stream.scan(data)
+    assert [g.rows for g in layout.row_groups] == [3000, 3000]
+    whole = stream.RankStream(layout, data, 5, 2, 1)
+    whole.reader.slices.slice_rows = 3000  # the oracle: whole row groups
+    whole.reader.cache_rows = 6000
+    sliced = stream.RankStream(layout, data, 5, 2, 1)
+    sliced.reader.slices.slice_rows = 256
+    sliced.reader.cache_rows = 2 * (128 + 2 * 256)
+    held = []
+    original = sliced.reader.slice
+
+    def watch(group: int, index: int):
+        found = original(group, index)
+        held.append(sum(len(a) for a in sliced.reader._decoded.values()))
+        return found
+
+    sliced.reader.slice = watch  # type: ignore[method-assign]
+    assert _epoch(sliced, 1) == _epoch(whole, 1)
+    assert _epoch(sliced, 2, first=17) == _epoch(whole, 2, first=17)  # a resumed epoch
+    assert max(held) <= sliced.reader.cache_rows < 3000
+    spilled = list((tmp_path / "spill").glob("relaytrain-spill-*/*-features.npy"))
+    assert spilled and all(np.load(p).shape[0] <= 256 for p in spilled)
+
+    def validated(rank: stream.RankStream) -> list:
+        return sorted(row for part in rank.validation() for row in part.features[:, 0].tolist())
+
+    assert validated(sliced) == validated(whole) and validated(whole)
+
+
+def test_slices_fit_the_memory_bound():
+    """What a rank holds (windows, two slices beyond each, a spill's and a validation's
+    transient slices) at the slice size chosen stays within data.memory_mb."""
+    row = 1024.0  # bytes: 256 float32 features
+    for partitions, window, largest in [(8, 8192, 1_000_000), (4, 1024, 400_000), (1, 64, 10)]:
+        rows = row_slices.slice_rows_for(512, row, partitions, window, largest)
+        assert rows <= largest
+        held = (partitions * (window + 2 * rows) + 4 * rows) * row
+        assert held <= 512 * 2**20 or rows == min(largest, 256)
