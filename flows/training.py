@@ -20,6 +20,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from tasks import Prepared, credentials, finalize, setup, train
+from tasks.setup import holding
 from trainer_core import jobs
 from trainer_core.errors import SpecError
 from trainer_core.spec import RunSpec, load_spec
@@ -60,12 +61,13 @@ def training(spec: RunSpec) -> TrainingResult:
             retry_delay_seconds=spec.retries.delays() or 0,
             retry_jitter_factor=spec.retries.jitter,
         )
-        try:
-            attempt(spec, prepared)
-        except Exception:
-            finalize(spec, prepared, status="failed")  # show what happened, then fail
-            raise
-        return finalize(spec, prepared)
+        with holding(prepared):  # the lease, renewed across train's retry delays
+            try:
+                attempt(spec, prepared)
+            except Exception:
+                finalize(spec, prepared, status="failed")  # show what happened, then fail
+                raise
+            return finalize(spec, prepared)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m flows.training") -> int:

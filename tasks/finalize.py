@@ -17,9 +17,11 @@ from tasks.naming import artifact_key
 from tasks.setup import Prepared
 from trainer_core import lease, plots
 from trainer_core.checkpoints import RunDirectory
+from trainer_core.errors import LeaseHeldError
 from trainer_core.spec import RunSpec
 from trainer_core.summary import (
     TrainingResult,
+    build_result,
     epoch_table,
     finalize_run,
     render_markdown,
@@ -30,9 +32,19 @@ from trainer_core.summary import (
 def finalize(
     spec: RunSpec, prepared: Prepared, status: Literal["completed", "failed"] = "completed"
 ) -> TrainingResult:
-    """Write the run summary, publish the artifacts, release the run, return the result."""
+    """Write the run summary, publish the artifacts, release the run, return the result.
+
+    Only under the run's lease: when another flow holds it now, nothing is written or deleted
+    (retention, summary.json, MLflow, artifacts would act under the live flow) and the result
+    is read from the run directory as it stands."""
     logger = get_run_logger()
-    run_dir = RunDirectory.of(prepared.storage_uri, prepared.run_name)
+    owner = prepared.lease_owner
+    run_dir = RunDirectory.of(prepared.storage_uri, prepared.run_name, lease_owner=owner)
+    try:
+        lease.acquire(run_dir.location, owner=owner)  # ours still, or free again: take it
+    except LeaseHeldError as e:
+        logger.warning("finalize writes nothing: %s", e)
+        return build_result(spec, run_dir, prepared.storage_uri, status)
     try:
         result = finalize_run(spec, run_dir, prepared.storage_uri, status)
         history = run_dir.read_metrics_history()

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
 
 from tasks import credentials
 from trainer_core import engine, jobs, lease
+from trainer_core.checkpoints import RunDirectory
 from trainer_core.execution import cluster
 from trainer_core.spec import RunSpec
 from trainer_core.summary import TrainingResult, read_stored_result, sync_tracking
@@ -28,6 +32,15 @@ class Prepared(BaseModel):
     resume_step: int | None
     #: Set when the run already finished with at least the epochs asked for.
     stored_result: TrainingResult | None = None
+
+
+@contextmanager
+def holding(prepared: Prepared) -> Iterator[lease.LeaseKeeper]:
+    """Renew the lease setup took until finalize, across train's retry delays (Prefect sleeps
+    between attempts in the flow's process): no other flow can take the run meanwhile."""
+    location = RunDirectory.of(prepared.storage_uri, prepared.run_name).location
+    with lease.LeaseKeeper.of(location, prepared.lease_owner) as keeper:
+        yield keeper
 
 
 def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:

@@ -15,7 +15,7 @@ from tasks.naming import artifact_key
 from tasks.setup import Prepared
 from trainer_core import attempts, engine, jobs, lease, mlflow_log, tensorboard_log
 from trainer_core.checkpoints import RunDirectory
-from trainer_core.errors import RelaytrainError
+from trainer_core.errors import LeaseLostError, RelaytrainError
 from trainer_core.retry import RetryDecision, decide_retry
 from trainer_core.spec import RunSpec
 
@@ -170,13 +170,21 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
         tracker.attempt_started()
     progress = ProgressRelay(spec, prepared, tracker)
     number = attempts.next_number(attempts.read(run_dir))  # the attempt this one records
-    with lease.LeaseKeeper(run_dir.location, held):
+    with lease.LeaseKeeper(run_dir.location, held) as keeper:
         try:
             if jobs.job_address(spec):  # a remote cluster: the attempt runs as a Ray job
                 result = jobs.run_attempt(spec, on_event=progress, on_log=logger.info)
             else:
-                result = engine.run_attempt(spec, on_event=progress)
+                result = engine.run_attempt(
+                    spec,
+                    on_event=progress,
+                    lease_owner=prepared.lease_owner,
+                    lost=lambda: keeper.lost,
+                )
             progress.publish()
+        except LeaseLostError as error:  # the run is another flow's now: write nothing
+            logger.error("attempt stopped: %s", error)
+            raise
         except RelaytrainError as error:
             decision = _decide(spec, run_dir, error, number)
             progress.publish()

@@ -30,7 +30,12 @@ import pyarrow.fs as pafs
 import xxhash
 
 from trainer_core import storage
-from trainer_core.errors import CheckpointCorruptError, IncompatibleRunError, SpecError
+from trainer_core.errors import (
+    CheckpointCorruptError,
+    IncompatibleRunError,
+    LeaseLostError,
+    SpecError,
+)
 from trainer_core.spec import CheckpointSection
 from trainer_core.storage import Location
 
@@ -152,15 +157,29 @@ class RetentionPlan:
 
 
 class RunDirectory:
-    """One run's directory on any pyarrow filesystem."""
+    """One run's directory on any pyarrow filesystem. With ``lease_owner``, every checkpoint
+    commit first checks that this owner still holds the run's lease (a fence: a flow that lost
+    it commits nothing more)."""
 
-    def __init__(self, location: Location):
+    def __init__(self, location: Location, lease_owner: str | None = None):
         self.location = location
+        self.lease_owner = lease_owner
 
     @classmethod
-    def of(cls, storage_uri: str, run_name: str) -> RunDirectory:
+    def of(cls, storage_uri: str, run_name: str, lease_owner: str | None = None) -> RunDirectory:
         """The directory of run ``run_name`` under ``run.storage`` (the one place it is built)."""
-        return cls(storage.resolve(storage_uri).child(run_name))
+        return cls(storage.resolve(storage_uri).child(run_name), lease_owner)
+
+    def check_lease(self, owner: str) -> None:
+        """LeaseLostError unless ``owner`` holds the run's lease now."""
+        current = self.lease_file.read_json() if self.lease_file.exists() else None
+        if current is None or current.get("owner") != owner:
+            holder = "nobody" if current is None else current.get("owner")
+            raise LeaseLostError(
+                f"run {self.uri} is no longer held by {owner} (held by {holder}): it writes "
+                "nothing more. Let the flow holding it finish, or run it again.",
+                field="run.name",
+            )
 
     @property
     def uri(self) -> str:
@@ -265,8 +284,11 @@ class RunDirectory:
         """Remove a stale directory for ``step`` (left by an attempt that did not commit it).
 
         Re-uploading into a reused directory keeps stale files; start from empty instead.
-        Marker first, so the directory never looks committed while it is half deleted.
+        Marker first, so the directory never looks committed while it is half deleted. Fenced
+        like the commit: a flow that lost the lease neither deletes nor writes here.
         """
+        if self.lease_owner is not None:
+            self.check_lease(self.lease_owner)
         target = self.checkpoint_location(step)
         if target.exists():
             target.child(MARKER_FILE).delete_file()
@@ -306,6 +328,8 @@ class RunDirectory:
         manifest_bytes = json.dumps(manifest, indent=2, sort_keys=True).encode()
         location = self.checkpoint_location(step)
         location.child(MANIFEST_FILE).write_bytes(manifest_bytes)
+        if self.lease_owner is not None:
+            self.check_lease(self.lease_owner)  # the fence: no commit without the lease
         location.child(MARKER_FILE).write_json(
             {"schema": SCHEMA_VERSION, "step": step, "manifest_sha256": sha256_hex(manifest_bytes)}
         )
@@ -431,6 +455,10 @@ class RunDirectory:
         return plan
 
     def delete_checkpoints(self, names: Iterable[str]) -> None:
+        """Delete checkpoint directories (retention, orphans): fenced by the lease."""
+        names = list(names)
+        if names and self.lease_owner is not None:
+            self.check_lease(self.lease_owner)
         for name in names:
             match = CHECKPOINT_PATTERN.fullmatch(name)
             if not match:

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from trainer_core import __version__, attempts, dataset_snapshot, storage, stream, workloads
 from trainer_core import data as data_mod
 from trainer_core.checkpoints import RunDirectory, Scan, open_checkpoint
-from trainer_core.errors import IncompatibleRunError, SpecError
+from trainer_core.errors import IncompatibleRunError, LeaseLostError, SpecError
 from trainer_core.execution import classify, cluster, trainer
 from trainer_core.execution.trainer import EventHandler
 from trainer_core.loop import builtin_train_loop
@@ -51,6 +52,8 @@ class Plan:
     #: The dataset snapshot the workers read (``PinnedDataset.for_workers``; None: generated
     #: data or a user's own loop).
     dataset: dict[str, Any] | None = None
+    #: The lease owner the attempt's commits are fenced by (None: no lease, e.g. a test).
+    lease_owner: str | None = None
 
 
 def versions() -> dict[str, str]:
@@ -363,10 +366,15 @@ def run_attempt(
     attempt: int | None = None,
     on_event: EventHandler | None = None,
     poll_interval_s: float = 0.5,
+    lease_owner: str | None = None,
+    lost: Callable[[], BaseException | None] | None = None,
 ) -> AttemptResult:
-    """Run one attempt of ``spec`` (resuming if the run has committed checkpoints)."""
+    """Run one attempt of ``spec`` (resuming if the run has committed checkpoints).
+    ``lease_owner``: the lease the workers' commits are fenced by; ``lost()``: an error once
+    the lease is lost (the attempt is stopped and raises it)."""
     started = time.time()
     plan, run_dir = plan_attempt(spec, attempt)
+    plan = dataclasses.replace(plan, lease_owner=lease_owner)
     pinned = pin_dataset(spec, run_dir)
     validate_workload(spec, pinned)
     if pinned is not None:
@@ -392,11 +400,12 @@ def run_attempt(
 
         loop = builtin_train_loop if spec.train_loop is None else user_train_loop
         try:
-            trainer.fit(spec, plan, loop, handle, poll_interval_s, reclaimed_before)
+            trainer.fit(spec, plan, loop, handle, poll_interval_s, reclaimed_before, lost)
         except BaseException as error:
             answered = reclaimed_before | live.preempted_nodes  # by in-place restarts
             classified = classify.name_preemption(classify.classify(error), answered)
-            attempts.write(run_dir, record.failed(classified, live.outcome(), live.step))
+            if not isinstance(classified, LeaseLostError):  # the run is another flow's now
+                attempts.write(run_dir, record.failed(classified, live.outcome(), live.step))
             if classified is error:
                 raise
             raise classified from error

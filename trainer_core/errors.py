@@ -38,6 +38,14 @@ class SpecError(RelaytrainError, ValueError):
         self.field = field
 
 
+class LeaseHeldError(SpecError):
+    """Another live flow holds the run. Not retried: a retry would find it held too."""
+
+
+class LeaseLostError(LeaseHeldError):
+    """This flow's lease was taken over: it commits nothing more. Not retried."""
+
+
 class ClusterCapacityError(SpecError):
     """The Ray cluster cannot hold the requested workers (Ray itself would wait forever)."""
 

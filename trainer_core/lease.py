@@ -4,6 +4,11 @@ A lease names its holder (an owner id, host and pid) and expires unless renewed.
 free, expired or stale lease (the holder's process is gone from this very host), or one the
 same owner already holds (a retried flow run). Object stores have no compare-and-swap here, so
 acquire writes, waits a moment, and reads back: the last writer wins and the loser sees it.
+
+The lease is fenced: the flow renews it from setup to finalize (across its retry delays), a
+renewal that finds it taken over marks the holder lost (``LeaseKeeper.lost``: the attempt is
+stopped), every checkpoint commit checks it first (``RunDirectory.commit_checkpoint``), and
+finalize writes nothing without it.
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer_core.checkpoints import SCHEMA_VERSION, RunDirectory
-from trainer_core.errors import SpecError
+from trainer_core.errors import LeaseHeldError, LeaseLostError
 from trainer_core.storage import Location
 
 DEFAULT_TTL_S = 60.0
 
 
-class LeaseHeldError(SpecError):
-    """Another live flow holds the run. Not retried: a retry would find it held too."""
+def lease_ttl_s() -> float:
+    """Seconds a lease lasts unless renewed (renewed every third of it):
+    ``RELAYTRAIN_LEASE_TTL_S``, else 60."""
+    return float(os.environ.get("RELAYTRAIN_LEASE_TTL_S") or DEFAULT_TTL_S)
 
 
 @dataclass(frozen=True)
@@ -59,10 +66,11 @@ def holder_is_gone(lease: dict[str, Any], now: float, host: str) -> bool:
 def acquire(
     run_location: Location,
     owner: str | None = None,
-    ttl_s: float = DEFAULT_TTL_S,
+    ttl_s: float | None = None,
     settle_s: float = 0.2,
 ) -> Lease:
     """Take the run's lease or raise LeaseHeldError naming the holder."""
+    ttl_s = ttl_s or lease_ttl_s()
     path = RunDirectory(run_location).lease_file
     host = socket.gethostname()
     owner = owner or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -88,14 +96,33 @@ def acquire(
     return lease
 
 
-def renew(run_location: Location, lease: Lease, ttl_s: float = DEFAULT_TTL_S) -> Lease:
+def renew(run_location: Location, lease: Lease, ttl_s: float | None = None) -> Lease:
+    """Extend ``lease``; LeaseLostError when another owner holds the run now."""
     path = RunDirectory(run_location).lease_file
     current = path.read_json() if path.exists() else None
-    if current is not None and current.get("owner") != lease.owner:
-        raise LeaseHeldError(f"lease of {run_location.uri} was taken over by {current['owner']}")
-    renewed = Lease(lease.owner, lease.host, lease.pid, lease.acquired_at, time.time() + ttl_s)
+    if current is None or current.get("owner") != lease.owner:
+        holder = "nobody (it was released)" if current is None else current.get("owner")
+        raise LeaseLostError(
+            f"the lease of run {run_location.uri} was taken over: it is held by {holder}, not "
+            f"this flow ({lease.owner}), which stops and commits nothing more. Let the other "
+            "flow finish, or cancel it and run this one again.",
+            field="run.name",
+        )
+    renewed = Lease(
+        lease.owner,
+        lease.host,
+        lease.pid,
+        lease.acquired_at,
+        time.time() + (ttl_s or lease_ttl_s()),
+    )
     path.write_json(renewed.to_json())
     return renewed
+
+
+def check_held(run_location: Location, owner: str) -> None:
+    """LeaseLostError unless ``owner`` holds the run's lease now (a fence before a write that
+    only the holder may make)."""
+    RunDirectory(run_location).check_lease(owner)
 
 
 def release(run_location: Location, owner: str) -> None:
@@ -106,17 +133,30 @@ def release(run_location: Location, owner: str) -> None:
 
 
 class LeaseKeeper:
-    """Renews a lease in a background thread while a long task runs."""
+    """Renews a lease in a background thread while the run is driven (from setup to finalize,
+    across retry delays). A renewal that finds the lease taken over stops renewing and keeps
+    the error in ``lost``: the attempt in progress checks it and stops."""
 
-    def __init__(self, run_location: Location, lease: Lease, ttl_s: float = DEFAULT_TTL_S):
-        self.location, self.lease, self.ttl_s = run_location, lease, ttl_s
+    def __init__(self, run_location: Location, lease: Lease, ttl_s: float | None = None):
+        self.location, self.lease = run_location, lease
+        self.ttl_s = ttl_s or lease_ttl_s()
+        self.lost: LeaseLostError | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="relaytrain-lease", daemon=True)
+
+    @classmethod
+    def of(cls, run_location: Location, owner: str) -> LeaseKeeper:
+        """A keeper of the lease ``owner`` holds (taken by ``acquire`` earlier)."""
+        now = time.time()
+        return cls(run_location, Lease(owner, socket.gethostname(), os.getpid(), now, now))
 
     def _run(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 self.lease = renew(self.location, self.lease, self.ttl_s)
+            except LeaseLostError as e:
+                self.lost = e
+                return
             except Exception:  # a missed renewal is retried; expiry is the backstop
                 continue
 

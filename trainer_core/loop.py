@@ -73,7 +73,7 @@ class BuiltinLoop:
         self.config = config
         self.spec = RunSpec.model_validate(config.spec)
         assert self.spec.model and self.spec.data and self.spec.schedule
-        self.run_dir = RunDirectory.of(config.storage_uri, config.run_name)
+        self.run_dir = RunDirectory.of(config.storage_uri, config.run_name, config.lease_owner)
         self.relay = Relay(config.relay, self.rank)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.data_spec = self.spec.data.resolved()

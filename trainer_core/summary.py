@@ -284,6 +284,8 @@ def finalize_run(
 
 
 def write_summary(run_dir: RunDirectory, result: TrainingResult) -> None:
+    if run_dir.lease_owner is not None:
+        run_dir.check_lease(run_dir.lease_owner)  # only the run's holder writes its summary
     run_dir.summary_file.write_json({"schema": SCHEMA_VERSION, **result.model_dump(mode="json")})
 
 

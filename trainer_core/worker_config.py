@@ -25,6 +25,8 @@ class WorkerConfig:
     #: The run's dataset snapshot and what it holds (``engine.PinnedDataset.for_workers``):
     #: the files every rank reads, listed by the driver once. None: generated data.
     dataset: dict[str, Any] | None = None
+    #: The flow's lease owner: every commit and deletion checks it still holds the run.
+    lease_owner: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``train_loop_config``: plain values only, because Ray Train's controller

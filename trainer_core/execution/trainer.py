@@ -176,6 +176,7 @@ def _trainer(spec: RunSpec, plan: Any, loop: TrainLoop, relay: Any) -> Any:
         relay=relay,
         watch_preemption=watches_preemption(),
         dataset=plan.dataset,
+        lease_owner=plan.lease_owner,
     )
     user_loop = spec.train_loop is not None
     # A running Ray cluster does not see this process's environment, so the controller and
@@ -248,11 +249,13 @@ def fit(
     handle: EventHandler,
     poll_interval_s: float,
     reclaimed_before: set[str],
+    lost: Callable[[], BaseException | None] | None = None,
 ) -> None:
     """Run ``loop`` on a worker group for the attempt ``plan`` (an ``engine.Plan``): fit() in a
     thread, the workers' events relayed to ``handle`` here; an interrupt stops the worker group.
     ``reclaimed_before``: the nodes reclaimed for preemption before the attempt (not the cause
-    of its failures).
+    of its failures). ``lost()``: an error once the run's lease is lost; the worker group is
+    stopped and it is raised.
 
     Cancellation (Prefect's TerminationSignal, KeyboardInterrupt) arrives in this thread as a
     BaseException: the ``finally`` aborts Ray Train's controller, which stops every worker.
@@ -289,6 +292,9 @@ def fit(
         while thread.is_alive():
             thread.join(poll_interval_s)
             relay_events()
+            error = lost() if lost is not None else None
+            if error is not None:
+                raise error
         relay_events()
         finished = True
     finally:

@@ -1,0 +1,155 @@
+"""The run lease under real use, through the flow, on local storage and on the moto S3 server:
+it is held across a retry's delay, a holder that loses it stops and commits nothing more, and a
+finalize without it deletes nothing.
+
+The lease lasts 3 s here (``RELAYTRAIN_LEASE_TTL_S``; 60 s by default), renewed every second:
+a retry delay of 6 s outlasts it, as Prefect's 80-120 s delays outlast the default."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from prefect import flow
+
+from flows.pytest_plugin import with_fault
+from flows.training import training
+from tasks import Prepared, finalize
+from tests.conftest import tiny_raw
+from tests.prefect_api import task_runs
+from tests.recovery import run_dir_of
+from trainer_core import lease
+from trainer_core.checkpoints import RunDirectory
+from trainer_core.spec import RunSpec, build_spec
+
+pytestmark = pytest.mark.integration
+TTL_S = 3.0
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path, monkeypatch) -> str:
+    """Where the runs live: a directory, or a prefix on the moto S3 server."""
+    monkeypatch.setenv("RELAYTRAIN_LEASE_TTL_S", str(TTL_S))
+    if request.param == "local":
+        return str(tmp_path)
+    server = request.getfixturevalue("s3_server")
+    for key, value in server.credential_env().items():
+        monkeypatch.setenv(key, value)
+    return server.uri(f"lease-{tmp_path.name}")
+
+
+def _in_thread(spec: RunSpec) -> tuple[threading.Thread, dict[str, Any]]:
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(state=training(spec, return_state=True)))
+    thread.start()
+    return thread, box
+
+
+def _wait_for(condition: Any, thread: threading.Thread, what: str) -> None:
+    deadline = time.time() + 300
+    while not condition():
+        assert time.time() < deadline and thread.is_alive(), f"{what} never happened"
+        time.sleep(0.05)
+
+
+def test_a_second_flow_in_the_retry_delay_is_refused(
+    relaytrain_ray, relaytrain_prefect, storage
+) -> None:
+    """The first flow's attempt fails and Prefect waits 6 s, twice the lease's life, before
+    its retry. A second flow started in that wait is refused with LeaseHeldError, and the first
+    flow's retry resumes and completes."""
+    raw = tiny_raw(storage, "held", retries={"delay_s": 6, "jitter": 0})
+    spec = with_fault(build_spec(raw), "raise", at_step=8)
+    run_dir = run_dir_of(spec)
+    thread, box = _in_thread(spec)
+    _wait_for(
+        lambda: any(a.get("status") == "failed" for a in run_dir.read_attempts()),
+        thread,
+        "attempt 1's failure",
+    )
+    time.sleep(TTL_S + 1)  # an unrenewed lease has expired by now
+    second = training(spec, return_state=True)
+    assert second.is_failed()
+    refused = second.result(raise_on_failure=False)
+    assert isinstance(refused, lease.LeaseHeldError), repr(refused)
+    assert "held by flow-run-" in str(refused) and "run.name" in str(refused)
+    thread.join(300)
+    assert box["state"].is_completed(), box["state"]
+    assert box["state"].result().steps_completed == 39
+    assert [a["status"] for a in run_dir.read_attempts()] == ["failed", "completed"]
+    assert not run_dir.lease_file.exists()  # released at the end
+
+
+def test_a_holder_whose_lease_is_taken_over_stops_and_commits_nothing_more(
+    relaytrain_ray, relaytrain_prefect, storage
+) -> None:
+    """Mid-run, another owner rewrites lock.json. The holder's attempt ends with
+    LeaseLostError within about a renewal (not retried); no checkpoint whose manifest was
+    written after the takeover is committed, and its finalize deletes nothing and writes no
+    summary."""
+    slow = {"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16, 16], "delay_s": 0.1}}
+    spec = build_spec(tiny_raw(storage, "taken", model=slow, checkpoint={"every": 5}))
+    run_dir = run_dir_of(spec)
+    thread, box = _in_thread(spec)
+    _wait_for(lambda: len(run_dir.scan().committed) >= 2, thread, "two commits")
+    taken_at = time.time()
+    run_dir.lease_file.write_json(
+        {
+            "schema": 1,
+            "owner": "another-flow",
+            "host": "elsewhere",
+            "pid": 1,
+            "acquired_at": taken_at,
+            "expires_at": taken_at + 3600,
+        }
+    )
+    committed = {c.step for c in run_dir.scan().committed}
+    thread.join(300)
+    stopped_s = time.time() - taken_at
+    state = box["state"]
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, lease.LeaseLostError), repr(error)
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 1
+    after = run_dir.scan().committed
+    assert all(c.manifest["created_at"] < taken_at for c in after), [c.step for c in after]
+    assert committed <= {c.step for c in after}  # nothing deleted after the takeover
+    assert not run_dir.summary_file.exists()
+    assert run_dir.lease_file.read_json()["owner"] == "another-flow"
+    assert stopped_s < 60, stopped_s  # the attempt stopped, it did not train to the end
+
+
+def test_finalize_without_the_lease_deletes_nothing(
+    relaytrain_ray, relaytrain_prefect, storage
+) -> None:
+    """A run trained with every checkpoint kept; another flow holds it now. finalize of a
+    spec keeping one checkpoint (retention would delete the rest) deletes nothing, writes no
+    summary, and leaves the other flow's lease."""
+    keep_all = build_spec(tiny_raw(storage, "kept", checkpoint={"keep_last": None}))
+    assert training(keep_all).status == "completed"
+    run_dir = run_dir_of(keep_all)
+    before = {c.step for c in run_dir.scan().committed}
+    summary = run_dir.summary_file.read_bytes()
+    lease.acquire(run_dir.location, owner="another-flow", settle_s=0)
+    keep_one = build_spec(tiny_raw(storage, "kept", checkpoint={"keep_last": 1, "keep_best": 0}))
+    prepared = Prepared(
+        run_name="kept",
+        storage_uri=keep_one.run.storage,
+        run_uri=run_dir.uri,
+        lease_owner="this-flow",
+        plan_reason="test",
+        total_steps=39,
+        resume_step=39,
+    )
+
+    @flow
+    def finalize_only() -> Any:
+        return finalize(keep_one, prepared, status="failed")
+
+    result = finalize_only()
+    assert result.steps_completed == 39
+    assert {c.step for c in RunDirectory(run_dir.location).scan().committed} == before
+    assert run_dir.summary_file.read_bytes() == summary
+    assert run_dir.lease_file.read_json()["owner"] == "another-flow"
