@@ -199,13 +199,17 @@ class RunDirectory:
 
     # -- run.json ---------------------------------------------------------------------------
 
-    def read_run_record(self) -> dict[str, Any] | None:
-        record = self.location.child(RUN_FILE)
+    def _read_record(self, name: str) -> dict[str, Any] | None:
+        """A JSON record of the run directory, its schema checked (None when absent)."""
+        record = self.location.child(name)
         if not record.exists():
             return None
         data = record.read_json()
         _check_schema(data, record.uri)
         return data
+
+    def read_run_record(self) -> dict[str, Any] | None:
+        return self._read_record(RUN_FILE)
 
     def write_run_record(
         self,
@@ -231,12 +235,7 @@ class RunDirectory:
     # -- dataset.json --------------------------------------------------------------------------
 
     def read_dataset_snapshot(self) -> dict[str, Any] | None:
-        record = self.location.child(DATASET_FILE)
-        if not record.exists():
-            return None
-        data = record.read_json()
-        _check_schema(data, record.uri)
-        return data
+        return self._read_record(DATASET_FILE)
 
     def write_dataset_snapshot(self, snapshot: dict[str, Any]) -> None:
         self.location.child(DATASET_FILE).write_json(snapshot)
