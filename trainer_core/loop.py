@@ -165,6 +165,8 @@ class BuiltinLoop:
         if checkpoint is not None:
             manifest = checkpoint.manifest
             self.stopping = training_state.EarlyStopping.from_json(manifest.get("early_stopping"))
+            if self.rank == 0 and self.scheduler.changed:
+                logger.warning("resumed under another spec, %s", self.scheduler.changed)
             self.progress = Progress(
                 step=checkpoint.step,
                 cursor=data_mod.Cursor.from_json(manifest["cursor"]),
