@@ -2,8 +2,11 @@
 
 A lease names its holder (an owner id, host and pid) and expires unless renewed. Acquire takes a
 free, expired or stale lease (the holder's process is gone from this very host), or one the
-same owner already holds (a retried flow run). Object stores have no compare-and-swap here, so
-acquire writes, waits a moment, and reads back: the last writer wins and the loser sees it.
+same owner already holds (a retried flow run). Where the store has compare-and-swap writes
+(S3's conditional PutObject, a lock on local disks: ``conditional_write``), acquire and renew
+write only if ``lock.json`` is still what they read, so of two racing flows exactly one wins.
+Elsewhere acquire writes, waits a moment, and reads back: the last writer wins and the loser
+sees it.
 
 The lease is fenced: the flow renews it from setup to finalize (across its retry delays), a
 renewal that finds it taken over marks the holder lost (``LeaseKeeper.lost``: the attempt is
@@ -21,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from trainer_core import conditional_write
 from trainer_core.checkpoints import SCHEMA_VERSION, RunDirectory
 from trainer_core.errors import LeaseHeldError, LeaseLostError
 from trainer_core.storage import Location
@@ -75,7 +79,9 @@ def acquire(
     host = socket.gethostname()
     owner = owner or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     now = time.time()
-    current = path.read_json() if path.exists() else None
+    conditional = conditional_write.supported(path)
+    found = conditional_write.read(path) if conditional else None
+    current = found.value if found else (path.read_json() if path.exists() else None)
     if current and current.get("owner") != owner and not holder_is_gone(current, now, host):
         raise LeaseHeldError(
             f"run {run_location.uri} is held by {current.get('owner')} (pid {current.get('pid')} "
@@ -84,22 +90,29 @@ def acquire(
             field="run.name",
         )
     lease = Lease(owner, host, os.getpid(), now, now + ttl_s)
+    taken = LeaseHeldError(
+        f"run {run_location.uri} was taken by another flow at the same moment: it is driving "
+        "it. Wait for it to finish, or choose another run.name.",
+        field="run.name",
+    )
+    if found is not None:  # compare-and-swap: only one of two racing flows wins
+        try:
+            conditional_write.write(path, lease.to_json(), found.version)
+        except conditional_write.ConditionFailed as e:
+            raise taken from e
+        return lease
     path.write_json(lease.to_json())
     time.sleep(settle_s)
-    written = path.read_json()
-    if written.get("owner") != owner:
-        raise LeaseHeldError(
-            f"run {run_location.uri} was taken by {written.get('owner')} at the same moment: "
-            "another flow is driving it. Wait for it to finish, or choose another run.name.",
-            field="run.name",
-        )
+    if path.read_json().get("owner") != owner:
+        raise taken
     return lease
 
 
 def renew(run_location: Location, lease: Lease, ttl_s: float | None = None) -> Lease:
     """Extend ``lease``; LeaseLostError when another owner holds the run now."""
     path = RunDirectory(run_location).lease_file
-    current = path.read_json() if path.exists() else None
+    found = conditional_write.read(path) if conditional_write.supported(path) else None
+    current = found.value if found else (path.read_json() if path.exists() else None)
     if current is None or current.get("owner") != lease.owner:
         holder = "nobody (it was released)" if current is None else current.get("owner")
         raise LeaseLostError(
@@ -115,7 +128,13 @@ def renew(run_location: Location, lease: Lease, ttl_s: float | None = None) -> L
         lease.acquired_at,
         time.time() + (ttl_s or lease_ttl_s()),
     )
-    path.write_json(renewed.to_json())
+    if found is None:
+        path.write_json(renewed.to_json())
+        return renewed
+    try:  # unless another flow wrote it since it was read
+        conditional_write.write(path, renewed.to_json(), found.version)
+    except conditional_write.ConditionFailed:
+        return renew(run_location, lease, ttl_s)  # read again: lost, or ours still
     return renewed
 
 

@@ -7,6 +7,7 @@ a retry delay of 6 s outlasts it, as Prefect's 80-120 s delays outlast the defau
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -20,7 +21,7 @@ from tasks import Prepared, finalize
 from tests.conftest import tiny_raw
 from tests.prefect_api import task_runs
 from tests.recovery import run_dir_of
-from trainer_core import lease
+from trainer_core import conditional_write, lease, storage
 from trainer_core.checkpoints import RunDirectory
 from trainer_core.spec import RunSpec, build_spec
 
@@ -29,7 +30,7 @@ TTL_S = 3.0
 
 
 @pytest.fixture(params=["local", "s3"])
-def storage(request, tmp_path, monkeypatch) -> str:
+def runs_at(request, tmp_path, monkeypatch) -> str:
     """Where the runs live: a directory, or a prefix on the moto S3 server."""
     monkeypatch.setenv("RELAYTRAIN_LEASE_TTL_S", str(TTL_S))
     if request.param == "local":
@@ -55,12 +56,12 @@ def _wait_for(condition: Any, thread: threading.Thread, what: str) -> None:
 
 
 def test_a_second_flow_in_the_retry_delay_is_refused(
-    relaytrain_ray, relaytrain_prefect, storage
+    relaytrain_ray, relaytrain_prefect, runs_at
 ) -> None:
     """The first flow's attempt fails and Prefect waits 6 s, twice the lease's life, before
     its retry. A second flow started in that wait is refused with LeaseHeldError, and the first
     flow's retry resumes and completes."""
-    raw = tiny_raw(storage, "held", retries={"delay_s": 6, "jitter": 0})
+    raw = tiny_raw(runs_at, "held", retries={"delay_s": 6, "jitter": 0})
     spec = with_fault(build_spec(raw), "raise", at_step=8)
     run_dir = run_dir_of(spec)
     thread, box = _in_thread(spec)
@@ -83,14 +84,14 @@ def test_a_second_flow_in_the_retry_delay_is_refused(
 
 
 def test_a_holder_whose_lease_is_taken_over_stops_and_commits_nothing_more(
-    relaytrain_ray, relaytrain_prefect, storage
+    relaytrain_ray, relaytrain_prefect, runs_at
 ) -> None:
     """Mid-run, another owner rewrites lock.json. The holder's attempt ends with
     LeaseLostError within about a renewal (not retried); no checkpoint whose manifest was
     written after the takeover is committed, and its finalize deletes nothing and writes no
     summary."""
     slow = {"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16, 16], "delay_s": 0.1}}
-    spec = build_spec(tiny_raw(storage, "taken", model=slow, checkpoint={"every": 5}))
+    spec = build_spec(tiny_raw(runs_at, "taken", model=slow, checkpoint={"every": 5}))
     run_dir = run_dir_of(spec)
     thread, box = _in_thread(spec)
     _wait_for(lambda: len(run_dir.scan().committed) >= 2, thread, "two commits")
@@ -122,18 +123,18 @@ def test_a_holder_whose_lease_is_taken_over_stops_and_commits_nothing_more(
 
 
 def test_finalize_without_the_lease_deletes_nothing(
-    relaytrain_ray, relaytrain_prefect, storage
+    relaytrain_ray, relaytrain_prefect, runs_at
 ) -> None:
     """A run trained with every checkpoint kept; another flow holds it now. finalize of a
     spec keeping one checkpoint (retention would delete the rest) deletes nothing, writes no
     summary, and leaves the other flow's lease."""
-    keep_all = build_spec(tiny_raw(storage, "kept", checkpoint={"keep_last": None}))
+    keep_all = build_spec(tiny_raw(runs_at, "kept", checkpoint={"keep_last": None}))
     assert training(keep_all).status == "completed"
     run_dir = run_dir_of(keep_all)
     before = {c.step for c in run_dir.scan().committed}
     summary = run_dir.summary_file.read_bytes()
     lease.acquire(run_dir.location, owner="another-flow", settle_s=0)
-    keep_one = build_spec(tiny_raw(storage, "kept", checkpoint={"keep_last": 1, "keep_best": 0}))
+    keep_one = build_spec(tiny_raw(runs_at, "kept", checkpoint={"keep_last": 1, "keep_best": 0}))
     prepared = Prepared(
         run_name="kept",
         storage_uri=keep_one.run.storage,
@@ -153,3 +154,34 @@ def test_finalize_without_the_lease_deletes_nothing(
     assert {c.step for c in RunDirectory(run_dir.location).scan().committed} == before
     assert run_dir.summary_file.read_bytes() == summary
     assert run_dir.lease_file.read_json()["owner"] == "another-flow"
+
+
+def test_of_flows_racing_for_a_free_lease_on_s3_exactly_one_wins(s3_server, monkeypatch) -> None:
+    """On the moto server acquire and renew are conditional PutObjects (If-None-Match: *,
+    If-Match: ETag): of 6 acquires racing for a free lease one wins (10 races), and a renewal
+    after another owner wrote lock.json is refused."""
+    for key, value in s3_server.credential_env().items():
+        monkeypatch.setenv(key, value)
+    root = storage.resolve(s3_server.uri("lease-race"))
+    assert conditional_write.supported(root)
+    for race in range(10):
+        location = root.child(f"run-{race}")
+        start = threading.Barrier(6)
+        won: list[str] = []
+
+        def contend(name: str, where=location, barrier=start, winners=won) -> None:
+            barrier.wait()
+            with contextlib.suppress(lease.LeaseHeldError):
+                winners.append(lease.acquire(where, owner=name, settle_s=0).owner)
+
+        threads = [threading.Thread(target=contend, args=(f"flow-{i}",)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(won) == 1, (race, won)
+        assert location.child("lock.json").read_json()["owner"] == won[0]
+    held = lease.acquire(root.child("renewed"), owner="a", settle_s=0)
+    root.child("renewed", "lock.json").write_json({**held.to_json(), "owner": "b"})
+    with pytest.raises(lease.LeaseLostError, match="held by b"):
+        lease.renew(root.child("renewed"), held)

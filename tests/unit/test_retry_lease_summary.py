@@ -1,6 +1,8 @@
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -114,6 +116,34 @@ def test_renew_refuses_a_lease_taken_over(run_location):
     lease.acquire(run_location, owner="b", settle_s=0)
     with pytest.raises(lease.LeaseHeldError, match="taken over"):
         lease.renew(run_location, held)
+
+
+def _race(location, owners: int) -> list[str]:
+    """``owners`` threads acquire the free lease at the same moment; the winners."""
+    start = threading.Barrier(owners)
+    won: list[str] = []
+
+    def contend(name: str) -> None:
+        start.wait()
+        with contextlib.suppress(lease.LeaseHeldError):
+            won.append(lease.acquire(location, owner=name, settle_s=0).owner)
+
+    threads = [threading.Thread(target=contend, args=(f"flow-{i}",)) for i in range(owners)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return won
+
+
+def test_of_flows_racing_for_a_free_lease_exactly_one_wins(tmp_path):
+    """Compare-and-swap on a local disk: however the reads and writes of 8 racing acquires
+    interleave, one owner wins and lock.json names it (20 races)."""
+    for race in range(20):
+        location = storage.resolve(str(tmp_path / f"run-{race}"))
+        won = _race(location, 8)
+        assert len(won) == 1, (race, won)
+        assert location.child("lock.json").read_json()["owner"] == won[0]
 
 
 def test_attempt_summaries_count_steps_lost():
