@@ -56,3 +56,37 @@ class RecordingMLP(MLP):
 
 def recording_mlp(num_inputs: int, num_outputs: int, **kwargs) -> nn.Module:
     return RecordingMLP(num_inputs, num_outputs, **kwargs)
+
+
+class OverflowingMLP(MLP):
+    """An MLP whose training forward passes number ``at_forward`` to ``at_forward + times - 1``
+    (counted from 1 in each worker process) on rank ``rank`` add 1e5 to its output: under fp16
+    autocast that is beyond fp16's range (65504), so the output and the loss are inf, while the
+    same sum in fp32 is finite."""
+
+    def __init__(
+        self,
+        num_inputs: int,
+        num_outputs: int,
+        at_forward: int = 1,
+        times: int = 1,
+        rank: int = 0,
+        **kwargs,
+    ):
+        super().__init__(num_inputs, num_outputs, **kwargs)
+        self.at_forward, self.times, self.rank = at_forward, times, rank
+        self.forwards = 0
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        output = super().forward(x)
+        if self.training and dist.is_initialized() and dist.get_rank() == self.rank:
+            self.forwards += 1
+            if self.at_forward <= self.forwards < self.at_forward + self.times:
+                output = output + 1e5
+        return output
+
+
+def overflowing_mlp(num_inputs: int, num_outputs: int, **kwargs) -> nn.Module:
+    return OverflowingMLP(num_inputs, num_outputs, **kwargs)

@@ -16,7 +16,6 @@ keys, file names, staging, the background write, the commit).
 from __future__ import annotations
 
 import logging
-import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -34,7 +33,12 @@ from trainer_core.errors import InfrastructureError, RelaytrainError, TrainingCo
 from trainer_core.execution import worker_api
 from trainer_core.preemption import DrainWatch
 from trainer_core.spec import RunSpec
-from trainer_core.steps import accumulate_gradients, optimizer_step, optimizer_steps
+from trainer_core.steps import (
+    NonFiniteLosses,
+    accumulate_gradients,
+    optimizer_step,
+    optimizer_steps,
+)
 from trainer_core.worker import (
     Faults,
     Relay,
@@ -119,6 +123,7 @@ class BuiltinLoop:
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if self.spec.precision == "fp16" else None
         )
+        self.nonfinite = NonFiniteLosses(scaled=self.scaler is not None)
         training_state.seed_everything(self.spec.run.seed * 1009 + self.rank + 1)  # per-rank RNG
         self.progress = Progress()
         self.group = 0  # worker groups of this attempt before this one (in-place restarts)
@@ -333,10 +338,17 @@ class BuiltinLoop:
         )
         self.scheduler.step()
         value = loss.item()
-        if not math.isfinite(value):
+        if self.nonfinite.should_stop(value):
+            where = f"loss became {value} at step {step} on rank {self.rank}"
+            fix = "lower optimizer.lr, check the data for NaN/inf, or add gradient clipping"
+            if self.scaler is not None:  # an overflow that lowering the scale did not cure
+                where += (
+                    f", {self.nonfinite.in_a_row} fp16 steps in a row (the gradient scaler "
+                    f"skipped them, its scale is down to {self.scaler.get_scale():g})"
+                )
+                fix = f"use precision bf16 or fp32, {fix}"
             raise TrainingCodeError(
-                f"loss became {value} at step {step} on rank {self.rank}: lower optimizer.lr, "
-                "check the data for NaN/inf, or add gradient clipping in your model",
+                f"{where}: {fix} in your model",
                 error_type="NonFiniteLoss",
                 step=step,
                 rank=self.rank,

@@ -4,7 +4,9 @@ fp16's scaler, and an epoch's batches grouped into steps. Pure functions of torc
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -84,3 +86,27 @@ def optimizer_step(
         scaler.step(optimizer)
         scaler.update()
     return grad_norm
+
+
+@dataclass
+class NonFiniteLosses:
+    """When a non-finite loss stops training.
+
+    Without fp16's gradient scaler (fp32, bf16): at once. With it, a step whose loss overflowed
+    fp16 is the scaler's to handle (its gradients are not finite either, so ``optimizer_step``
+    skips it and lowers the scale) and training goes on; only ``limit`` such steps in a row stop
+    it, an overflow that lowering the scale does not cure (fp16 cannot hold the model's values).
+    """
+
+    scaled: bool
+    limit: int = 3
+    #: Steps in a row, up to the last one, whose loss was not finite.
+    in_a_row: int = 0
+
+    def should_stop(self, loss: float) -> bool:
+        """Take a step's loss; True when it stops training."""
+        if math.isfinite(loss):
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        return not self.scaled or self.in_a_row >= self.limit
