@@ -11,6 +11,13 @@ Nobody else builds these paths. Layout::
       lock.json                         the lease of the flow driving the run
       (Ray's own snapshot and marker files sit beside these)
 
+A user's own Ray Train loop checkpoints through Ray instead: Ray names each directory, and its
+snapshot lists the ones it registered (its commit record); relaytrain adds one file to each::
+
+      checkpoint_{Ray's timestamp}/     the loop's files, and relaytrain.json: the report it
+                                        came with, numbered across attempts, and its metrics
+      checkpoint_manager_snapshot.json  Ray Train's: the registered checkpoints, by name
+
 Durable order: checkpoint files, metrics segment, manifest, commit marker; deletion last and
 marker first (a directory without its marker does not exist). Every JSON carries "schema".
 """
@@ -52,6 +59,8 @@ MANIFEST_FILE = "manifest.json"
 MARKER_FILE = "COMMITTED"
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d{9})$")
 SEGMENT_PATTERN = re.compile(r"^segment-a(\d{4})-(\d{9})-(\d{9})\.jsonl$")
+#: What relaytrain adds to each Ray checkpoint of a user's loop (``report_record``).
+REPORT_FILE = "relaytrain.json"
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -395,6 +404,18 @@ class RunDirectory:
             )
         return data
 
+    # -- a user's own loop's checkpoints (Ray's) -------------------------------------------------
+
+    def read_report_record(self, name: str) -> dict[str, Any] | None:
+        """The report record of Ray checkpoint directory ``name`` (None when it has none)."""
+        path = self.location.child(name, REPORT_FILE)
+        try:
+            data = path.read_json()
+        except (FileNotFoundError, ValueError):
+            return None
+        _check_schema(data, path.uri)
+        return data
+
     # -- metrics history ----------------------------------------------------------------------
 
     def write_metrics_segment(self, attempt: int, rows: Sequence[dict[str, Any]]) -> None:
@@ -512,6 +533,20 @@ def identity_changes(
         elif old != new:
             changes.append((path, old, new))
     return changes
+
+
+def report_record(step: int, report: int, attempt: int, metrics: dict[str, Any]) -> bytes:
+    """What a user loop's report adds to its Ray checkpoint (``REPORT_FILE``): the report's
+    number in the run (counted across attempts: a resumed attempt goes on from it), its history
+    key ``step`` and its metrics."""
+    record = {
+        "schema": SCHEMA_VERSION,
+        "step": step,
+        "report": report,
+        "attempt": attempt,
+        "metrics": metrics,
+    }
+    return json.dumps(record, sort_keys=True).encode()
 
 
 def _check_schema(data: dict[str, Any], where: str) -> None:

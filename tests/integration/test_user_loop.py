@@ -1,0 +1,173 @@
+"""A Ray Train loop of a user's own, run through the training flow (issue 29, item 5).
+
+The loops below are written as Ray's checkpointing guide writes one: ``ray.train.report`` with a
+``Checkpoint.from_directory`` of a ``model.pt`` on rank 0, ``ray.train.get_checkpoint`` to
+resume. Rank 0 also appends one JSON line per report that returned to ``config["log"]``: the
+loop's own account of what it ran, which the tests hold relaytrain's result against.
+
+Ray workers import this module to run the loops: its top level imports no Prefect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- the loops (run by Ray's workers) --------------------------------------------------------
+
+
+def counting_loop(config: dict[str, Any]) -> None:
+    """One report an epoch with ``loss`` and ``score`` (highest at ``best_epoch``), and no
+    ``step`` metric (nor ``epoch``, unless ``report_epoch``); a checkpoint every
+    ``checkpoint_every`` epochs. With ``kill_peer_at``, rank 1 of the first worker group dies
+    at that epoch while rank 0 waits for it in a collective (``marker`` makes it once)."""
+    import ray.train
+    import ray.train.torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as folder:
+            state = torch.load(os.path.join(folder, "model.pt"), weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["epoch"] + 1
+    model = ray.train.torch.prepare_model(model)
+    rank = ray.train.get_context().get_world_rank()
+    generator = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(64, 4, generator=generator)
+    y = x.sum(dim=1, keepdim=True)
+    for epoch in range(start, config["num_epochs"]):
+        first_time = epoch == config.get("kill_peer_at") and not os.path.exists(config["marker"])
+        if rank == 1 and first_time:
+            Path(config["marker"]).write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank 1 that died
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        metrics: dict[str, Any] = {
+            "loss": loss.item(),
+            "score": -float(abs(epoch - config.get("best_epoch", 0))),
+        }
+        if config.get("report_epoch"):
+            metrics["epoch"] = epoch
+        saved = rank == 0 and (epoch + 1) % config["checkpoint_every"] == 0
+        with tempfile.TemporaryDirectory() as tmp:
+            if saved:
+                state = {
+                    "model": model.module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "epoch": epoch,
+                }
+                torch.save(state, os.path.join(tmp, "model.pt"))
+            ray.train.report(
+                metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if saved else None
+            )
+        if rank == 0:
+            with open(config["log"], "a") as log:
+                line = {"epoch": epoch, "checkpoint": saved, "pid": os.getpid(), **metrics}
+                log.write(json.dumps(line) + "\n")
+
+
+# -- what the loop says it ran ----------------------------------------------------------------
+
+
+def loop_log(path: Path) -> list[dict[str, Any]]:
+    """Every report the loop made that returned, in order, across attempts."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def final_timeline(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reports the run keeps: for each epoch, the last time the loop reported it (a resumed
+    attempt runs again the epochs after its checkpoint)."""
+    last = {line["epoch"]: line for line in log}
+    return [last[epoch] for epoch in sorted(last)]
+
+
+def checkpoint_dirs(run_path: Path) -> dict[int, Path]:
+    """The run's Ray checkpoint directories by the epoch their model.pt holds, read with torch."""
+    found = {}
+    for folder in sorted(p for p in run_path.glob("checkpoint_*") if p.is_dir()):
+        state = torch.load(folder / "model.pt", weights_only=True)
+        found[int(state["epoch"])] = folder
+    return found
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def own_loop_spec(storage: Path, name: str, **loop_config: Any) -> Any:
+    from trainer_core.spec import build_spec
+
+    return build_spec(
+        {
+            "run": {"name": name, "storage": str(storage)},
+            "scaling": {"num_workers": 2},
+            "train_loop": "tests.integration.test_user_loop:counting_loop",
+            "train_loop_config": {"log": str(storage / f"{name}.log.jsonl"), **loop_config},
+            "checkpoint": {"keep_last": None, "best_metric": "score", "best_mode": "max"},
+            "retries": {"delay_s": 0, "jitter": 0},
+        }
+    )
+
+
+def with_faults(spec: Any, *faults: dict[str, Any]) -> Any:
+    from trainer_core.spec import RunSpec
+
+    raw = spec.model_dump(mode="json")
+    raw["faults"] = list(faults)
+    return RunSpec.model_validate(raw)
+
+
+# -- a run with a fault and a resume ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faulted(relaytrain_ray, relaytrain_prefect, tmp_path_factory):
+    """6 epochs, a checkpoint every 2, a raised fault at the 4th report: the first attempt
+    reports epochs 0-2 (checkpoint at epoch 1), the second resumes from epoch 1's checkpoint
+    and reports epochs 2-5 (checkpoints at 3 and 5)."""
+    from flows.training import training
+
+    storage = tmp_path_factory.mktemp("own-loop")
+    spec = own_loop_spec(storage, "own-loop", num_epochs=6, checkpoint_every=2, best_epoch=3)
+    spec = with_faults(spec, {"kind": "raise", "at_step": 4})
+    state = training(spec, return_state=True)
+    assert state.is_completed(), state
+    log = loop_log(storage / "own-loop.log.jsonl")
+    return state.result(), log, storage / "own-loop"
+
+
+def test_history_keeps_every_report_once(faulted):
+    """The loop reports no step or epoch: relaytrain numbers its reports across attempts, and
+    the resumed attempt's rows replace the failed one's after the checkpoint it resumed from."""
+    from trainer_core.checkpoints import RunDirectory
+    from trainer_core.storage import resolve
+
+    _, log, run_path = faulted
+    kept = final_timeline(log)
+    assert [line["epoch"] for line in log] == [0, 1, 2, 2, 3, 4, 5]  # the loop's own account
+    history = RunDirectory(resolve(str(run_path))).read_metrics_history()
+    assert [row["loss"] for row in history] == [line["loss"] for line in kept]
+    assert [row["step"] for row in history] == list(range(1, len(kept) + 1))
