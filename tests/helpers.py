@@ -90,3 +90,24 @@ class OverflowingMLP(MLP):
 
 def overflowing_mlp(num_inputs: int, num_outputs: int, **kwargs) -> nn.Module:
     return OverflowingMLP(num_inputs, num_outputs, **kwargs)
+
+
+class BatchNormMLP(nn.Module):
+    """Linear, BatchNorm1d, ReLU, Linear: running statistics that each rank's training forward
+    passes update from its own slice of the batch."""
+
+    def __init__(self, num_inputs: int, num_outputs: int, hidden: int = 16):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(num_inputs, hidden),
+            nn.BatchNorm1d(hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_outputs),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def batchnorm_mlp(num_inputs: int, num_outputs: int, **kwargs) -> nn.Module:
+    return BatchNormMLP(num_inputs, num_outputs, **kwargs)

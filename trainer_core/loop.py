@@ -370,6 +370,7 @@ class BuiltinLoop:
 
     @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:
+        self._broadcast_buffers()
         self.model.eval()
         classification = self.data_spec.task == "classification"
         names = ["val_loss", *(["val_accuracy"] if classification else []), *self.metric_fns]
@@ -395,6 +396,15 @@ class BuiltinLoop:
         if count == 0:
             return {}
         return {name: total / count for name, total in zip(names, totals, strict=True)}
+
+    def _broadcast_buffers(self) -> None:
+        """Every rank validates with rank 0's buffers (batch norm's running statistics), the
+        ones a checkpoint saves. DDP broadcasts them from rank 0 before each training forward
+        pass, which then updates each rank's from its own slice of the batch: after the last
+        one they differ by rank (and FSDP never syncs them)."""
+        if self.world_size > 1:
+            for buffer in self.model.buffers():
+                dist.broadcast(buffer, src=0)
 
     def _validation_parts(self) -> Any:
         """This rank's validation rows, in parts. Under FSDP every forward pass is a collective
