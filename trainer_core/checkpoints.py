@@ -59,8 +59,13 @@ MANIFEST_FILE = "manifest.json"
 MARKER_FILE = "COMMITTED"
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d{9})$")
 SEGMENT_PATTERN = re.compile(r"^segment-a(\d{4})-(\d{9})-(\d{9})\.jsonl$")
+#: Ray Train's record of a run's registered checkpoints (a user's own loop's commit record).
+RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 #: What relaytrain adds to each Ray checkpoint of a user's loop (``report_record``).
 REPORT_FILE = "relaytrain.json"
+#: The ``format`` of a user loop's Ray checkpoint as ``RunDirectory.ray_checkpoints`` describes
+#: it: the loop's own files, whatever they are.
+RAY_FORMAT = "ray.train/1"
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -406,6 +411,54 @@ class RunDirectory:
 
     # -- a user's own loop's checkpoints (Ray's) -------------------------------------------------
 
+    def ray_checkpoints(self) -> list[CheckpointInfo]:
+        """A user's own loop's checkpoints, oldest report first: the directories Ray Train's
+        snapshot lists (it registers a checkpoint once uploaded, and drops one before deleting
+        it) that hold relaytrain's report record. Each one's ``step`` is its report's history
+        key, its ``metrics`` the report's."""
+        try:
+            snapshot = self.location.child(RAY_SNAPSHOT_FILE).read_json()
+        except (FileNotFoundError, ValueError):
+            return []
+        results = [
+            *(snapshot.get("checkpoint_results") or []),
+            snapshot.get("latest_checkpoint_result"),
+        ]
+        names = [r.get("checkpoint_dir_name") for r in results if isinstance(r, dict)]
+        found = []
+        for name in dict.fromkeys(n for n in names if isinstance(n, str) and _is_dir_name(n)):
+            checkpoint = self.read_ray_checkpoint(name)
+            if checkpoint is not None:
+                found.append(checkpoint)
+        return sorted(found, key=lambda c: (c.manifest["report"], c.step))
+
+    def read_ray_checkpoint(self, name: str) -> CheckpointInfo | None:
+        """The Ray checkpoint directory ``name`` as a ``CheckpointInfo`` (its files listed, no
+        digests: Ray records none), or None when it has no report record."""
+        location = self.location.child(name)
+        record = self.read_report_record(name)
+        if record is None:
+            return None
+        prefix = location.path.rstrip("/") + "/"
+        files = {
+            info.path[len(prefix) :]: {"size": info.size}
+            for info in storage.walk_files(location)
+            if info.path.startswith(prefix) and info.base_name != REPORT_FILE
+        }
+        metrics = dict(record.get("metrics") or {})
+        manifest: dict[str, Any] = {
+            "schema": SCHEMA_VERSION,
+            "format": RAY_FORMAT,
+            "step": int(record["step"]),
+            "report": int(record["report"]),
+            "attempt": record.get("attempt"),
+            "metrics": metrics,
+            "files": files,
+        }
+        if isinstance(metrics.get("epoch"), int):  # the loop's own epoch index: epochs done
+            manifest["epoch"] = metrics["epoch"] + 1
+        return CheckpointInfo(int(record["step"]), name, location.uri, manifest)
+
     def read_report_record(self, name: str) -> dict[str, Any] | None:
         """The report record of Ray checkpoint directory ``name`` (None when it has none)."""
         path = self.location.child(name, REPORT_FILE)
@@ -547,6 +600,11 @@ def report_record(step: int, report: int, attempt: int, metrics: dict[str, Any])
         "metrics": metrics,
     }
     return json.dumps(record, sort_keys=True).encode()
+
+
+def _is_dir_name(name: str) -> bool:
+    """Whether ``name`` (from Ray's snapshot) names a directory directly in the run's."""
+    return "/" not in name and name not in ("", ".", "..")
 
 
 def _check_schema(data: dict[str, Any], where: str) -> None:

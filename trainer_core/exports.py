@@ -5,7 +5,9 @@ A checkpoint's ``format`` (its manifest's) says where the weights are. ``relaytr
 holds them as one ``torch.load(..., weights_only=True)`` file (``model.pt``; ``model-rank0.pt``
 when sharded: every DDP rank holds a replica). ``relaytrain.dcp/1`` (``scaling.strategy: fsdp``)
 holds them as every rank's shards; ``export`` gathers them once into such a file (DCP's
-``dcp_to_torch_save``, through the run's storage) beside the checkpoints::
+``dcp_to_torch_save``, through the run's storage) beside the checkpoints. A user's own loop's
+Ray checkpoint (``ray.train/1``) holds what the loop saved: ``ray_model_weights`` finds the
+state dict in its ``model.pt`` (``export`` writes it alone)::
 
     {run}/exports/checkpoint-000000040.pt     the model's state dict, plain tensors
     {run}/exports/checkpoint-000000040.json   its size and digest, and the checkpoint it is of
@@ -28,6 +30,7 @@ import torch
 from trainer_core import dcp_storage, training_state
 from trainer_core.checkpoints import (
     FILE_DIGEST,
+    RAY_FORMAT,
     SCHEMA_VERSION,
     CheckpointInfo,
     HashingWriter,
@@ -35,7 +38,7 @@ from trainer_core.checkpoints import (
     matches,
     open_checkpoint,
 )
-from trainer_core.errors import CheckpointCorruptError
+from trainer_core.errors import CheckpointCorruptError, SpecError
 from trainer_core.storage import Location
 
 logger = logging.getLogger("relaytrain.exports")
@@ -45,11 +48,19 @@ logger = logging.getLogger("relaytrain.exports")
 FORMAT = "relaytrain.torch/1"
 DCP_FORMAT = "relaytrain.dcp/1"
 EXPORTS_DIR = "exports"
+#: Where a user loop's checkpoint file may hold the model's state dict besides its top level:
+#: Ray's guides save it with the optimizer and the epoch, under "model".
+STATE_DICT_KEYS = ("model", "model_state_dict", "state_dict")
 
 
 def is_dcp(checkpoint: CheckpointInfo) -> bool:
     """Whether ``checkpoint`` holds its model and optimizer as a DCP checkpoint."""
     return checkpoint.manifest.get("format") == DCP_FORMAT
+
+
+def is_ray(checkpoint: CheckpointInfo) -> bool:
+    """Whether ``checkpoint`` is a user loop's Ray checkpoint (files of the loop's choosing)."""
+    return checkpoint.manifest.get("format") == RAY_FORMAT
 
 
 def model_file(checkpoint: CheckpointInfo) -> str:
@@ -74,6 +85,8 @@ def model_weights(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> dict[str
         location = run_dir.checkpoint_location(checkpoint.step)
         weights: dict[str, torch.Tensor] = dcp_storage.read_key(location, checkpoint.files, "model")
         return weights
+    if is_ray(checkpoint):
+        return ray_model_weights(run_dir, checkpoint)
     state: dict[str, torch.Tensor] = training_state.from_bytes(
         run_dir.read_verified(checkpoint, model_file(checkpoint))
     )
@@ -83,18 +96,22 @@ def model_weights(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> dict[str
 def model_location(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> Location:
     """Where ``checkpoint``'s whole model is one ``torch.load`` file: its own model file, or its
     export (made here if it is missing or stale)."""
-    if not is_dcp(checkpoint):
+    if not is_dcp(checkpoint) and not is_ray(checkpoint):
         return run_dir.checkpoint_location(checkpoint.step).child(model_file(checkpoint))
     return export(run_dir, checkpoint)
 
 
 def export(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> Location:
-    """The export of a DCP checkpoint: written unless a sound, current one is there."""
+    """The export of a DCP checkpoint, or of a user loop's Ray checkpoint (the state dict
+    alone): written unless a sound, current one is there."""
     target, record = _locations(run_dir, checkpoint)
     if _sound_bytes(target, record, checkpoint) is not None:
         return target
-    location = run_dir.checkpoint_location(checkpoint.step)
-    weights = dcp_storage.read_key(location, checkpoint.files, "model")
+    if is_ray(checkpoint):
+        weights = ray_model_weights(run_dir, checkpoint)
+    else:
+        location = run_dir.checkpoint_location(checkpoint.step)
+        weights = dcp_storage.read_key(location, checkpoint.files, "model")
 
     def write(stream: Any) -> Any:
         writer = HashingWriter(stream)
@@ -113,6 +130,74 @@ def export(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> Location:
     )
     logger.info("exported %s to %s (%d bytes)", checkpoint.uri, target.uri, entry.size)
     return target
+
+
+def ray_model_weights(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """The model's state dict in a user loop's Ray checkpoint: its ``model.pt`` (else its one
+    ``.pt``/``.pth`` file at the top), when that is a state dict or holds one under
+    ``STATE_DICT_KEYS`` (``find_state_dict``). SpecError saying what the checkpoint holds when
+    it is neither."""
+    names = sorted(checkpoint.files)
+    torch_files = [n for n in names if "/" not in n and n.endswith((".pt", ".pth"))]
+    name = "model.pt" if "model.pt" in torch_files else None
+    if name is None and len(torch_files) == 1:
+        name = torch_files[0]
+    if name is None:
+        raise SpecError(
+            f"checkpoint {checkpoint.uri} has no model.pt to export (it holds "
+            f"{', '.join(names) or 'no files'}): save the model's state_dict in a model.pt of "
+            "the checkpoint your loop reports, alone or under 'model'"
+        )
+    try:
+        content = training_state.from_bytes(
+            run_dir.location.child(checkpoint.name, name).read_bytes()
+        )
+    except (CheckpointCorruptError, RuntimeError) as e:
+        raise SpecError(
+            f"checkpoint {checkpoint.uri}: {name} is not a file torch.load(weights_only=True) "
+            f"reads ({str(e).splitlines()[0]}): save the model's state_dict with torch.save"
+        ) from e
+    weights = find_state_dict(content)
+    if weights is None:
+        raise SpecError(
+            f"checkpoint {checkpoint.uri}: {name} holds {_describe(content)}, and no model "
+            f"state_dict (names to tensors) itself or under {', '.join(STATE_DICT_KEYS)}: save "
+            f"the model's state_dict as {name}, or under 'model'"
+        )
+    return weights
+
+
+def find_state_dict(content: Any) -> dict[str, torch.Tensor] | None:
+    """A model's state dict in what a checkpoint file holds: the content itself or its entry
+    under one of ``STATE_DICT_KEYS``; keys without the ``module.`` prefix that every key has
+    when the loop saved its DDP wrapper's. None when there is none."""
+    found = None
+    if _is_state_dict(content):
+        found = content
+    elif isinstance(content, dict):
+        found = next((content[k] for k in STATE_DICT_KEYS if _is_state_dict(content.get(k))), None)
+    if found is None:
+        return None
+    prefix = "module."
+    if all(key.startswith(prefix) for key in found):
+        return {key[len(prefix) :]: value for key, value in found.items()}
+    return dict(found)
+
+
+def _is_state_dict(content: Any) -> bool:
+    return (
+        isinstance(content, dict)
+        and bool(content)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in content.items())
+    )
+
+
+def _describe(content: Any) -> str:
+    if isinstance(content, dict):
+        keys = sorted(str(k) for k in content)
+        shown = ", ".join(keys[:8]) + (", ..." if len(keys) > 8 else "")
+        return f"a dict of {len(keys)} entries ({shown})"
+    return f"a {type(content).__name__}"
 
 
 def read(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> dict[str, torch.Tensor] | None:

@@ -18,7 +18,7 @@ from trainer_core import exports, mlflow_log, tensorboard_log
 from trainer_core.attempts import AttemptRecord
 from trainer_core.attempts import read as read_attempts
 from trainer_core.checkpoints import SCHEMA_VERSION, CheckpointInfo, RunDirectory, rank_by_metric
-from trainer_core.errors import CheckpointCorruptError
+from trainer_core.errors import CheckpointCorruptError, SpecError
 from trainer_core.spec import RunSpec
 from trainer_core.storage import walk_files
 
@@ -214,6 +214,32 @@ def storage_bytes(run_dir: RunDirectory) -> int:
     return sum(info.size or 0 for info in walk_files(run_dir.location))
 
 
+def committed_checkpoints(spec: RunSpec, run_dir: RunDirectory) -> list[CheckpointInfo]:
+    """The run's committed checkpoints, oldest first: relaytrain's own, or a user's own loop's
+    Ray checkpoints that Ray Train registered (``RunDirectory.ray_checkpoints``)."""
+    if spec.train_loop is not None:
+        return run_dir.ray_checkpoints()
+    return run_dir.scan().committed
+
+
+def user_loop_progress(
+    status: str, newest: CheckpointInfo | None, history: Sequence[dict[str, Any]]
+) -> tuple[int, int, dict[str, Any]]:
+    """Where a user's own loop got: steps (its reports, or its ``step`` metric), epochs and
+    final metrics. A completed run counts to its last report, checkpointed or not; an unfinished
+    one to its newest checkpoint (a resume runs again what came after). Epochs from the loop's
+    own ``epoch`` metric (an index: + 1), 0 without one."""
+    if status == "completed" and history:
+        final = dict(history[-1])
+    else:
+        final = newest.metrics if newest else {}
+    step = final.get("step")
+    epoch = final.get("epoch")
+    done = int(step) if isinstance(step, int | float) and _finite(step) else 0
+    epochs = int(epoch) + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
+    return done, epochs, final
+
+
 def build_result(
     spec: RunSpec,
     run_dir: RunDirectory,
@@ -226,23 +252,26 @@ def build_result(
     model_uris = model_uris or {}
     records = read_attempts(run_dir)
     attempts = attempt_summaries(records)
-    scan = run_dir.scan()
-    newest = scan.newest
-    best = best_checkpoint(scan.committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
+    committed = committed_checkpoints(spec, run_dir)
+    newest = committed[-1] if committed else None
+    best = best_checkpoint(committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
     history = run_dir.read_metrics_history()
     started = min((r.started_at for r in records if r.started_at), default=time.time())
     ended = max((r.ended_at or 0 for r in records), default=0) or time.time()
-    final = newest.metrics if newest else (history[-1] if history else {})
-    epochs_done = int(newest.manifest.get("epoch", 0)) if newest else 0
+    if spec.train_loop is not None:
+        done, epochs_done, final = user_loop_progress(status, newest, history)
+    else:
+        final = newest.metrics if newest else (history[-1] if history else {})
+        epochs_done = int(newest.manifest.get("epoch", 0)) if newest else 0
+        done = newest.step if newest else 0
     computed = steps_computed(attempts)
-    done = newest.step if newest else 0
     return TrainingResult(
         run_name=spec.run.name or run_dir.location.path.rsplit("/", 1)[-1],
         storage_uri=storage_uri,
         run_uri=run_dir.uri,
         status=status,
         attempts=attempts,
-        steps_completed=newest.step if newest else 0,
+        steps_completed=done,
         epochs_completed=epochs_done,
         final_metrics=_clean(final),
         best_metrics=_clean(best.metrics) if best else {},
@@ -265,11 +294,11 @@ def finalize_run(
     spec: RunSpec, run_dir: RunDirectory, storage_uri: str, status: Literal["completed", "failed"]
 ) -> TrainingResult:
     """Apply retention one last time, give the best and latest checkpoints a model file (an
-    export, for DCP ones), write the TensorBoard event file, then ``summary.json``; return the
-    result."""
-    run_dir.apply_retention(spec.checkpoint)
+    export, for DCP ones and a user loop's Ray ones), write the TensorBoard event file, then
+    ``summary.json``; return the result."""
+    run_dir.apply_retention(spec.checkpoint)  # relaytrain's own; Ray Train keeps a user loop's
     tensorboard_log.write_quietly(run_dir)
-    committed = run_dir.scan().committed
+    committed = committed_checkpoints(spec, run_dir)
     exports.prune(run_dir, committed)
     best = best_checkpoint(committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
     chosen = {c.step: c for c in (best, committed[-1] if committed else None) if c is not None}
@@ -306,7 +335,7 @@ def sync_tracking(
 def _model_uri(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> str | None:
     try:
         return exports.model_location(run_dir, checkpoint).uri
-    except CheckpointCorruptError as e:  # the result still names the checkpoint
+    except (CheckpointCorruptError, SpecError) as e:  # the result still names the checkpoint
         logger.warning("no model file for checkpoint %s: %s", checkpoint.uri, e)
         return None
 

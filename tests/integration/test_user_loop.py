@@ -2,8 +2,9 @@
 
 The loops below are written as Ray's checkpointing guide writes one: ``ray.train.report`` with a
 ``Checkpoint.from_directory`` of a ``model.pt`` on rank 0, ``ray.train.get_checkpoint`` to
-resume. Rank 0 also appends one JSON line per report that returned to ``config["log"]``: the
-loop's own account of what it ran, which the tests hold relaytrain's result against.
+resume. Rank 0 also appends to ``config["log"]`` one JSON line per epoch it trained, before it
+reports it: the loop's own account of what it ran, which the tests hold relaytrain's result
+against.
 
 Ray workers import this module to run the loops: its top level imports no Prefect.
 """
@@ -70,6 +71,10 @@ def counting_loop(config: dict[str, Any]) -> None:
         if config.get("report_epoch"):
             metrics["epoch"] = epoch
         saved = rank == 0 and (epoch + 1) % config["checkpoint_every"] == 0
+        if rank == 0:
+            with open(config["log"], "a") as log:
+                line = {"epoch": epoch, "checkpoint": saved, "pid": os.getpid(), **metrics}
+                log.write(json.dumps(line) + "\n")
         with tempfile.TemporaryDirectory() as tmp:
             if saved:
                 state = {
@@ -81,17 +86,13 @@ def counting_loop(config: dict[str, Any]) -> None:
             ray.train.report(
                 metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if saved else None
             )
-        if rank == 0:
-            with open(config["log"], "a") as log:
-                line = {"epoch": epoch, "checkpoint": saved, "pid": os.getpid(), **metrics}
-                log.write(json.dumps(line) + "\n")
 
 
 # -- what the loop says it ran ----------------------------------------------------------------
 
 
 def loop_log(path: Path) -> list[dict[str, Any]]:
-    """Every report the loop made that returned, in order, across attempts."""
+    """Every epoch the loop trained (and went on to report), in order, across attempts."""
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -146,8 +147,8 @@ def with_faults(spec: Any, *faults: dict[str, Any]) -> Any:
 @pytest.fixture(scope="module")
 def faulted(relaytrain_ray, relaytrain_prefect, tmp_path_factory):
     """6 epochs, a checkpoint every 2, a raised fault at the 4th report: the first attempt
-    reports epochs 0-2 (checkpoint at epoch 1), the second resumes from epoch 1's checkpoint
-    and reports epochs 2-5 (checkpoints at 3 and 5)."""
+    reports epochs 0-2 (checkpoint at epoch 1) and trains epoch 3, the second resumes from
+    epoch 1's checkpoint and reports epochs 2-5 (checkpoints at 3 and 5)."""
     from flows.training import training
 
     storage = tmp_path_factory.mktemp("own-loop")
@@ -167,7 +168,30 @@ def test_history_keeps_every_report_once(faulted):
 
     _, log, run_path = faulted
     kept = final_timeline(log)
-    assert [line["epoch"] for line in log] == [0, 1, 2, 2, 3, 4, 5]  # the loop's own account
+    assert [line["epoch"] for line in log] == [0, 1, 2, 3, 2, 3, 4, 5]  # the loop's account
     history = RunDirectory(resolve(str(run_path))).read_metrics_history()
     assert [row["loss"] for row in history] == [line["loss"] for line in kept]
     assert [row["step"] for row in history] == list(range(1, len(kept) + 1))
+
+
+def test_result_counts_reports_checkpoints_best_and_goodput(faulted):
+    result, log, run_path = faulted
+    kept = final_timeline(log)
+    assert [a.status for a in result.attempts] == ["failed", "completed"]
+    assert result.steps_completed == len(kept)
+    assert result.steps_computed == len(log)
+    assert result.goodput == round(len(kept) / len(log), 4)
+    # The run's Ray checkpoints, read with torch: epochs 1, 3 and 5.
+    by_epoch = checkpoint_dirs(run_path)
+    newest = max(line["epoch"] for line in kept if line["checkpoint"])
+    best = max((line for line in kept if line["checkpoint"]), key=lambda line: line["score"])
+    assert result.latest_checkpoint_uri == str(by_epoch[newest])
+    assert result.best_checkpoint_uri == str(by_epoch[best["epoch"]])
+    assert result.best_metrics["score"] == best["score"]
+    assert result.final_metrics["loss"] == kept[-1]["loss"]
+    # The second attempt (its rank 0's lines) began after the checkpoint it resumed from.
+    second = [line for line in log if line["pid"] == log[-1]["pid"]]
+    first = log[: len(log) - len(second)]
+    resumed_at = second[0]["epoch"]  # = the report number of the epoch before it
+    assert result.attempts[1].resumed_from_step == resumed_at
+    assert result.attempts[0].steps_lost == sum(line["epoch"] >= resumed_at for line in first)
