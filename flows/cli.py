@@ -60,7 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     which = export.add_mutually_exclusive_group()
     which.add_argument("--best", action="store_true", help="the best checkpoint (the default)")
     which.add_argument("--latest", action="store_true", help="the newest committed checkpoint")
-    which.add_argument("--step", type=int, help="the committed checkpoint at this step")
+    which.add_argument(
+        "--step",
+        type=int,
+        help="the committed checkpoint at this step (a loop of your own: its report's number)",
+    )
     export.set_defaults(handler=_export)
     sync = commands.add_parser("sync", help="log to MLflow what the tracking server missed")
     sync.add_argument("run", help="a run directory (path or URI) or a run name under ./runs")
@@ -138,19 +142,16 @@ def _show(args: argparse.Namespace) -> int:
     print(_table(attempts) if attempts else "  none yet")
     print("\ncheckpoints")
     found = catalog.committed(run_dir)
-    best_step = (
-        catalog.checkpoint_step(result.best_checkpoint_uri.rsplit("/", 1)[-1])
-        if (result.best_checkpoint_uri)
-        else None
-    )
+    best_name = (result.best_checkpoint_uri or "").rstrip("/").rsplit("/", 1)[-1]
+    shown = {k for c in found for k in c.metrics if k.startswith("val_") or k == v.best_metric}
     checkpoints = [
         {
             "step": c.step,
             "epoch": c.manifest.get("epoch", "-"),
-            **{k: _number(c.metrics[k]) for k in sorted(c.metrics) if k.startswith("val_")},
+            **{k: _number(c.metrics.get(k)) for k in sorted(shown)},
             "files": len(c.files),
             "size": _size(sum(int(e.get("size", 0)) for e in c.files.values())),
-            "": "best" if c.step == best_step else "",
+            "": "best" if c.name == best_name else "",
         }
         for c in found
     ]

@@ -27,6 +27,7 @@ from trainer_core.summary import (
     TrainingResult,
     best_checkpoint,
     build_result,
+    committed_checkpoints,
     read_stored_result,
 )
 
@@ -134,14 +135,20 @@ def stored_spec(run_dir: RunDirectory) -> RunSpec | None:
 
 
 def committed(run_dir: RunDirectory) -> list[CheckpointInfo]:
-    return run_dir.scan().committed
+    """The run's committed checkpoints, oldest first: relaytrain's, or a user's own loop's Ray
+    checkpoints (``summary.committed_checkpoints``; by what is there when its spec is
+    unreadable)."""
+    spec = stored_spec(run_dir)
+    if spec is not None:
+        return committed_checkpoints(spec, run_dir)
+    return run_dir.scan().committed or run_dir.ray_checkpoints()
 
 
 def choose_checkpoint(
     run_dir: RunDirectory, which: Literal["best", "latest"] | int = "best"
 ) -> CheckpointInfo:
     """The run's best (by its spec's ``checkpoint.best_metric``) or latest committed
-    checkpoint, or the one at a step."""
+    checkpoint, or the one at a step (a user loop's: its report's history key)."""
     found = committed(run_dir)
     if not found:
         raise SpecError(f"run {run_dir.uri} has no committed checkpoint yet", field="run")

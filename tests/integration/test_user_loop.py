@@ -195,3 +195,63 @@ def test_result_counts_reports_checkpoints_best_and_goodput(faulted):
     resumed_at = second[0]["epoch"]  # = the report number of the epoch before it
     assert result.attempts[1].resumed_from_step == resumed_at
     assert result.attempts[0].steps_lost == sum(line["epoch"] >= resumed_at for line in first)
+
+
+def test_show_and_export_read_the_ray_checkpoints(faulted, tmp_path, capsys):
+    from flows import cli
+
+    _, log, run_path = faulted
+    kept = final_timeline(log)
+    by_epoch = checkpoint_dirs(run_path)
+    best = max((line for line in kept if line["checkpoint"]), key=lambda line: line["score"])
+
+    assert cli.main(["show", str(run_path)]) == 0
+    shown = capsys.readouterr().out
+    assert f"steps:      {len(kept)}" in shown
+    section = shown.split("\ncheckpoints\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    steps = [int(line.split()[0]) for line in section[1:]]
+    reports = [n for n, line in enumerate(kept, 1) if line["checkpoint"]]
+    assert steps == reports  # 2, 4, 6
+    assert [line.split()[0] for line in section[1:] if line.rstrip().endswith("best")] == [
+        str(kept.index(best) + 1)
+    ]
+
+    for option, epoch in (("--best", best["epoch"]), ("--latest", max(by_epoch))):
+        out = tmp_path / f"{option[2:]}.pt"
+        assert cli.main(["export", str(run_path), str(out), option]) == 0
+        saved = torch.load(by_epoch[epoch] / "model.pt", weights_only=True)["model"]
+        assert_same_weights(torch.load(out, weights_only=True), saved)
+    out = tmp_path / "step.pt"
+    assert cli.main(["export", str(run_path), str(out), "--step", "2"]) == 0
+    saved = torch.load(by_epoch[1] / "model.pt", weights_only=True)["model"]
+    assert_same_weights(torch.load(out, weights_only=True), saved)
+
+
+# -- the example ----------------------------------------------------------------------------------
+
+
+def test_the_example_loop_through_the_flow(relaytrain_ray, relaytrain_prefect, tmp_path):
+    """examples/ray_loop.yaml (the stock loop of examples/ray_train_loop.py, one report and
+    checkpoint an epoch) with a raised fault at its 3rd report."""
+    import yaml
+
+    from flows import cli
+    from flows.training import training
+    from trainer_core.spec import build_spec
+
+    raw = yaml.safe_load((REPO / "examples" / "ray_loop.yaml").read_text())
+    raw["run"].update({"name": "example", "storage": str(tmp_path)})
+    raw["faults"] = [{"kind": "raise", "at_step": 3}]
+    raw["retries"] = {"delay_s": 0, "jitter": 0}
+    epochs = raw["train_loop_config"]["num_epochs"]
+    result = training(build_spec(raw), return_state=True).result()
+    assert result.status == "completed"
+    assert result.steps_completed == epochs and result.epochs_completed == epochs
+    # The fault fires in the 3rd report, after its epoch was trained: that epoch ran twice.
+    assert result.steps_computed == epochs + 1
+    by_epoch = checkpoint_dirs(tmp_path / "example")
+    assert result.latest_checkpoint_uri == str(by_epoch[epochs - 1])
+    out = tmp_path / "latest.pt"
+    assert cli.main(["export", str(tmp_path / "example"), str(out), "--latest"]) == 0
+    saved = torch.load(by_epoch[epochs - 1] / "model.pt", weights_only=True)["model"]
+    assert_same_weights(torch.load(out, weights_only=True), saved)
