@@ -154,13 +154,15 @@ def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int
 
 
 def _check_reader_memory(data: Any, layout: stream.Layout) -> None:
-    """The live shuffle windows of every partition must fit in half of data.memory_mb (the
-    row group slices around them take the rest): SpecError naming the settings otherwise."""
-    windows_mb = data.partitions * data.shuffle_window * stream.row_bytes(layout) / 2**20
+    """The live and next shuffle windows of every partition must fit in half of
+    data.memory_mb (the row group slices around them take the rest): SpecError naming the
+    settings otherwise."""
+    windows_mb = 2 * data.partitions * data.shuffle_window * stream.row_bytes(layout) / 2**20
     if windows_mb > data.memory_mb / 2:
         raise SpecError(
-            f"data.partitions ({data.partitions}) x data.shuffle_window ({data.shuffle_window}) "
-            f"rows of {stream.row_bytes(layout):.0f} bytes hold {windows_mb:.0f} MB, more than "
+            f"data.partitions ({data.partitions}) x 2 x data.shuffle_window "
+            f"({data.shuffle_window}) rows (the live window and the next, read ahead) of "
+            f"{stream.row_bytes(layout):.0f} bytes hold {windows_mb:.0f} MB, more than "
             f"half of data.memory_mb ({data.memory_mb}): lower data.shuffle_window or "
             "data.partitions, or raise data.memory_mb",
             field="data.shuffle_window",

@@ -45,15 +45,15 @@ READER_OVERHEAD_MB = 48
 def slice_rows_for(
     memory_mb: int, row_bytes: float, partitions: int, window: int, largest: int
 ) -> int:
-    """Rows per slice so that what a rank holds stays under ``memory_mb``: the live windows of
-    the ``partitions`` it reads (at most half the budget: checked on the driver), two slices
-    beyond each window's ends, and about twelve more in passing: slices read ahead by two
-    threads, a spill's batches, joined slice and arrays, a validation read's slice, and what
-    the allocator keeps of them (measured: about seven slices above the fixed overhead at
-    the peak of an epoch). At least 256 rows; a row group that small or smaller is read
-    whole."""
-    budget = (memory_mb - READER_OVERHEAD_MB) * 2**20 - partitions * window * row_bytes
-    rows = int(budget / ((2 * partitions + 12) * max(row_bytes, 1.0)))
+    """Rows per slice so that what a rank holds stays under ``memory_mb``: for each of the
+    ``partitions`` it reads, the live window and the next one read ahead (together at most
+    half the budget: checked on the driver) and three slices at their ends; and about twelve
+    more in passing: a spill's batches, joined slice and arrays, a validation read's slice,
+    and what the allocator keeps of them (measured: about seven slices above the fixed
+    overhead at the peak of an epoch, one partition). At least 256 rows; a row group that
+    small or smaller is read whole."""
+    budget = (memory_mb - READER_OVERHEAD_MB) * 2**20 - 2 * partitions * window * row_bytes
+    rows = int(budget / ((3 * partitions + 12) * max(row_bytes, 1.0)))
     return min(largest, max(256, rows))
 
 

@@ -235,11 +235,13 @@ def test_big_row_groups_are_read_in_slices_with_the_same_rows(tmp_path, monkeypa
 
 
 def test_slices_fit_the_memory_bound():
-    """What a rank holds (windows, two slices beyond each, a spill's and a validation's
-    transient slices) at the slice size chosen stays within data.memory_mb."""
+    """What a rank holds at the slice size chosen (per partition: the live window and the
+    next, three slices at their ends; twelve slices in passing; the reader's fixed overhead)
+    stays within data.memory_mb."""
     row = 1024.0  # bytes: 256 float32 features
     for partitions, window, largest in [(8, 8192, 1_000_000), (4, 1024, 400_000), (1, 64, 10)]:
         rows = row_slices.slice_rows_for(512, row, partitions, window, largest)
         assert rows <= largest
-        held = (partitions * (window + 2 * rows) + 4 * rows) * row
+        held = (partitions * (2 * window + 3 * rows) + 12 * rows) * row
+        held += row_slices.READER_OVERHEAD_MB * 2**20
         assert held <= 512 * 2**20 or rows == min(largest, 256)
