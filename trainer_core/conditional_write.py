@@ -26,6 +26,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from trainer_core import storage
 from trainer_core.storage import Location
 
 
@@ -55,11 +56,15 @@ def read(location: Location) -> Versioned:
             return Versioned(None, None)
         return Versioned(json.loads(data), _digest(data))
     client, bucket, key = _s3(location)
-    try:
-        found = client.get_object(Bucket=bucket, Key=key)
-    except client.exceptions.NoSuchKey:
-        return Versioned(None, None)
-    return Versioned(json.loads(found["Body"].read()), found["ETag"])
+
+    def get() -> Versioned:
+        try:
+            found = client.get_object(Bucket=bucket, Key=key)
+        except client.exceptions.NoSuchKey:
+            return Versioned(None, None)
+        return Versioned(json.loads(found["Body"].read()), found["ETag"])
+
+    return storage.call(location, "read", get)
 
 
 def write(location: Location, value: dict[str, Any], version: str | None) -> str:
@@ -74,17 +79,21 @@ def write(location: Location, value: dict[str, Any], version: str | None) -> str
         return _digest(data)
     client, bucket, key = _s3(location)
     condition = {"IfMatch": version} if version is not None else {"IfNoneMatch": "*"}
-    try:
-        put = client.put_object(Bucket=bucket, Key=key, Body=data, **condition)
-    except client.exceptions.ClientError as e:
-        code = e.response.get("Error", {}).get("Code")
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey") or (
-            status in (409, 412)
-        ):
-            raise ConditionFailed(location.uri) from e
-        raise
-    return str(put["ETag"])
+
+    def put() -> str:
+        try:
+            written = client.put_object(Bucket=bucket, Key=key, Body=data, **condition)
+        except client.exceptions.ClientError as e:
+            code = e.response.get("Error", {}).get("Code")
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey") or (
+                status in (409, 412)
+            ):
+                raise ConditionFailed(location.uri) from e
+            raise
+        return str(written["ETag"])
+
+    return storage.call(location, "write", put)
 
 
 def _digest(data: bytes) -> str:

@@ -273,6 +273,12 @@ class Location:
 # -- errors ---------------------------------------------------------------------------------------
 
 
+def call(location: Location, verb: str, fn: Callable[[], T]) -> T:
+    """``fn()``, a call to ``location``'s store made outside its filesystem (e.g. an SDK's):
+    its failure classified and its connection failures retried, as the filesystem's are."""
+    return _call(location, verb, fn)
+
+
 def _call(location: Location, verb: str, fn: Callable[[], T]) -> T:
     """Run one filesystem call; classify its failure; retry connection failures of a remote
     store for up to the location's patience, with backoff."""
