@@ -44,11 +44,16 @@ def holding(prepared: Prepared) -> Iterator[lease.LeaseKeeper]:
 
 
 def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
-    """A completed run is done unless the spec asks for more epochs than it trained (an
-    early-stopped run is done: its metric stopped improving)."""
+    """A completed run is done unless the spec asks for more: more epochs than it trained (an
+    early-stopped run is done: its metric stopped improving), or, for a user's own loop, another
+    ``train_loop_config`` than the one it completed with (the loop runs again, Ray resumes it
+    from its newest checkpoint, and the loop's code decides what is left)."""
     if stored is None or stored.status != "completed":
         return False
-    if spec.schedule is None or stored.stop_reason:  # a user's loop: its config decides
+    if spec.train_loop is not None:  # a summary from before configs were recorded: done
+        config = stored.train_loop_config
+        return config is None or config == dict(spec.train_loop_config)
+    if spec.schedule is None or stored.stop_reason:
         return True
     return stored.epochs_completed >= spec.schedule.epochs
 

@@ -100,6 +100,9 @@ class TrainingResult(_Frozen):
     goodput: float | None = None
     #: Where the run is in MLflow and whether everything reached it (None: no MLflow).
     mlflow: mlflow_log.MlflowState | None = None
+    #: A user's own loop's ``train_loop_config`` as the run had it: a finished run is finished
+    #: for this config (``tasks.setup.is_finished``). None for the built-in loop.
+    train_loop_config: dict[str, Any] | None = None
 
 
 def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
@@ -287,6 +290,7 @@ def build_result(
         stop_reason=(newest.manifest.get("early_stopping") or {}).get("stopped")
         if newest
         else None,
+        train_loop_config=dict(spec.train_loop_config) if spec.train_loop is not None else None,
     )
 
 

@@ -227,6 +227,34 @@ def test_show_and_export_read_the_ray_checkpoints(faulted, tmp_path, capsys):
     assert_same_weights(torch.load(out, weights_only=True), saved)
 
 
+# -- finished, and continued ----------------------------------------------------------------------
+
+
+def test_a_finished_run_continues_when_its_train_loop_config_asks_for_more(
+    relaytrain_ray, relaytrain_prefect, tmp_path
+):
+    from flows.training import training
+    from tests.prefect_api import task_runs
+
+    spec = own_loop_spec(tmp_path, "more", num_epochs=3, checkpoint_every=1, report_epoch=True)
+    log_path = tmp_path / "more.log.jsonl"
+    first = training(spec, return_state=True).result()
+    again = training(spec, return_state=True)
+    assert "train" not in task_runs(again.state_details.flow_run_id)  # finished: stored result
+    assert again.result().attempts == first.attempts
+    assert len(loop_log(log_path)) == 3
+
+    config = {**spec.train_loop_config, "num_epochs": 5}
+    more = training(spec.model_copy(update={"train_loop_config": config}), return_state=True)
+    result = more.result()
+    log = loop_log(log_path)
+    assert [line["epoch"] for line in log] == [0, 1, 2, 3, 4]  # continued, not started over
+    assert first.steps_completed == 3 and first.epochs_completed == 3
+    assert result.steps_completed == 5 and result.epochs_completed == 5
+    assert [a.resumed_from_step for a in result.attempts] == [0, 3]
+    assert result.goodput == 1.0
+
+
 # -- the example ----------------------------------------------------------------------------------
 
 

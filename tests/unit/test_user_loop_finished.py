@@ -1,0 +1,53 @@
+"""When a completed run of a user's own loop is finished: for the train_loop_config it completed
+with (tasks.setup.is_finished), as its summary records it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tasks.setup import is_finished
+from trainer_core.spec import build_spec
+from trainer_core.summary import TrainingResult
+
+
+def own_loop(config: dict[str, Any]) -> Any:
+    return build_spec(
+        {
+            "scaling": {"num_workers": 2},
+            "train_loop": "examples.ray_train_loop:train_func",
+            "train_loop_config": config,
+        }
+    )
+
+
+def stored(status: str = "completed", config: dict[str, Any] | None = None) -> TrainingResult:
+    return TrainingResult(
+        run_name="r",
+        storage_uri="/s",
+        run_uri="/s/r",
+        status=status,  # type: ignore[arg-type]
+        attempts=[],
+        steps_completed=4,
+        epochs_completed=4,
+        final_metrics={},
+        best_metrics={},
+        best_checkpoint_uri=None,
+        latest_checkpoint_uri=None,
+        wall_time_s=1.0,
+        storage_bytes=0,
+        train_loop_config=config,
+    )
+
+
+def test_the_same_config_is_finished_another_is_not():
+    config = {"num_epochs": 4, "lr": 0.01}
+    assert is_finished(own_loop(config), stored(config=config))
+    assert not is_finished(own_loop({**config, "num_epochs": 6}), stored(config=config))
+    assert not is_finished(own_loop({"num_epochs": 4}), stored(config=config))
+
+
+def test_a_failed_run_is_never_finished_and_an_old_summary_stays_finished():
+    config = {"num_epochs": 4}
+    assert not is_finished(own_loop(config), stored("failed", config))
+    assert not is_finished(own_loop(config), None)
+    assert is_finished(own_loop({"num_epochs": 6}), stored(config=None))  # before configs
