@@ -10,16 +10,19 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from trainer_core import workloads
 from trainer_core.checkpoints import REPORT_FILE, RunDirectory, report_record
 from trainer_core.errors import (
+    InfrastructureError,
     InjectedFault,
     RelaytrainError,
     TrainingCodeError,
 )
 from trainer_core.execution import worker_api
 from trainer_core.spec import RunSpec
-from trainer_core.worker import Faults, Relay, peak_rss_mb
+from trainer_core.worker import Faults, Relay, all_reduce, is_peer_failure, peak_rss_mb
 from trainer_core.worker_config import WorkerConfig
 
 logger = logging.getLogger("relaytrain.user_loop")
@@ -109,43 +112,84 @@ def user_train_loop(config: dict[str, Any]) -> None:
     assert spec.train_loop is not None
     with worker_api.reports_through(lambda report: ReportHook(worker_config, report)) as hook:
         fn = workloads.resolve_train_loop(spec.train_loop)
-        world_size = worker_api.rank_and_world_size()[1]
-        resumed = worker_api.latest_checkpoint_path()
-        if resumed is None:
-            hook.relay.send("fresh_start", skipped=[], world_size=world_size)
-        else:
-            record = hook.run_dir.read_report_record(posixpath.basename(resumed.rstrip("/")))
-            hook.resume(record)
-            hook.relay.send(
-                "resumed",
-                checkpoint_uri=resumed,
-                # None: unknown (a checkpoint without a record), so nothing is rewound.
-                step=hook.step if record is not None else None,
-                skipped=[],
-                world_size=world_size,
-            )
+        group = _start(hook)
         try:
             if _takes_config(fn):
                 fn(dict(spec.train_loop_config))
             else:
                 fn()
-        except (RelaytrainError, InjectedFault) as e:
-            if isinstance(e, InjectedFault):
-                raise TrainingCodeError(
-                    str(e), error_type="InjectedFault", step=hook.reports, rank=hook.rank
-                ) from e
-            raise
         except Exception as e:
-            raise TrainingCodeError(
-                f"{type(e).__name__}: {e}",
-                error_type=type(e).__name__,
-                step=hook.reports,
-                rank=hook.rank,
-                traceback="".join(traceback.format_exception(e)),
-            ) from e
+            error = loop_error(e, hook.reports, hook.rank)
+            _tell_driver(hook, error, group)
+            if error is e:
+                raise
+            raise error from e
         hook.flush()
         hook.relay.send("memory", peak_worker_rss_mb=round(peak_rss_mb(), 1))
         hook.relay.send("finished", step=hook.step, metrics={})
+
+
+def loop_error(error: Exception, report: int, rank: int) -> Exception:
+    """What an exception out of a user's loop means to the orchestrator: relaytrain's own errors
+    stay as they are; a collective that lost a peer (``is_peer_failure``: another rank died,
+    hung or was cut off) is the infrastructure's; anything else, an injected fault included, is
+    the loop's code's. ``report``: the run's report the loop was at."""
+    if isinstance(error, RelaytrainError):
+        return error
+    if isinstance(error, InjectedFault):
+        return TrainingCodeError(str(error), error_type="InjectedFault", step=report, rank=rank)
+    if is_peer_failure(error):
+        return InfrastructureError(
+            f"rank {rank} lost a peer during a collective after report {report}: "
+            f"{type(error).__name__}: {error}",
+            step=report,
+        )
+    return TrainingCodeError(
+        f"{type(error).__name__}: {error}",
+        error_type=type(error).__name__,
+        step=report,
+        rank=rank,
+        traceback="".join(traceback.format_exception(error)),
+    )
+
+
+def _start(hook: ReportHook) -> int:
+    """Which worker group of the attempt this is (0: the first; n after the n-th in-place
+    restart: rank 0 asks the driver, the others learn it from rank 0), where it starts from
+    (Ray's newest checkpoint and its report record), told to the driver. Returns the group."""
+    group = float(hook.relay.begin_group())
+    if dist.is_available() and dist.is_initialized():
+        group = all_reduce([group])[0]  # the other ranks add 0
+    hook.faults.group = int(group)
+    world_size = worker_api.rank_and_world_size()[1]
+    resumed = worker_api.latest_checkpoint_path()
+    if resumed is None:
+        hook.relay.send("fresh_start", skipped=[], world_size=world_size, group=int(group))
+        return int(group)
+    record = hook.run_dir.read_report_record(posixpath.basename(resumed.rstrip("/")))
+    hook.resume(record)
+    hook.relay.send(
+        "resumed",
+        checkpoint_uri=resumed,
+        # None: unknown (a checkpoint without a record), so nothing is rewound.
+        step=hook.step if record is not None else None,
+        skipped=[],
+        world_size=world_size,
+        group=int(group),
+    )
+    return int(group)
+
+
+def _tell_driver(hook: ReportHook, error: Exception, group: int) -> None:
+    """Before a failure ends the worker: the rows rank 0 holds back, and, for a lost peer, the
+    last report a rank other than 0 completed (rank 0's rows would have said it, had it not
+    been the one to die)."""
+    try:
+        hook.relay.flush()
+        if isinstance(error, InfrastructureError) and hook.reports:
+            hook.relay.outlived_rank_0(hook.step, group)
+    except Exception:  # the relay is best effort; the error being raised matters more
+        logger.debug("relay flush failed", exc_info=True)
 
 
 def _takes_config(fn: Callable[..., Any]) -> bool:

@@ -255,6 +255,39 @@ def test_a_finished_run_continues_when_its_train_loop_config_asks_for_more(
     assert result.goodput == 1.0
 
 
+# -- a lost peer ----------------------------------------------------------------------------------
+
+
+def test_a_peer_lost_in_a_collective_is_an_infrastructure_failure(
+    relaytrain_ray, relaytrain_prefect, tmp_path
+):
+    """Rank 1 dies while rank 0 waits for it in an all-reduce: rank 0's error is a lost peer,
+    recovered in place on the infrastructure budget, not the loop's own failure."""
+    from flows.training import training
+
+    spec = own_loop_spec(
+        tmp_path,
+        "peer",
+        num_epochs=6,
+        checkpoint_every=2,
+        kill_peer_at=3,
+        marker=str(tmp_path / "killed"),
+    )
+    result = training(spec, return_state=True).result()
+    assert (tmp_path / "killed").exists()
+    errors = [a.error_class for a in result.attempts] + [
+        r.error_class for a in result.attempts for r in a.restarts
+    ]
+    assert "TrainingCodeError" not in errors, result.attempts
+    assert len(result.attempts) == 1 and result.attempts[0].status == "completed"
+    (restart,) = result.attempts[0].restarts
+    assert restart.reason == "infrastructure" and restart.error_class == "InfrastructureError"
+    log = loop_log(tmp_path / "peer.log.jsonl")
+    kept = final_timeline(log)
+    assert [line["epoch"] for line in log] == [0, 1, 2, 2, 3, 4, 5]  # epoch 3 lost no work
+    assert result.steps_completed == len(kept) and result.steps_computed == len(log)
+
+
 # -- the example ----------------------------------------------------------------------------------
 
 
