@@ -111,3 +111,61 @@ class BatchNormMLP(nn.Module):
 
 def batchnorm_mlp(num_inputs: int, num_outputs: int, **kwargs) -> nn.Module:
     return BatchNormMLP(num_inputs, num_outputs, **kwargs)
+
+
+class StepLogMLP(MLP):
+    """The built-in MLP (the same parameters and arithmetic, so the same run) that logs every
+    training forward pass of a worker, one JSON line ``{"rank", "world_size", "time"}`` in
+    ``log_dir/<pid>.jsonl``. On rank ``kill_rank``, at its ``kill_at``-th training forward pass
+    (once per ``log_dir``: a ``killed`` marker), it pauses ``pause_s``, so that the other ranks
+    are waiting in the step's gradient all-reduce, then SIGKILLs its own process, before logging
+    that pass: a rank's lines are the steps it completed (a step's forward pass follows the
+    previous step's update)."""
+
+    def __init__(
+        self,
+        num_inputs: int,
+        num_outputs: int,
+        log_dir: str = "",
+        kill_at: int = 0,
+        kill_rank: int = 0,
+        pause_s: float = 1.0,
+        **kwargs,
+    ):
+        super().__init__(num_inputs, num_outputs, **kwargs)
+        self.log_dir = log_dir
+        self.kill_at, self.kill_rank, self.pause_s = kill_at, kill_rank, pause_s
+        self.forwards = 0
+
+    def forward(self, x):
+        import signal
+
+        import torch.distributed as dist
+
+        if self.training and dist.is_initialized():
+            self.forwards += 1
+            rank = dist.get_rank()
+            marker = Path(self.log_dir) / "killed"
+            if rank == self.kill_rank and self.forwards == self.kill_at and not marker.exists():
+                marker.write_text(str(os.getpid()))
+                time.sleep(self.pause_s)
+                os.kill(os.getpid(), signal.SIGKILL)
+            line = {"rank": rank, "world_size": dist.get_world_size(), "time": time.time()}
+            with open(Path(self.log_dir) / f"{os.getpid()}.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+        return super().forward(x)
+
+
+def step_log_mlp(num_inputs: int, num_outputs: int, **kwargs) -> nn.Module:
+    return StepLogMLP(num_inputs, num_outputs, **kwargs)
+
+
+def steps_by_process(log_dir: str | Path, rank: int = 0) -> list[int]:
+    """What ``StepLogMLP`` logged: the training steps each process of ``rank`` completed, in
+    the order the processes started."""
+    counts = []
+    for path in Path(log_dir).glob("*.jsonl"):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        if lines and lines[0]["rank"] == rank:
+            counts.append((lines[0]["time"], len(lines)))
+    return [count for _, count in sorted(counts)]

@@ -17,6 +17,7 @@ import yaml
 from tasks.setup import is_finished
 from tests import own_functions
 from tests.conftest import tiny_raw
+from tests.helpers import steps_by_process
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
 from trainer_core import evaluate, workloads
 from trainer_core.engine import run_attempt
@@ -235,15 +236,32 @@ def test_a_dead_controller_leaves_no_placement_group_behind(reference, tmp_path)
 
 
 def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
+    """Rank 0 dies in step 21, just after step 20's commit relayed its rows, so the driver
+    knows exactly how far the group got whoever tells it; step 20's checkpoint is damaged
+    meanwhile, so the restarted group, which scans the run again, falls back to step 13 and
+    runs 14-20 again. The steps the workers ran are counted from what rank 0's model saw."""
+    forwards = tmp_path / "forwards"
+    forwards.mkdir()
     spec = build_spec(
         tiny_raw(
             tmp_path,
             "in-place",
             retries={"in_place": 1},
-            # Rank 0 dies; synchronous checkpoints so step 20's is committed by then (rank 0's
-            # death can take an asynchronous write in flight with it).
+            # Rank 0 dies in step 21's forward pass, once rank 1 waits in its all-reduce; the
+            # model (the tiny spec's MLP, computing the same) logs every training forward pass.
+            model={
+                "name": "tests.helpers:step_log_mlp",
+                "kwargs": {
+                    "hidden": [16, 16],
+                    "dropout": 0.1,
+                    "log_dir": str(forwards),
+                    "kill_at": 21,
+                    "pause_s": 0.5,
+                },
+            },
+            # Synchronous checkpoints, so step 20's is committed by then (rank 0's death can
+            # take an asynchronous write in flight with it).
             checkpoint={"asynchronous": False},
-            faults=[{"kind": "kill", "at_step": 23, "rank": 0}],
         )
     )
     events = []
@@ -252,9 +270,15 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
 
     def on_event(event):  # while fit() runs: which of its processes have libtorch mapped
         events.append(event)
+        if event["kind"] == "restarting":  # before the new group starts (seconds)
+            model_file = tmp_path / "in-place" / "checkpoint-000000020" / "model.pt"
+            data = bytearray(model_file.read_bytes())
+            data[len(data) // 2] ^= 0xFF  # same size: only the manifest's digest can tell
+            model_file.write_bytes(bytes(data))
         for actor in ray._private.state.actors().values():
             if actor["State"] == "ALIVE" and actor["StartTime"] >= started_ms:
-                with contextlib.suppress(FileNotFoundError):  # it may have just exited
+                # It may have just exited (reading its maps then raises either).
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                     maps = Path(f"/proc/{actor['Pid']}/maps").read_text()
                     loaded = torch_loaded.setdefault(actor["ActorClassName"], {})
                     loaded[actor["Pid"]] = loaded.get(actor["Pid"], False) or "libtorch" in maps
@@ -281,17 +305,23 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
     assert attempt["status"] == "completed"
     (restart,) = attempt["restarts"]
     assert restart["error_class"] == "InfrastructureError"
-    assert restart["resumed_from_step"] == 20  # the restarted group scanned the run again
-    # Rank 0, whose relayed rows say how far training got, died; rank 1 says it instead when
-    # its collective fails before Ray tears the group down (within one 0.5 s poll of rank 0's
-    # death: on a loaded machine rank 1 may still be in step 23's forward pass, and then the
-    # record keeps rank 0's last relayed step, 20). Never a step beyond the last one run.
-    assert restart["last_step"] in (20, 22)
+    # The restarted group scanned the run again: step 20's commit is damaged, 13 is not.
+    assert restart["resumed_from_step"] == 13
+    regroup = next(i for i, e in enumerate(events) if e["kind"] == "resumed" and e["group"])
+    assert [s["step"] for s in events[regroup]["skipped"]] == [20]
+    # What the workers ran, counted from what rank 0's model saw in each worker group: the
+    # first group completed steps 1-20, the restarted one 14-39 (14-20 again).
+    ran = steps_by_process(forwards)
+    assert ran == [20, 26]
+    # The first group's rows, relayed with step 20's commit before rank 0 died, say so too.
+    relayed = [row["step"] for e in events[:regroup] if e["kind"] == "metrics" for row in e["rows"]]
+    assert relayed == list(range(1, 21))
+    assert restart["last_step"] == ran[0]
     assert restart["resumed_at"] >= restart["failed_at"]
-    # goodput counts the steps the restarted group ran again (as far as the record knows)
+    # goodput: steps kept / steps the workers ran
     summary = build_result(spec, run_dir, spec.run.storage, "completed")
-    assert summary.steps_computed == 39 + restart["last_step"] - 20
-    assert summary.goodput == round(39 / summary.steps_computed, 4)
+    assert summary.steps_computed == sum(ran)
+    assert summary.goodput == round(39 / sum(ran), 4)
     assert [e["group"] for e in events if e["kind"] in ("resumed", "fresh_start")] == [0, 1]
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]
