@@ -36,7 +36,7 @@ def test_fsdp_resumes_exactly_and_consumers_read_its_checkpoint(uninterrupted, t
         run_attempt(spec)
     run_dir = run_dir_of(spec)
     newest = run_dir.scan().newest
-    assert newest.step == 10 and newest.manifest["format"] == DCP_FORMAT
+    assert newest.step == 13 and newest.manifest["format"] == DCP_FORMAT
     sizes = {name: entry["size"] for name, entry in newest.files.items()}
     # Every rank's shard file and DCP's metadata are in the manifest, digests and all.
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "scheduler.pt"} <= set(newest.files)
