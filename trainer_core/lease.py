@@ -99,7 +99,10 @@ def acquire(
         try:
             conditional_write.write(path, lease.to_json(), found.version)
         except conditional_write.ConditionFailed as e:
-            raise taken from e
+            # Written since it was read: by this owner's own keeper renewing it (then it is
+            # ours), or by another flow that won.
+            if (conditional_write.read(path).value or {}).get("owner") != owner:
+                raise taken from e
         return lease
     path.write_json(lease.to_json())
     time.sleep(settle_s)

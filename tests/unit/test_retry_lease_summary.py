@@ -305,3 +305,21 @@ def test_epoch_table_and_markdown(tmp_path):
     assert "gradients clipped to norm 1.0, bf16" in text
     assert "metrics ['tests.own_functions:mean_abs_error']" in text
     assert "- stopped early: early stopping after epoch 2: why" in text
+
+
+def test_an_acquire_racing_its_own_keeper_keeps_the_lease(run_location, monkeypatch):
+    """The train task re-acquires the lease the flow's keeper renews: when the renewal lands
+    between the acquire's read and its write, the lease is still this owner's, not lost."""
+    held = lease.acquire(run_location, owner="a", settle_s=0)
+    real_write = lease.conditional_write.write
+    calls = []
+
+    def renewed_in_between(location, value, version):
+        if not calls:  # the keeper renews after the acquire read the record
+            calls.append(1)
+            real_write(location, {**held.to_json(), "expires_at": time.time() + 60}, version)
+        return real_write(location, value, version)
+
+    monkeypatch.setattr(lease.conditional_write, "write", renewed_in_between)
+    assert lease.acquire(run_location, owner="a", settle_s=0).owner == "a"
+    assert run_location.child("lock.json").read_json()["owner"] == "a"
