@@ -17,7 +17,7 @@ from tasks.naming import artifact_key
 from tasks.setup import Prepared
 from trainer_core import lease, plots
 from trainer_core.checkpoints import RunDirectory
-from trainer_core.errors import LeaseHeldError
+from trainer_core.errors import LeaseHeldError, StorageError
 from trainer_core.spec import RunSpec
 from trainer_core.summary import (
     TrainingResult,
@@ -45,6 +45,8 @@ def finalize(
     except LeaseHeldError as e:
         logger.warning("finalize writes nothing: %s", e)
         return build_result(spec, run_dir, prepared.storage_uri, status)
+    except StorageError as e:  # e.g. a full disk: ours still; the release below frees it
+        logger.warning("could not renew the run's lease before finalize: %s", e)
     try:
         result = finalize_run(spec, run_dir, prepared.storage_uri, status)
         history = run_dir.read_metrics_history()
