@@ -72,11 +72,15 @@ def write(location: Location, value: dict[str, Any], version: str | None) -> str
     returns the new version, or raises ConditionFailed."""
     data = json.dumps(value, indent=2, sort_keys=True).encode() + b"\n"
     if location.is_local:
-        with _guard(location.path):
-            if read(location).version != version:
-                raise ConditionFailed(location.uri)
-            location.write_bytes(data)
-        return _digest(data)
+
+        def replace() -> str:
+            with _guard(location.path):
+                if read(location).version != version:
+                    raise ConditionFailed(location.uri)
+                location.write_bytes(data)
+            return _digest(data)
+
+        return storage.call(location, "write", replace)  # a full disk: StorageFullError
     client, bucket, key = _s3(location)
     condition = {"IfMatch": version} if version is not None else {"IfNoneMatch": "*"}
 
