@@ -375,10 +375,10 @@ def run_attempt(
     ``lease_owner``: the lease the workers' commits are fenced by; ``lost()``: an error once
     the lease is lost (the attempt is stopped and raises it)."""
     started = time.time()
+    validate_workload(spec)  # bad input names itself before anything about the run directory
     plan, run_dir = plan_attempt(spec, attempt)
     plan = dataclasses.replace(plan, lease_owner=lease_owner)
     pinned = pin_dataset(spec, run_dir)
-    validate_workload(spec, pinned)
     if pinned is not None:
         plan = dataclasses.replace(plan, dataset=pinned.for_workers())
         if pinned.added and on_event is not None:
