@@ -110,10 +110,10 @@ def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDat
     return PinnedDataset(layout, stream.describe(layout, data), record, added)
 
 
-def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int | None:
-    """Import what the spec names, read the dataset (``pinned``, else a scan now) and build
-    the model: SpecError before any worker starts. Returns the run's total optimizer steps
-    (None for a user's own loop)."""
+def validate_workload(spec: RunSpec) -> int | None:
+    """Import what the spec names, read the dataset (footers) and build the model: SpecError
+    before any worker starts. Returns the run's total optimizer steps (None for a user's own
+    loop)."""
     if spec.train_loop is not None:
         workloads.resolve_train_loop(spec.train_loop)
         for name, uri in spec.datasets.items():  # footers only: the files are Parquet
@@ -121,7 +121,7 @@ def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int
         return None
     assert spec.model is not None and spec.data is not None and spec.schedule is not None
     data = spec.data.resolved()
-    pinned = pinned or pin_dataset(spec)
+    pinned = pin_dataset(spec)
     assert pinned is not None
     layout, info = pinned.layout, pinned.info
     _check_reader_memory(data, layout)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +44,8 @@ from trainer_core.worker import (
     Timings,
     all_reduce,
     collective_device,
-    is_peer_failure,
     peak_rss_mb,
+    worker_error,
 )
 from trainer_core.worker_config import WorkerConfig
 
@@ -539,14 +538,4 @@ def _as_code_error(
     if loop is not None:
         rank = loop.rank
         step = loop.current_step or None
-    if is_peer_failure(error):
-        return InfrastructureError(
-            f"rank {rank} lost a peer during a collective at step {step}: {error}", step=step
-        )
-    return TrainingCodeError(
-        f"{type(error).__name__}: {error}",
-        error_type=type(error).__name__,
-        step=step,
-        rank=rank,
-        traceback="".join(traceback.format_exception(error)),
-    )
+    return worker_error(error, where=f"at step {step}", step=step, rank=rank)

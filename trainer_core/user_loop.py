@@ -6,7 +6,6 @@ import inspect
 import logging
 import posixpath
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ from trainer_core.errors import (
 )
 from trainer_core.execution import worker_api
 from trainer_core.spec import RunSpec
-from trainer_core.worker import Faults, Relay, all_reduce, is_peer_failure, peak_rss_mb
+from trainer_core.worker import Faults, Relay, all_reduce, peak_rss_mb, worker_error
 from trainer_core.worker_config import WorkerConfig
 
 logger = logging.getLogger("relaytrain.user_loop")
@@ -138,19 +137,7 @@ def loop_error(error: Exception, report: int, rank: int) -> Exception:
         return error
     if isinstance(error, InjectedFault):
         return TrainingCodeError(str(error), error_type="InjectedFault", step=report, rank=rank)
-    if is_peer_failure(error):
-        return InfrastructureError(
-            f"rank {rank} lost a peer during a collective after report {report}: "
-            f"{type(error).__name__}: {error}",
-            step=report,
-        )
-    return TrainingCodeError(
-        f"{type(error).__name__}: {error}",
-        error_type=type(error).__name__,
-        step=report,
-        rank=rank,
-        traceback="".join(traceback.format_exception(error)),
-    )
+    return worker_error(error, where=f"after report {report}", step=report, rank=rank)
 
 
 def _start(hook: ReportHook) -> int:

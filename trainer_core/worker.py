@@ -9,16 +9,38 @@ import resource
 import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainer_core.errors import InjectedFault
+from trainer_core.errors import InfrastructureError, InjectedFault, TrainingCodeError
 from trainer_core.execution import worker_api
 from trainer_core.execution.classify import is_peer_failure as is_peer_failure  # the driver's too
 from trainer_core.spec import FaultSection
+
+
+def worker_error(
+    error: BaseException, *, where: str, step: int | None, rank: int | None
+) -> TrainingCodeError | InfrastructureError:
+    """What an exception out of training code means: a collective that lost its peer is the
+    infrastructure's (``where``: the step or report it was at, in words); anything else is the
+    code's, with its type, step, rank and traceback."""
+    if is_peer_failure(error):
+        return InfrastructureError(
+            f"rank {rank} lost a peer during a collective {where}: {type(error).__name__}: {error}",
+            step=step,
+        )
+    return TrainingCodeError(
+        f"{type(error).__name__}: {error}",
+        error_type=type(error).__name__,
+        step=step,
+        rank=rank,
+        traceback="".join(traceback.format_exception(error)),
+    )
+
 
 logger = logging.getLogger("relaytrain.worker")
 
