@@ -3,7 +3,8 @@
 A lease names its holder (an owner id, host and pid) and expires unless renewed. Acquire takes a
 free, expired or stale lease (the holder's process is gone from this very host), or one the
 same owner already holds (a retried flow run). Where the store has compare-and-swap writes
-(S3's conditional PutObject, a lock on local disks: ``conditional_write``), acquire and renew
+(S3's conditional PutObject, GCS's ifGenerationMatch, a lock on local disks:
+``conditional_write``), acquire and renew
 write only if ``lock.json`` is still what they read, so of two racing flows exactly one wins.
 Elsewhere acquire writes, waits a moment, and reads back: the last writer wins and the loser
 sees it.

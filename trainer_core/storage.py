@@ -130,6 +130,7 @@ ACCESS_SIGNS = (
     "HTTP status 401",
     "HTTP status 403",
     "Forbidden",
+    "Unauthorized",
     "Unable to locate credentials",
     "NoCredentialsError",
     "AllAccessDisabled",

@@ -156,13 +156,23 @@ def test_finalize_without_the_lease_deletes_nothing(
     assert run_dir.lease_file.read_json()["owner"] == "another-flow"
 
 
-def test_of_flows_racing_for_a_free_lease_on_s3_exactly_one_wins(s3_server, monkeypatch) -> None:
-    """On the moto server acquire and renew are conditional PutObjects (If-None-Match: *,
-    If-Match: ETag): of 6 acquires racing for a free lease one wins (10 races), and a renewal
-    after another owner wrote lock.json is refused."""
-    for key, value in s3_server.credential_env().items():
+@pytest.fixture(params=["s3", "gs", "fsspec+gcs"])
+def object_store(request, tmp_path, monkeypatch) -> str:
+    """A prefix on the moto S3 server, or on the GCS server through pyarrow or gcsfs."""
+    server = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
+    for key, value in server.credential_env().items():
         monkeypatch.setenv(key, value)
-    root = storage.resolve(s3_server.uri("lease-race"))
+    if request.param == "s3":
+        return server.uri(f"race-{tmp_path.name}")
+    return server.uri(f"race-{tmp_path.name}", fsspec=request.param == "fsspec+gcs")
+
+
+def test_of_flows_racing_for_a_free_lease_on_object_stores_exactly_one_wins(object_store) -> None:
+    """On the object stores acquire and renew are compare-and-swap writes (S3: PutObject with
+    If-None-Match: * / If-Match: ETag; GCS: an upload with ifGenerationMatch): of 6 acquires
+    racing for a free lease one wins (10 races), and a renewal after another owner wrote
+    lock.json is refused."""
+    root = storage.resolve(object_store)
     assert conditional_write.supported(root)
     for race in range(10):
         location = root.child(f"run-{race}")
