@@ -62,10 +62,11 @@ import yaml
 
 from bench import common
 from bench.common import Result, Target
-from trainer_core import attempts, storage
-from trainer_core.attempts import AttemptRecord
-from trainer_core.checkpoints import MANIFEST_FILE, MARKER_FILE, RunDirectory
-from trainer_core.summary import attempt_summaries, steps_computed
+from trainer_core import storage
+from trainer_core.checkpoint.run_directory import MANIFEST_FILE, MARKER_FILE, RunDirectory
+from trainer_core.run import attempts
+from trainer_core.run.attempts import AttemptRecord
+from trainer_core.run.summary import attempt_summaries, steps_computed
 
 NAME = "chaos"
 KINDS = (

@@ -44,10 +44,11 @@ import torch
 from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
 from bench.workload import mlp_spec, random_state
-from trainer_core import storage, training_state
-from trainer_core.checkpoints import RunDirectory
-from trainer_core.spec import CheckpointSection, RunSpec
-from trainer_core.staging import Stager
+from trainer_core import storage
+from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.checkpoint.staging import Stager
+from trainer_core.spec.run_spec import CheckpointSection, RunSpec
 
 NAME = "checkpoints"
 MB = 2**20

@@ -5,7 +5,7 @@ Datasets are generated once per run: Parquet files of ``x`` (64 float32 features
 fixed-size list) and ``y`` (int64), 65,536-row row groups, 4 files per dataset.
 
 Variants, per store (``local``: a directory; ``s3``: a moto server on loopback):
-- ``<store>/reader``: ``trainer_core.stream.RankStream``, what feeds the built-in loop, reading
+- ``<store>/reader``: ``trainer_core.data.stream.RankStream``, what feeds the built-in loop, reading
   one epoch of every global batch (batch 1024, 8 partitions, one rank of one; row groups read
   ahead a window at a time), rows as numpy arrays;
 - ``<store>/reader_rank0of2``: rank 0 of 2: what one worker of two reads;
@@ -42,9 +42,10 @@ import pyarrow.parquet as pq
 
 from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
-from trainer_core import data as data_mod
-from trainer_core import storage, stream
-from trainer_core.spec import DataSection
+from trainer_core import storage
+from trainer_core.data import arrays as data_mod
+from trainer_core.data import stream
+from trainer_core.spec.run_spec import DataSection
 
 NAME = "data"
 FEATURES = 64

@@ -42,10 +42,10 @@ from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
 from bench.probe import PROBE_DIR_ENV, read_probe
 from tests.multinode import wait_until
-from trainer_core import attempts
-from trainer_core.checkpoints import RunDirectory
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.execution.cluster import RAY_ENV_DEFAULTS
-from trainer_core.spec import RunSpec, build_spec
+from trainer_core.run import attempts
+from trainer_core.spec.run_spec import RunSpec, build_spec
 
 NAME = "elastic"
 RATIO_TARGET = Target(

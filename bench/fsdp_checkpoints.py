@@ -94,10 +94,10 @@ class Bench:
 
     def __init__(self, rank: int, world_size: int, store: str):
         from trainer_core import storage
-        from trainer_core.checkpoint_manager import CheckpointManager, TrainingState
-        from trainer_core.checkpoints import RunDirectory
-        from trainer_core.spec import CheckpointSection
-        from trainer_core.worker import Relay, Timings
+        from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
+        from trainer_core.checkpoint.run_directory import RunDirectory
+        from trainer_core.execution.worker_group import Relay, Timings
+        from trainer_core.spec.run_spec import CheckpointSection
 
         self.rank = rank
         self.store = Path(store)

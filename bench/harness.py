@@ -17,7 +17,7 @@ from typing import Any
 from unittest import mock
 
 from bench.probe import PROBE_DIR_ENV, probed_builtin_loop
-from trainer_core.spec import RunSpec
+from trainer_core.spec.run_spec import RunSpec
 
 #: Logical CPUs of the benchmark's Ray cluster: two 1-CPU workers plus room (as the tests use).
 RAY_NUM_CPUS = 4
@@ -71,7 +71,7 @@ def prefect_api() -> Iterator[dict[str, Any]]:
 @contextlib.contextmanager
 def probed() -> Iterator[None]:
     """While inside, the engine trains with the probed built-in loop."""
-    from trainer_core import engine
+    from trainer_core.run import engine
 
     with mock.patch.object(engine, "builtin_train_loop", probed_builtin_loop):
         yield
@@ -90,7 +90,7 @@ def run_flow(spec: RunSpec) -> Any:
 
 def run_engine(spec: RunSpec, **kwargs: Any) -> tuple[Any, list[dict[str, Any]]]:
     """One ``engine.run_attempt`` (no Prefect); its result and the events it relayed."""
-    from trainer_core import engine
+    from trainer_core.run import engine
 
     events: list[dict[str, Any]] = []
     with probed():
@@ -122,8 +122,8 @@ def bare_trainer(
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     from trainer_core import storage
-    from trainer_core.engine import canonical_storage_uri
-    from trainer_core.worker_config import WorkerConfig
+    from trainer_core.execution.worker_config import WorkerConfig
+    from trainer_core.run.engine import canonical_storage_uri
 
     assert spec.run.name is not None
     storage_uri = canonical_storage_uri(spec.run.storage)

@@ -26,7 +26,7 @@ from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
 from bench.probe import read_probe
 from bench.workload import digits_spec
-from trainer_core.spec import RunSpec
+from trainer_core.spec.run_spec import RunSpec
 
 NAME = "memory"
 MB = 2**20

@@ -33,7 +33,7 @@ from bench.common import Result, Sample, Target, Variant
 from bench.plain_ddp import run_plain_ddp
 from bench.probe import first_step_time, read_probe, span
 from bench.workload import mlp_spec, steps_per_epoch
-from trainer_core.spec import RunSpec
+from trainer_core.spec.run_spec import RunSpec
 
 NAME = "overhead"
 WALL_TARGET = Target(

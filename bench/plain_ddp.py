@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench.probe import StepProbe
 from bench.workload import Workload
-from trainer_core.spec import RunSpec
+from trainer_core.spec.run_spec import RunSpec
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ from bench import common, harness
 from bench.common import Result, Sample, Variant
 from bench.scaling import measure_plain, measure_relaytrain
 from bench.workload import mlp_spec
-from trainer_core.spec import RunSpec
+from trainer_core.spec.run_spec import RunSpec
 
 NAME = "precision"
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -26,7 +26,7 @@ import torch
 
 from bench.probe import StepProbe
 from bench.workload import Workload
-from trainer_core.spec import RunSpec
+from trainer_core.spec.run_spec import RunSpec
 
 
 def ray_native_loop(config: dict[str, Any]) -> None:

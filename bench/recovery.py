@@ -41,9 +41,9 @@ from bench.common import Result, Sample, Target, Variant
 from bench.probe import read_probe
 from bench.rayloop import ray_native_loop
 from bench.workload import mlp_spec
-from trainer_core.checkpoints import RunDirectory
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import InfrastructureError
-from trainer_core.spec import RunSpec
+from trainer_core.spec.run_spec import RunSpec
 
 NAME = "recovery"
 DEFAULT_TARGET = Target(

@@ -27,7 +27,7 @@ from bench.common import Result, Sample, Target, Variant
 from bench.probe import read_probe, span
 from bench.rayloop import ray_native_loop
 from bench.workload import digits_spec
-from trainer_core.spec import RunSpec
+from trainer_core.spec.run_spec import RunSpec
 
 NAME = "reporting"
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"

@@ -81,10 +81,10 @@ def build_sharded(layers: int, world_size: int) -> tuple[torch.nn.Module, Any, A
 class Bench:
     def __init__(self, rank: int, world_size: int, stores: tuple[str, str], layers: int):
         from trainer_core import storage
-        from trainer_core.checkpoint_manager import CheckpointManager, TrainingState
-        from trainer_core.checkpoints import RunDirectory
-        from trainer_core.spec import CheckpointSection
-        from trainer_core.worker import Relay, Timings
+        from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
+        from trainer_core.checkpoint.run_directory import RunDirectory
+        from trainer_core.execution.worker_group import Relay, Timings
+        from trainer_core.spec.run_spec import CheckpointSection
 
         model, optimizer, scheduler = build(layers)
         self.state_mb = (

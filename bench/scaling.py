@@ -36,9 +36,9 @@ from bench.plain_ddp import ray_train_loop, run_plain_ddp
 from bench.probe import read_probe, span
 from bench.workload import mlp_spec, random_state
 from trainer_core import storage
-from trainer_core.checkpoints import RunDirectory
-from trainer_core.spec import RunSpec
-from trainer_core.staging import Stager
+from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.checkpoint.staging import Stager
+from trainer_core.spec.run_spec import RunSpec
 
 NAME = "scaling"
 #: Against plain DDP's own 2/1-worker ratio on the same machine (issue 19): what 2 workers can

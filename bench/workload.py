@@ -1,7 +1,7 @@
 """The workloads every variant trains: one spec, and the same model, data, seeds and steps
 outside relaytrain (for the bare Ray Train loop and the plain PyTorch script).
 
-``Workload`` rebuilds what ``trainer_core.loop.BuiltinLoop`` sets up, with relaytrain's own
+``Workload`` rebuilds what ``trainer_core.train.loop.BuiltinLoop`` sets up, with relaytrain's own
 helpers (the rank's stream of its slices of the global batches, model builders, optimizer, LR
 schedule, seeding), so a step of every variant does the same arithmetic on the same rows.
 """
@@ -15,9 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_core import data as data_mod
-from trainer_core import stream, training_state, workloads
-from trainer_core.spec import RunSpec, build_spec
+from trainer_core.checkpoint import training_state
+from trainer_core.data import arrays as data_mod
+from trainer_core.data import stream
+from trainer_core.spec.run_spec import RunSpec, build_spec
+from trainer_core.train import workloads
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,9 +19,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from trainer_core import catalog, storage
+from trainer_core import storage
+from trainer_core.checkpoint.run_directory import stored_spec
 from trainer_core.errors import RelaytrainError, SpecError
-from trainer_core.summary import epoch_table
+from trainer_core.run import catalog
+from trainer_core.run.summary import epoch_table
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,11 +177,11 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _sync(args: argparse.Namespace) -> int:
-    from trainer_core.mlflow_log import read_state
-    from trainer_core.summary import sync_tracking
+    from trainer_core.run.summary import sync_tracking
+    from trainer_core.tracking.mlflow_log import read_state
 
     run_dir = resolve_run(args.run)
-    sync_tracking(catalog.stored_spec(run_dir), run_dir)
+    sync_tracking(stored_spec(run_dir), run_dir)
     state = read_state(run_dir)
     print(state.describe() if state else "nothing logged")
     return 0 if state is not None and state.pending is None else 1

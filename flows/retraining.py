@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict
 from flows.training import training
 from tasks import credentials
 from tasks.retraining import Comparison, compare_and_promote, load_champion
-from trainer_core.spec import RunSpec
-from trainer_core.summary import TrainingResult
+from trainer_core.run.summary import TrainingResult
+from trainer_core.spec.run_spec import RunSpec
 
 
 class RetrainingResult(BaseModel):

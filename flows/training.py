@@ -21,10 +21,10 @@ from prefect.runtime import flow_run
 
 from tasks import Prepared, credentials, finalize, setup, train
 from tasks.setup import holding
-from trainer_core import jobs
 from trainer_core.errors import SpecError
-from trainer_core.spec import RunSpec, load_spec
-from trainer_core.summary import TrainingResult
+from trainer_core.run import jobs
+from trainer_core.run.summary import TrainingResult
+from trainer_core.spec.run_spec import RunSpec, load_spec
 
 
 def default_run_name(spec: RunSpec) -> str:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainer_core.errors import SpecError
-from trainer_core.storage import CREDENTIAL_ENV_VARS
+from trainer_core.storage.locations import CREDENTIAL_ENV_VARS
 
 FIELD = "run.credentials"
 

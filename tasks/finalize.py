@@ -15,17 +15,18 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.naming import artifact_key
 from tasks.setup import Prepared
-from trainer_core import lease, plots
-from trainer_core.checkpoints import RunDirectory
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import LeaseHeldError, StorageError
-from trainer_core.spec import RunSpec
-from trainer_core.summary import (
+from trainer_core.run import lease
+from trainer_core.run.summary import (
     TrainingResult,
     build_result,
     epoch_table,
     finalize_run,
     render_markdown,
 )
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.tracking import plots
 
 
 @task(name="finalize", cache_policy=NO_CACHE)

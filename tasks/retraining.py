@@ -10,10 +10,11 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
 
 from tasks.naming import artifact_key
-from trainer_core import evaluate, storage
-from trainer_core.registry import Champion, Registry, decide_promotion
-from trainer_core.spec import RunSpec
-from trainer_core.summary import TrainingResult
+from trainer_core import storage
+from trainer_core.checkpoint.registry import Champion, Registry, decide_promotion
+from trainer_core.run.summary import TrainingResult
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.train import evaluate
 
 
 class Comparison(BaseModel):

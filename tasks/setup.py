@@ -10,11 +10,11 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
 
 from tasks import credentials
-from trainer_core import engine, jobs, lease
-from trainer_core.checkpoints import RunDirectory
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.execution import cluster
-from trainer_core.spec import RunSpec
-from trainer_core.summary import TrainingResult, read_stored_result, sync_tracking
+from trainer_core.run import engine, jobs, lease
+from trainer_core.run.summary import TrainingResult, read_stored_result, sync_tracking
+from trainer_core.spec.run_spec import RunSpec
 
 
 class Prepared(BaseModel):

@@ -13,11 +13,12 @@ from prefect.states import State
 
 from tasks.naming import artifact_key
 from tasks.setup import Prepared
-from trainer_core import attempts, engine, jobs, lease, mlflow_log, tensorboard_log
-from trainer_core.checkpoints import RunDirectory
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import LeaseLostError, RelaytrainError
-from trainer_core.retry import RetryDecision, decide_retry
-from trainer_core.spec import RunSpec
+from trainer_core.run import attempts, engine, jobs, lease
+from trainer_core.run.retry import RetryDecision, decide_retry
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.tracking import mlflow_log, tensorboard_log
 
 #: The progress artifact is updated at most this often (and at the end of training).
 PROGRESS_INTERVAL_S = 2.0

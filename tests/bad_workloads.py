@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer_core.workloads import MLP
+from trainer_core.train.workloads import MLP
 
 NOT_CALLABLE = 3
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from torch import nn
 
-from trainer_core.workloads import MLP
+from trainer_core.train.workloads import MLP
 
 
 class SlowMLP(MLP):

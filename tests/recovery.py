@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from trainer_core import dcp_storage, evaluate, storage, training_state
-from trainer_core.attempts import AttemptRecord
-from trainer_core.attempts import read as read_attempts
-from trainer_core.checkpoints import RunDirectory
-from trainer_core.exports import is_dcp
-from trainer_core.summary import attempt_summaries
+from trainer_core import storage
+from trainer_core.checkpoint import dcp_storage, training_state
+from trainer_core.checkpoint.exports import is_dcp
+from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.run.attempts import AttemptRecord
+from trainer_core.run.attempts import read as read_attempts
+from trainer_core.run.summary import attempt_summaries
+from trainer_core.train import evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 MATRIX_FILE = REPO / "runs" / "fault-matrix.jsonl"

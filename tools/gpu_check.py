@@ -29,11 +29,11 @@ import ray
 import torch
 
 from trainer_core import storage
-from trainer_core.checkpoints import RunDirectory
-from trainer_core.engine import run_attempt
+from trainer_core.checkpoint.exports import read_model_weights
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import RelaytrainError
-from trainer_core.exports import read_model_weights
-from trainer_core.spec import RunSpec, load_spec
+from trainer_core.run.engine import run_attempt
+from trainer_core.spec.run_spec import RunSpec, load_spec
 
 FAULTS = (
     '[{"kind": "raise", "at_step": 50, "rank": 0, "attempt": 1},'

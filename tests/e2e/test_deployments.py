@@ -23,7 +23,7 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 from flows.pytest_plugin import tiny_spec_dict
 from tests.net import free_port
 from trainer_core import storage
-from trainer_core.checkpoints import RunDirectory
+from trainer_core.checkpoint.run_directory import RunDirectory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[2]

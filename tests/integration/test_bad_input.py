@@ -35,9 +35,9 @@ from flows.training import main as cli_main
 from flows.training import training
 from tests.conftest import tiny_raw
 from trainer_core import storage
-from trainer_core.checkpoints import RunDirectory
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import SpecError, TrainingCodeError
-from trainer_core.spec import build_spec
+from trainer_core.spec.run_spec import build_spec
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

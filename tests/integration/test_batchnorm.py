@@ -8,9 +8,9 @@ import pytest
 
 from tests.conftest import tiny_raw
 from tests.recovery import run_dir_of
-from trainer_core import evaluate
-from trainer_core.engine import run_attempt
-from trainer_core.spec import build_spec
+from trainer_core.run.engine import run_attempt
+from trainer_core.spec.run_spec import build_spec
+from trainer_core.train import evaluate
 
 pytestmark = pytest.mark.integration
 

@@ -19,16 +19,16 @@ from tests import own_functions
 from tests.conftest import tiny_raw
 from tests.helpers import steps_by_process
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
-from trainer_core import evaluate, workloads
-from trainer_core.engine import run_attempt
 from trainer_core.errors import (
     ClusterCapacityError,
     InfrastructureError,
     SpecError,
     TrainingCodeError,
 )
-from trainer_core.spec import build_spec
-from trainer_core.summary import build_result
+from trainer_core.run.engine import run_attempt
+from trainer_core.run.summary import build_result
+from trainer_core.spec.run_spec import build_spec
+from trainer_core.train import evaluate, workloads
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

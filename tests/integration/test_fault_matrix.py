@@ -24,8 +24,8 @@ from flows.training import training
 from tests.conftest import tiny_raw
 from tests.prefect_api import task_runs
 from tests.recovery import REPO, assert_recovered, record_matrix_row, run_dir_of
-from trainer_core.checkpoints import RunDirectory
-from trainer_core.spec import build_spec
+from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.spec.run_spec import build_spec
 
 pytestmark = pytest.mark.integration
 

@@ -13,12 +13,13 @@ import torch
 
 from tests.conftest import tiny_raw
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
-from trainer_core import evaluate, exports
-from trainer_core.engine import run_attempt
+from trainer_core.checkpoint import exports
+from trainer_core.checkpoint.exports import DCP_FORMAT, FORMAT, read_model_weights
 from trainer_core.errors import TrainingCodeError
-from trainer_core.exports import DCP_FORMAT, FORMAT, read_model_weights
-from trainer_core.spec import build_spec
-from trainer_core.summary import finalize_run
+from trainer_core.run.engine import run_attempt
+from trainer_core.run.summary import finalize_run
+from trainer_core.spec.run_spec import build_spec
+from trainer_core.train import evaluate
 
 pytestmark = pytest.mark.integration
 FSDP = {"strategy": "fsdp"}

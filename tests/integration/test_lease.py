@@ -21,9 +21,11 @@ from tasks import Prepared, finalize
 from tests.conftest import tiny_raw
 from tests.prefect_api import task_runs
 from tests.recovery import run_dir_of
-from trainer_core import conditional_write, lease, storage
-from trainer_core.checkpoints import RunDirectory
-from trainer_core.spec import RunSpec, build_spec
+from trainer_core import storage
+from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.run import lease
+from trainer_core.spec.run_spec import RunSpec, build_spec
+from trainer_core.storage import conditional_write
 
 pytestmark = pytest.mark.integration
 TTL_S = 3.0

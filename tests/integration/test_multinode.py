@@ -30,10 +30,10 @@ from tests.integration.test_streaming import (
 from tests.multinode import MultiNodeCluster, wait_until
 from tests.prefect_api import task_runs
 from tests.recovery import REPO, assert_recovered, record_matrix_row, run_dir_of
-from trainer_core import jobs
-from trainer_core.checkpoints import RunDirectory
-from trainer_core.spec import build_spec
-from trainer_core.summary import render_markdown
+from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.run import jobs
+from trainer_core.run.summary import render_markdown
+from trainer_core.spec.run_spec import build_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 

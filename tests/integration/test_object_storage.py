@@ -32,7 +32,7 @@ from tests.recovery import (
 )
 from tests.s3 import OutageProxy
 from trainer_core import storage
-from trainer_core.checkpoints import RunDirectory
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import (
     SpecError,
     StorageAccessError,
@@ -40,7 +40,7 @@ from trainer_core.errors import (
     StorageFullError,
     StorageUnavailableError,
 )
-from trainer_core.spec import build_spec
+from trainer_core.spec.run_spec import build_spec
 
 pytestmark = pytest.mark.integration
 TIMINGS_FILE = REPO / "runs" / "object-storage-timings.jsonl"
@@ -137,7 +137,7 @@ def test_relaytrain_commands_read_runs_on_s3(s3_runs, s3_server, s3, tmp_path, m
 
     import torch
 
-    from trainer_core import exports
+    from trainer_core.checkpoint import exports
 
     for key, value in s3_server.credential_env().items():
         monkeypatch.setenv(key, value)

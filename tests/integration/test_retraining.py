@@ -11,9 +11,9 @@ import pytest
 from flows.pytest_plugin import tiny_spec_dict
 from flows.retraining import retraining
 from trainer_core import storage
-from trainer_core.data import synthetic_arrays
-from trainer_core.registry import Registry
-from trainer_core.spec import build_spec
+from trainer_core.checkpoint.registry import Registry
+from trainer_core.data.arrays import synthetic_arrays
+from trainer_core.spec.run_spec import build_spec
 
 pytestmark = pytest.mark.integration
 

@@ -23,10 +23,11 @@ from prefect.logging.handlers import APILogHandler
 from flows.training import training
 from tests.conftest import tiny_raw
 from tests.recovery import run_dir_of
-from trainer_core import storage, training_state
-from trainer_core.checkpoints import RunDirectory
+from trainer_core import storage
+from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import CheckpointCorruptError, SpecError
-from trainer_core.spec import build_spec
+from trainer_core.spec.run_spec import build_spec
 
 pytestmark = pytest.mark.integration
 

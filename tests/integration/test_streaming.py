@@ -20,10 +20,11 @@ from flows.training import training
 from tests.conftest import tiny_raw
 from tests.prefect_api import task_runs
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
-from trainer_core import storage, stream
-from trainer_core.engine import run_attempt
+from trainer_core import storage
+from trainer_core.data import stream
 from trainer_core.errors import SpecError, TrainingCodeError
-from trainer_core.spec import RunSpec, build_spec
+from trainer_core.run.engine import run_attempt
+from trainer_core.spec.run_spec import RunSpec, build_spec
 
 pytestmark = pytest.mark.integration
 

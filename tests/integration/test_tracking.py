@@ -19,9 +19,9 @@ from tests.mlflow_server import MlflowServer
 from tests.net import free_port, stop, wait_until_answers
 from tests.prefect_api import artifacts
 from tests.recovery import losses, run_dir_of
-from trainer_core import mlflow_log, tensorboard_log
-from trainer_core.exports import read_model_weights
-from trainer_core.spec import build_spec
+from trainer_core.checkpoint.exports import read_model_weights
+from trainer_core.spec.run_spec import build_spec
+from trainer_core.tracking import mlflow_log, tensorboard_log
 
 pytestmark = pytest.mark.integration
 RELAYTRAIN = str(Path(sys.executable).with_name("relaytrain"))

@@ -9,8 +9,8 @@ import torch
 
 from tests.conftest import tiny_raw
 from tests.recovery import final_state, losses, run_dir_of
-from trainer_core.engine import run_attempt
-from trainer_core.spec import build_spec
+from trainer_core.run.engine import run_attempt
+from trainer_core.spec.run_spec import build_spec
 
 pytestmark = pytest.mark.integration
 

@@ -119,7 +119,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def own_loop_spec(storage: Path, name: str, **loop_config: Any) -> Any:
-    from trainer_core.spec import build_spec
+    from trainer_core.spec.run_spec import build_spec
 
     return build_spec(
         {
@@ -134,7 +134,7 @@ def own_loop_spec(storage: Path, name: str, **loop_config: Any) -> Any:
 
 
 def with_faults(spec: Any, *faults: dict[str, Any]) -> Any:
-    from trainer_core.spec import RunSpec
+    from trainer_core.spec.run_spec import RunSpec
 
     raw = spec.model_dump(mode="json")
     raw["faults"] = list(faults)
@@ -163,8 +163,8 @@ def faulted(relaytrain_ray, relaytrain_prefect, tmp_path_factory):
 def test_history_keeps_every_report_once(faulted):
     """The loop reports no step or epoch: relaytrain numbers its reports across attempts, and
     the resumed attempt's rows replace the failed one's after the checkpoint it resumed from."""
-    from trainer_core.checkpoints import RunDirectory
-    from trainer_core.storage import resolve
+    from trainer_core.checkpoint.run_directory import RunDirectory
+    from trainer_core.storage.locations import resolve
 
     _, log, run_path = faulted
     kept = final_timeline(log)
@@ -298,7 +298,7 @@ def test_the_example_loop_through_the_flow(relaytrain_ray, relaytrain_prefect, t
 
     from flows import cli
     from flows.training import training
-    from trainer_core.spec import build_spec
+    from trainer_core.spec.run_spec import build_spec
 
     raw = yaml.safe_load((REPO / "examples" / "ray_loop.yaml").read_text())
     raw["run"].update({"name": "example", "storage": str(tmp_path)})

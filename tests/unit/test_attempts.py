@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from trainer_core import attempts, storage
-from trainer_core.attempts import AttemptRecord
-from trainer_core.checkpoints import RunDirectory
+from trainer_core import storage
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import PreemptedError, TrainingCodeError
+from trainer_core.run import attempts
+from trainer_core.run.attempts import AttemptRecord
 
 
 def test_an_attempt_opens_fails_and_is_decided(tmp_path):

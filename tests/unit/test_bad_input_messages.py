@@ -11,12 +11,12 @@ import pytest
 
 from deployments.serve import cron_expression, positive_seconds
 from tests.conftest import tiny_raw
-from trainer_core import stream
-from trainer_core.checkpoints import RunDirectory, identity_changes
+from trainer_core.checkpoint.run_directory import RunDirectory, identity_changes
+from trainer_core.data import stream
 from trainer_core.errors import IncompatibleRunError, SpecError
-from trainer_core.spec import DataSection, ModelSection, build_spec
-from trainer_core.storage import resolve
-from trainer_core.workloads import build_model, import_object
+from trainer_core.spec.run_spec import DataSection, ModelSection, build_spec
+from trainer_core.storage.locations import resolve
+from trainer_core.train.workloads import build_model, import_object
 
 
 def refused(raw, overrides=()) -> SpecError:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.unit.gloo_group import run_ranks
-from trainer_core.checkpoint_manager import CheckpointManager, TrainingState
+from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
 
 
 def _build() -> TrainingState:
@@ -47,9 +47,9 @@ def _adam_steps(state: TrainingState) -> dict[int, float]:
 
 def _manager(root: str, state: TrainingState, rank: int, world: int) -> CheckpointManager:
     from trainer_core import storage
-    from trainer_core.checkpoints import RunDirectory
-    from trainer_core.spec import CheckpointSection
-    from trainer_core.worker import Relay, Timings
+    from trainer_core.checkpoint.run_directory import RunDirectory
+    from trainer_core.execution.worker_group import Relay, Timings
+    from trainer_core.spec.run_spec import CheckpointSection
 
     return CheckpointManager(
         RunDirectory(storage.resolve(root)),

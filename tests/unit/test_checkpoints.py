@@ -3,7 +3,7 @@ import json
 import pytest
 
 from trainer_core import storage
-from trainer_core.checkpoints import (
+from trainer_core.checkpoint.run_directory import (
     MARKER_FILE,
     CheckpointInfo,
     RunDirectory,

@@ -1,4 +1,4 @@
-"""A run's dataset snapshot (trainer_core.dataset_snapshot) on real Parquet files: what it pins,
+"""A run's dataset snapshot (trainer_core.data.dataset_snapshot) on real Parquet files: what it pins,
 and what a later attempt finds against it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer_core import dataset_snapshot, stream
+from trainer_core.data import dataset_snapshot, stream
 from trainer_core.errors import SpecError
-from trainer_core.spec import DataSection
+from trainer_core.spec.run_spec import DataSection
 
 
 def write(path: Path, values: np.ndarray) -> None:

@@ -35,10 +35,11 @@ def _worker(rank: int, world: int, root: str, mode: str) -> None:
         set_state_dict,
     )
 
-    from trainer_core import dcp_storage, storage
-    from trainer_core.checkpoints import RunDirectory
+    from trainer_core import storage
+    from trainer_core.checkpoint import dcp_storage
+    from trainer_core.checkpoint.exports import DCP_FORMAT
+    from trainer_core.checkpoint.run_directory import RunDirectory
     from trainer_core.errors import CheckpointCorruptError
-    from trainer_core.exports import DCP_FORMAT
 
     model, optimizer = _build()
     run_dir = RunDirectory(storage.resolve(root))
@@ -106,7 +107,7 @@ def _check_staging(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor
 
-    from trainer_core.staging import Stager
+    from trainer_core.checkpoint.staging import Stager
 
     def step() -> None:
         model(torch.randn(8, 16)).sum().backward()
@@ -179,8 +180,9 @@ def test_a_dcp_checkpoint_of_one_rank_loads_exactly_on_two(saved_by_one: Path) -
 
 
 def test_a_dcp_checkpoint_reads_whole_in_one_process(saved: Path) -> None:
-    from trainer_core import dcp_storage, storage
-    from trainer_core.checkpoints import RunDirectory
+    from trainer_core import storage
+    from trainer_core.checkpoint import dcp_storage
+    from trainer_core.checkpoint.run_directory import RunDirectory
 
     run_dir = RunDirectory(storage.resolve(str(saved)))
     checkpoint = run_dir.read_committed(3)
@@ -214,8 +216,9 @@ def test_an_export_is_one_torch_file_of_the_whole_model_and_follows_its_checkpoi
     import json
     import shutil
 
-    from trainer_core import exports, storage
-    from trainer_core.checkpoints import RunDirectory
+    from trainer_core import storage
+    from trainer_core.checkpoint import exports
+    from trainer_core.checkpoint.run_directory import RunDirectory
 
     shutil.copytree(saved, tmp_path / "run")
     run_dir = RunDirectory(storage.resolve(str(tmp_path / "run")))

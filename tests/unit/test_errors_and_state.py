@@ -9,7 +9,7 @@ import ray
 import torch
 from ray.train import ControllerError, WorkerGroupError
 
-from trainer_core import training_state, workloads
+from trainer_core.checkpoint import training_state
 from trainer_core.errors import (
     ClusterCapacityError,
     IncompatibleRunError,
@@ -19,7 +19,8 @@ from trainer_core.errors import (
     TrainingCodeError,
 )
 from trainer_core.execution.classify import classify
-from trainer_core.spec import ModelSection, ScheduleSection
+from trainer_core.spec.run_spec import ModelSection, ScheduleSection
+from trainer_core.train import workloads
 
 
 def test_errors_pickle_with_their_fields():
@@ -147,18 +148,18 @@ def test_models_build_and_bad_ones_are_spec_errors():
     with pytest.raises(SpecError, match=r"rejected model\.kwargs"):
         workloads.build_model(ModelSection(name="mlp", kwargs={"depth": 3}), 5, 1)
     with pytest.raises(SpecError, match="no attribute"):
-        workloads.build_model(ModelSection(name="trainer_core.workloads:nothing"), 5, 1)
+        workloads.build_model(ModelSection(name="trainer_core.train.workloads:nothing"), 5, 1)
     with pytest.raises(SpecError, match=r"not a torch\.nn\.Module"):
         workloads.build_model(ModelSection(name="operator:add"), 5, 1)
 
 
 def test_user_model_import_path():
-    model = workloads.build_model(ModelSection(name="trainer_core.workloads:MLP"), 3, 2)
+    model = workloads.build_model(ModelSection(name="trainer_core.train.workloads:MLP"), 3, 2)
     assert isinstance(model, torch.nn.Module)
 
 
 def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_first():
-    from trainer_core.engine import LiveState
+    from trainer_core.run.engine import LiveState
 
     rows = {"kind": "metrics", "rows": [{"step": 20, "loss": 1.0}]}
     lost = {"kind": "peer_lost", "rank": 1, "last_step": 22, "group": 0}
@@ -187,7 +188,7 @@ def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_fi
 
 
 def test_every_restart_of_a_group_records_its_world_sizes_and_why():
-    from trainer_core.engine import LiveState
+    from trainer_core.run.engine import LiveState
 
     live = LiveState()
     events = [
@@ -229,7 +230,7 @@ def grown_record(live):
 def test_restart_limits_follow_the_spec(tmp_path):
     from tests.conftest import tiny_raw
     from trainer_core.execution.trainer import restart_limits
-    from trainer_core.spec import build_spec
+    from trainer_core.spec.run_spec import build_spec
 
     fixed = build_spec(tiny_raw(tmp_path, "r"))  # the default: one restart in place
     assert restart_limits(fixed) == {"infrastructure": 1, "preemption": None}
@@ -244,8 +245,8 @@ def test_restart_limits_follow_the_spec(tmp_path):
 
 
 def test_early_stopping_counts_epochs_without_improvement_and_survives_json():
-    from trainer_core.spec import EarlyStoppingSection
-    from trainer_core.training_state import EarlyStopping
+    from trainer_core.checkpoint.training_state import EarlyStopping
+    from trainer_core.spec.run_spec import EarlyStoppingSection
 
     section = EarlyStoppingSection(metric="val_loss", mode="min", patience=2, min_delta=0.1)
     state = EarlyStopping()
@@ -267,7 +268,7 @@ def test_early_stopping_counts_epochs_without_improvement_and_survives_json():
 
 
 def test_gradients_accumulated_over_micro_batches_equal_one_batch_of_them_all():
-    from trainer_core.steps import accumulate_gradients
+    from trainer_core.train.steps import accumulate_gradients
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
@@ -311,7 +312,7 @@ def test_gradients_accumulated_over_micro_batches_equal_one_batch_of_them_all():
 
 
 def test_the_optimizer_step_clips_the_gradients_total_norm():
-    from trainer_core.steps import optimizer_step
+    from trainer_core.train.steps import optimizer_step
 
     model = torch.nn.Linear(3, 1, bias=False)
     torch.nn.init.zeros_(model.weight)

@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import tiny_raw
-from trainer_core import evaluate, stream
+from trainer_core.data import stream
 from trainer_core.errors import SpecError
-from trainer_core.spec import RunSpec, build_spec
+from trainer_core.spec.run_spec import RunSpec, build_spec
+from trainer_core.train import evaluate
 
 NUM_ROWS = 400
 

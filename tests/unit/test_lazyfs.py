@@ -7,7 +7,7 @@ import pickle
 import pyarrow.fs as pafs
 
 from trainer_core import storage
-from trainer_core.lazyfs import LazyHandler, for_ray
+from trainer_core.storage.lazyfs import LazyHandler, for_ray
 
 
 def test_it_pickles_as_its_uri_and_builds_the_filesystem_at_first_use():

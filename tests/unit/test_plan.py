@@ -4,10 +4,10 @@ import pytest
 
 from tests.conftest import tiny_raw
 from trainer_core import storage
-from trainer_core.checkpoints import RunDirectory
-from trainer_core.engine import plan_attempt, validate_workload
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import IncompatibleRunError, SpecError
-from trainer_core.spec import build_spec
+from trainer_core.run.engine import plan_attempt, validate_workload
+from trainer_core.spec.run_spec import build_spec
 
 
 def make(tmp_path, *overrides, name="planned"):
@@ -72,8 +72,8 @@ def test_workload_is_checked_on_the_driver(tmp_path):
 
 
 def test_the_resume_plan_is_a_function_of_the_listing():
-    from trainer_core.checkpoints import CheckpointInfo, Scan
-    from trainer_core.engine import resume_plan
+    from trainer_core.checkpoint.run_directory import CheckpointInfo, Scan
+    from trainer_core.run.engine import resume_plan
 
     def info(step):
         return CheckpointInfo(step, f"checkpoint-{step:09d}", f"s3://b/r/c{step}", {})

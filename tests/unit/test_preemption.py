@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from trainer_core import preemption
 from trainer_core.execution.worker_api import PreemptionNotice
-from trainer_core.worker import Relay, Timings
+from trainer_core.execution.worker_group import Relay, Timings
+from trainer_core.train import preemption
 
 #: What "a small margin" past the deadline means to a user: the node is gone by then.
 SMALL_MARGIN_S = 10.0

@@ -4,9 +4,9 @@ import pytest
 
 from tests.conftest import tiny_raw
 from trainer_core import storage
+from trainer_core.checkpoint.registry import Champion, Registry, decide_promotion
 from trainer_core.errors import SpecError
-from trainer_core.registry import Champion, Registry, decide_promotion
-from trainer_core.spec import build_spec
+from trainer_core.spec.run_spec import build_spec
 
 
 def test_promotion_needs_a_margin():

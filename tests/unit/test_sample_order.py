@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainer_core.sample_order import (
+from trainer_core.data.sample_order import (
     batch_shares,
     epoch_order,
     is_validation,

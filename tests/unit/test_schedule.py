@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from trainer_core import training_state
-from trainer_core.spec import OptimizerSection, ScheduleSection
+from trainer_core.checkpoint import training_state
+from trainer_core.spec.run_spec import OptimizerSection, ScheduleSection
 
 COSINE = ScheduleSection(epochs=2, lr_schedule="cosine", warmup_steps=5)
 

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from trainer_core import training_state
-from trainer_core.checkpoints import RunDirectory, file_digest
-from trainer_core.staging import Background, Stager
-from trainer_core.storage import resolve
+from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint.run_directory import RunDirectory, file_digest
+from trainer_core.checkpoint.staging import Background, Stager
+from trainer_core.storage.locations import resolve
 
 
 def test_staged_state_is_a_copy_that_reuses_its_buffers():
@@ -150,6 +150,6 @@ def test_reserve_allocates_the_buffers_stage_then_fills():
 def test_training_waiting_on_writes_is_said_when_it_is_a_tenth_of_the_interval(
     wait_s, since_s, slow
 ):
-    from trainer_core.checkpoint_manager import writes_outlast_interval
+    from trainer_core.checkpoint.manager import writes_outlast_interval
 
     assert writes_outlast_interval(wait_s, since_s) is slow

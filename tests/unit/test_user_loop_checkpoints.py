@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_core import exports, storage
-from trainer_core.checkpoints import (
+from trainer_core import storage
+from trainer_core.checkpoint import exports
+from trainer_core.checkpoint.run_directory import (
     RAY_SNAPSHOT_FILE,
     REPORT_FILE,
     RunDirectory,

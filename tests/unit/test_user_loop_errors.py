@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tests.unit.test_peer_failure import peer_death
 from trainer_core.errors import InfrastructureError, InjectedFault, SpecError, TrainingCodeError
-from trainer_core.user_loop import loop_error
+from trainer_core.train.user_loop import loop_error
 
 
 def test_a_collective_whose_peer_exited_is_an_infrastructure_failure():

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.setup import is_finished
-from trainer_core.spec import build_spec
-from trainer_core.summary import TrainingResult
+from trainer_core.run.summary import TrainingResult
+from trainer_core.spec.run_spec import build_spec
 
 
 def own_loop(config: dict[str, Any]) -> Any:

@@ -7,6 +7,11 @@
 - ``classify``: what fit() raised, as an error that says what the orchestrator must do.
 - ``worker_api``: what a training worker asks of Ray Train (its rank, device, the model's DDP
   wrapper, a drain's notice, reports of a user's own loop).
+- ``worker_config``: what the driver hands every training worker (``train_loop_config``).
+- ``worker_group``: what the ranks share while they train: collectives, rank 0's relay to the
+  driver, the timings it reports.
+
+May import: ``errors``, ``storage``, ``spec``, ``data``.
 
 This package's ``__init__`` imports nothing: Ray Train's controller unpickles classes of
 ``controller`` and must not import torch with them.

@@ -13,7 +13,7 @@ from typing import Any
 import ray
 
 from trainer_core.errors import ClusterCapacityError
-from trainer_core.spec import RunSpec
+from trainer_core.spec.run_spec import RunSpec
 
 logger = logging.getLogger("relaytrain.engine")
 

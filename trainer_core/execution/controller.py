@@ -2,7 +2,7 @@
 
 Every fit() starts a controller actor that unpickles what the trainer hands it: the controller
 class, the failure policy and the backend config. Ray's ``TorchConfig`` lives in a module that
-imports torch at the top, and so does ``trainer_core.engine``. Either one made the controller
+imports torch at the top, and so does ``trainer_core.run.engine``. Either one made the controller
 import torch before it created a worker, about 1.7 s on 2 cores at every attempt and retry. The
 controller never runs torch code: it only tells the workers to set up their process group.
 

@@ -14,14 +14,15 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from trainer_core import lazyfs, storage
+from trainer_core import storage
 from trainer_core.execution.cluster import (
     PREEMPTION_WATCHER_ENV,
     apply_ray_env_defaults,
     watches_preemption,
 )
-from trainer_core.spec import RunSpec
-from trainer_core.worker_config import WorkerConfig
+from trainer_core.execution.worker_config import WorkerConfig
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.storage import lazyfs
 
 logger = logging.getLogger("relaytrain.engine")
 
@@ -38,7 +39,7 @@ def _abortable_trainer_class() -> type:
     method (Ray is pinned exactly) minus the SIGINT handler, which cannot be installed off the
     main thread anyway. Each helper actor is a process start (about 2 s of CPU on 2 cores,
     contending with the workers' own start), paid again by every attempt and in-place restart.
-    What the controller unpickles comes from ``trainer_core.controller``, which imports no torch.
+    What the controller unpickles comes from ``trainer_core.execution.controller``, which imports no torch.
     Ray's placement-group cleaner (a detached actor per fit) is replaced by the driver's own
     cleanup (``PlacementGroupsToDriver``, ``_remove_left_behind``).
     """

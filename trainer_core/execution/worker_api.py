@@ -2,8 +2,8 @@
 model's DDP wrapper or FSDP sharding, a drain's notice, and the reports and checkpoint of a
 user's own loop.
 
-The loops (``trainer_core.loop``, ``trainer_core.user_loop``) reach Ray through this module
-only.
+The loops (``trainer_core.train.loop``, ``trainer_core.train.user_loop``) reach Ray through
+this module only.
 """
 
 from __future__ import annotations

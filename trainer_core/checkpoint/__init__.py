@@ -1,0 +1,16 @@
+"""Checkpoints: the committed format, how the built-in loop saves and loads them, and what
+reads them outside training.
+
+- ``run_directory``: a run directory's layout (``RunDirectory``): checkpoint commits with
+  their manifests, discovery, the metrics history, retention, the lease's fence.
+- ``manager``: the built-in loop's checkpoints in one object: what is saved, when, how it is
+  restored (whole state dicts or DCP), with staging and background writes.
+- ``staging``: stage state to memory, write it in the background.
+- ``dcp_storage``: torch.distributed.checkpoint through the run's own storage.
+- ``training_state``: what a checkpoint holds for resume to be exact; the optimizer and
+  schedule it restores.
+- ``exports``: a model's whole weights from a checkpoint of any format.
+- ``registry``: the model registry on storage (champion pointers).
+
+May import: ``errors``, ``storage``, ``spec``, ``data``, ``execution``.
+"""

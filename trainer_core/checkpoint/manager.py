@@ -1,0 +1,577 @@
+"""The built-in loop's checkpoints, in one object: what is saved, under which names, in which
+format, staged how and written on which thread (after torchtitan's ``CheckpointManager``).
+
+The loop says when: ``save`` at a step (with what the manifest carries), ``load`` of the newest
+checkpoint every rank can verify, ``before_optimizer_step`` so a deferred copy finishes before
+the step changes what it copies, ``wait`` for the write in flight. Everything else is here:
+
+- **State keys and file names.** ``model``, ``optimizer``, ``scheduler``, ``scaler`` (fp16) and
+  every rank's ``rng``; ``model.pt`` and ``optimizer.pt`` from rank 0, or ``model-rank{r}.pt``
+  and ``optimizer-rank{r}.pt`` from every rank (``checkpoint.sharded``), ``scheduler.pt`` and
+  ``scaler.pt`` from rank 0, ``rng-rank{r}.pt`` from every rank.
+- **The format.** ``relaytrain.torch/1``: the files above. ``relaytrain.dcp/1`` (``scaling.
+  strategy: fsdp``): model and optimizer as a ``torch.distributed.checkpoint`` of every rank's
+  shards (``.metadata`` and ``__{rank}_0.distcp``, written through ``dcp_storage``), which a
+  group of any size loads, resharded; the schedule and RNG states as above. Either format loads
+  into either strategy: a DDP checkpoint's whole tensors are sharded on load, a DCP one is
+  gathered whole for DDP.
+- **Staging** (``staging.Stager``): the state is copied into kept buffers; with
+  ``checkpoint.asynchronous``, what only the optimizer step changes is copied on the checkpoint
+  thread while the next forward and backward run.
+- **The write** (``staging.Background``): serialize and hash each file into the run directory,
+  then (rank 0) the metrics segment, the manifest and ``COMMITTED``, and retention. One
+  checkpoint is in flight at a time, so commits come in step order.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from trainer_core.checkpoint import dcp_storage, training_state
+from trainer_core.checkpoint.exports import DCP_FORMAT, FORMAT, is_dcp, read_model_weights
+from trainer_core.checkpoint.run_directory import CheckpointInfo, FileEntry, RunDirectory
+from trainer_core.checkpoint.staging import Background, Stager
+from trainer_core.errors import CheckpointCorruptError, TrainingCodeError
+from trainer_core.execution.worker_group import Relay, Timings, all_ok
+from trainer_core.spec.run_spec import CheckpointSection
+
+logger = logging.getLogger("relaytrain.worker")
+
+#: State keys every rank restores alike: read once per node (``model`` and ``optimizer`` only
+#: when one rank saved them).
+REPLICATED = ("model", "optimizer", "scheduler", "scaler")
+#: Training waiting for the previous checkpoint's write is worth a warning when the wait is this
+#: share of the training time since that write began, and at least this long.
+SLOW_WRITE_SHARE = 0.1
+SLOW_WRITE_MIN_S = 0.05
+
+
+def writes_outlast_interval(wait_s: float, since_s: float) -> bool:
+    """Whether training waited long enough for the previous write to say so."""
+    return wait_s >= SLOW_WRITE_MIN_S and wait_s >= SLOW_WRITE_SHARE * since_s
+
+
+def file_names(sharded: bool, rank: int) -> dict[str, str]:
+    """The file each state key of ``rank`` is saved under (``rng``: every rank's own)."""
+    suffix = f"-rank{rank}" if sharded else ""
+    return {
+        "model": f"model{suffix}.pt",
+        "optimizer": f"optimizer{suffix}.pt",
+        "scheduler": "scheduler.pt",
+        "scaler": "scaler.pt",
+        "rng": f"rng-rank{rank}.pt",
+    }
+
+
+@dataclass
+class Loaded:
+    """What ``load`` restored: the checkpoint (its manifest has the cursor, metrics and early
+    stopping), and the newer ones it skipped, with why."""
+
+    checkpoint: CheckpointInfo | None
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    #: Bytes this rank read from storage, and the seconds the load took.
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint saves and restores, by reference (the loop's live objects)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    #: fp16's gradient scaler (None otherwise).
+    scaler: Any = None
+
+
+class CheckpointManager:
+    """One rank's checkpoints of a run of the built-in loop."""
+
+    def __init__(
+        self,
+        run_dir: RunDirectory,
+        section: CheckpointSection,
+        state: TrainingState,
+        *,
+        rank: int,
+        world_size: int,
+        attempt: int,
+        relay: Relay,
+        timings: Timings,
+        dcp: bool = False,
+        node_rank: int | None = None,
+    ):
+        self.run_dir = run_dir
+        self.section = section
+        self.state = state
+        self.rank = rank
+        self.world_size = world_size
+        self.attempt = attempt
+        self.relay = relay
+        self.timings = timings
+        #: Model and optimizer as DCP (``scaling.strategy: fsdp``: the model is sharded).
+        self.dcp = dcp
+        #: This worker's node among the group's (None: unknown, so every rank reads alone).
+        self.node_rank = node_rank
+        #: Bytes this rank read from storage in its last ``load``.
+        self.bytes_read = 0
+        #: This node's group and its first rank, once made (empty: this rank reads alone).
+        self._node: tuple[Any, ...] | None = None
+        self.names = file_names(section.sharded, rank)
+        #: The step of the newest checkpoint saved or loaded (0: none).
+        self.last_step = 0
+        #: Kept from retention: the checkpoint this group resumed from.
+        self.resumed_from = 0
+        self.stager = Stager()
+        self.background = Background()
+        #: Clear while the checkpoint thread copies what only the optimizer step changes.
+        self.copied = threading.Event()
+        self.copied.set()
+        #: When the last checkpoint went to the checkpoint thread, and whether training has
+        #: already been found waiting for one (said once per worker group).
+        self.last_submit: float | None = None
+        self.slow_writes_said = False
+        # Sharded and DCP checkpoints run collectives on the checkpoint thread (DCP's planning,
+        # every rank's file list): on a group of their own, so they never interleave with the
+        # training thread's.
+        self.group = dist.new_group(backend="gloo") if section.sharded or dcp else None
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def load(self, candidates: list[int]) -> Loaded:
+        """Restore the newest of ``candidates`` (committed steps, newest first) that every rank
+        can read and verify; ``Loaded.checkpoint`` is None when none could be.
+
+        What every rank restores alike (rank 0's model and optimizer, the schedule) is read once
+        per node, by the node's first rank, and handed to the node's other ranks; what is a
+        rank's own (its RNG state) it reads itself. A DCP checkpoint's files are read once per
+        node too, each by one of the ranks that need a part of it, for the others."""
+        started = time.perf_counter()
+        skipped: list[dict[str, Any]] = []
+        self.bytes_read = 0
+        node = self._node_group()
+        for step in candidates:
+            states: dict[str, Any] | None = None
+            checkpoint = None
+            data: dict[str, bytes] = {}
+            shared: dict[str, str] = {}
+            error: BaseException | None = None
+            try:
+                checkpoint = self.run_dir.read_committed(step)
+                if checkpoint is None:
+                    raise CheckpointCorruptError(f"checkpoint at step {step} is not committed")
+                names = self._files_to_read(checkpoint)
+                shared = _replicated(checkpoint, names)
+                mine = {k: v for k, v in names.items() if k not in shared}
+                if node is None or node[1] == self.rank:
+                    mine.update(shared)
+                data = {key: self._read(checkpoint, name) for key, name in mine.items()}
+            except (CheckpointCorruptError, FileNotFoundError, RuntimeError, ValueError) as e:
+                error = e
+            if node is not None:  # every rank of the node, whatever its own read did
+                data, error = self._share_on_node(node, data, error, shared)
+            try:
+                if error is not None:
+                    raise error
+                states = {key: training_state.from_bytes(value) for key, value in data.items()}
+            except (CheckpointCorruptError, FileNotFoundError, RuntimeError, ValueError) as e:
+                logger.warning("rank %d cannot use checkpoint %d: %s", self.rank, step, e)
+                skipped.append({"step": step, "reason": str(e)})
+                states = None
+            if not all_ok(states is not None):
+                if states is not None:
+                    skipped.append({"step": step, "reason": "another rank could not verify it"})
+                continue
+            assert states is not None and checkpoint is not None
+            if is_dcp(checkpoint):
+                try:  # a collective: every rank reads its share, and fails with the others
+                    states["dcp"] = self._load_dcp(checkpoint)
+                except CheckpointCorruptError as e:
+                    logger.warning("rank %d cannot use checkpoint %d: %s", self.rank, step, e)
+                    skipped.append({"step": step, "reason": str(e)})
+                    continue
+            self._apply(states)
+            self.last_step = self.resumed_from = step
+            seconds = time.perf_counter() - started
+            return Loaded(checkpoint, skipped, self.bytes_read, seconds)
+        return Loaded(None, skipped, self.bytes_read, time.perf_counter() - started)
+
+    def _read(self, checkpoint: CheckpointInfo, name: str) -> bytes:
+        data = self.run_dir.read_verified(checkpoint, name)
+        self.bytes_read += len(data)
+        return data
+
+    def _node_group(self) -> tuple[Any, int] | None:
+        """This node's ranks as a process group of their own, and its first rank (the one that
+        reads for the others); None when this rank is alone on its node, or nodes are unknown.
+        A collective (every rank makes every node's group)."""
+        if self.node_rank is None or self.world_size == 1:
+            return None
+        if self._node is not None:
+            return self._node or None
+        nodes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(nodes, self.node_rank)
+        ranks = [[r for r, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
+        self._node = ()
+        if any(len(group) > 1 for group in ranks):
+            group, _ = dist.new_subgroups_by_enumeration(ranks, backend="gloo")
+            own = next(group for group in ranks if self.rank in group)
+            if len(own) > 1:
+                self._node = (group, own[0])
+        return self._node or None
+
+    def _share_on_node(
+        self,
+        node: tuple[Any, int],
+        data: dict[str, bytes],
+        error: BaseException | None,
+        shared: dict[str, str],
+    ) -> tuple[dict[str, bytes], BaseException | None]:
+        """The node's first rank hands what it read of ``shared`` (or why it could not) to the
+        node's other ranks."""
+        group, first = node
+        if self.rank == first:
+            said = {"error": str(error)} if error else {k: data[k] for k in shared}
+            dist.broadcast_object_list([said], src=first, group=group)
+            return data, error
+        got: list[Any] = [None]
+        dist.broadcast_object_list(got, src=first, group=group)
+        if error is not None:
+            return data, error
+        if "error" in got[0]:
+            return data, CheckpointCorruptError(
+                f"rank {first} read for this node: {got[0]['error']}"
+            )
+        return {**data, **got[0]}, None
+
+    def load_weights(self, checkpoint_uri: str) -> None:
+        """A warm start: the model's weights of another run's checkpoint (whole tensors, of
+        either format; under FSDP each rank keeps its own shard of them)."""
+        weights: dict[str, Any] = dict(read_model_weights(checkpoint_uri))
+        if self.dcp:
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.state.model, weights, options=options)
+        else:
+            self.state.model.load_state_dict(weights)
+
+    def _files_to_read(self, checkpoint: CheckpointInfo) -> dict[str, str]:
+        """This rank's files of ``checkpoint``: the model and optimizer (its own shard of a
+        sharded one), the schedule, fp16's scaler if saved, and its RNG state when the world
+        size is the same (at another size the ranks are not the same processes). A DCP
+        checkpoint's model and optimizer are read by ``_load_dcp``."""
+        names = file_names(checkpoint.manifest.get("sharded", False), self.rank)
+        keys = ("scheduler",) if is_dcp(checkpoint) else ("model", "optimizer", "scheduler")
+        wanted = {key: names[key] for key in keys}
+        if self.state.scaler is not None and names["scaler"] in checkpoint.files:
+            wanted["scaler"] = names["scaler"]  # else a new scaler: a checkpoint of fp32 or bf16
+        if checkpoint.manifest.get("world_size") == self.world_size:
+            wanted["rng"] = names["rng"]
+        return wanted
+
+    def _load_dcp(self, checkpoint: CheckpointInfo) -> dict[str, Any]:
+        """Model and optimizer of a DCP checkpoint, laid out as this group holds them (its own
+        shards under FSDP, whole tensors under DDP), read into new tensors: a load that fails
+        part-way leaves the live ones as they were."""
+        optimizer = self.state.optimizer
+        fresh = not optimizer.state
+        model_state, optimizer_state = get_state_dict(self.state.model, optimizer)
+        if fresh:
+            # get_state_dict made the state it lays out by a step of zero gradients at lr 0 (Adam's
+            # step count 1): keep its layout, not the state, so that if no checkpoint loads,
+            # training starts from the optimizer as it was built (set_state_dict makes it again)
+            optimizer.state.clear()
+        target = {"model": _empty_like(model_state), "optimizer": _empty_like(optimizer_state)}
+        location = self.run_dir.checkpoint_location(checkpoint.step)
+        node = self._node_group()
+        self.bytes_read += dcp_storage.load(target, location, checkpoint.files, node)
+        return target
+
+    def _apply(self, states: dict[str, Any]) -> None:
+        model, optimizer = self.state.model, self.state.optimizer
+        if "dcp" in states:
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=states["dcp"]["model"],
+                optim_state_dict=states["dcp"]["optimizer"],
+            )
+        elif self.dcp:  # a DDP checkpoint's whole tensors, sharded as they load
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=states["model"],
+                optim_state_dict=_optimizer_by_name(states["optimizer"], model),
+                options=StateDictOptions(full_state_dict=True),
+            )
+        else:
+            model.load_state_dict(states["model"])
+            optimizer.load_state_dict(states["optimizer"])
+        self.state.scheduler.load_state_dict(states["scheduler"])
+        if "scaler" in states and self.state.scaler is not None:
+            self.state.scaler.load_state_dict(states["scaler"])
+        if "rng" in states:
+            training_state.restore_rng(states["rng"])
+
+    # -- save ----------------------------------------------------------------------------------
+
+    def save(self, step: int, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        """Checkpoint ``step``: stage the state, then write it on the checkpoint thread (and wait
+        for it, unless ``checkpoint.asynchronous``). ``meta`` goes into the manifest, ``rows``
+        (metric rows since the last checkpoint) into the run's metrics history.
+
+        Rank 0 writes the model, optimizer and scheduler (every rank its own shards when
+        ``checkpoint.sharded``) and every rank's RNG state, gathered here, so the thread of an
+        unsharded run needs no collective.
+        """
+        started = time.perf_counter()
+        self.background.wait()  # the previous checkpoint is committed, or its error raised
+        waited = time.perf_counter()
+        self._say_if_writes_are_slow(step, waited - started, started)
+        sharded = self.section.sharded
+        # Captured now, serialized on the checkpoint thread (torch.save of the states was most of
+        # what a checkpoint blocked training for: 1-2 ms of 3)
+        rng = training_state.capture_rng()  # small: kilobytes
+        if self.group is not None or self.world_size == 1:  # every rank writes files of its own
+            rngs = {self.rank: rng}
+        else:
+            gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(training_state.rng_to_send(rng), gathered, dst=0)
+            rngs = {r: training_state.rng_received(s) for r, s in enumerate(gathered or [])}
+        asynchronous = self.section.asynchronous
+        staged = self.stager.stage(
+            self._state_to_stage(), defer=self._changed_by_step() if asynchronous else None
+        )
+        meta = {
+            **meta,
+            "world_size": self.world_size,
+            "sharded": sharded,
+            "attempt": self.attempt,
+            "format": DCP_FORMAT if self.dcp else FORMAT,
+        }
+        self.last_step = step
+        if staged or rngs:
+            self.copied.clear()
+            self.background.submit(lambda: self._write(step, staged, rngs, rows, meta))
+            self.last_submit = time.perf_counter()
+        if not asynchronous:
+            self.background.wait()
+        self.timings.checkpoint_s += time.perf_counter() - started
+        self.timings.checkpoint_wait_s += waited - started
+        self.timings.num_checkpoints += 1
+
+    def reserve(self) -> None:
+        """Allocate the staging buffers on the checkpoint thread (after the first step, when the
+        optimizer's state exists), so the first checkpoint does not."""
+        state = self._state_to_stage()
+        if state:
+            self.background.submit(lambda: self.stager.reserve(state))
+
+    def before_optimizer_step(self) -> None:
+        """Wait until the checkpoint thread has copied what the optimizer step changes."""
+        if self.copied.is_set():
+            return
+        started = time.perf_counter()
+        self.copied.wait()
+        waited = time.perf_counter() - started
+        self.timings.checkpoint_s += waited
+        self.timings.checkpoint_copy_wait_s += waited
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight is committed; raise its error."""
+        self.background.wait()
+
+    def failed(self) -> bool:
+        """Whether the checkpoint in flight has failed (cheap: asked at every step)."""
+        return self.background.failed()
+
+    def settle(self, timeout_s: float) -> BaseException | None:
+        """Before an error ends the worker: let the write in flight commit what it can."""
+        return self.background.settle(timeout_s)
+
+    def close(self) -> None:
+        self.background.close()
+
+    def _state_to_stage(self) -> dict[str, Any]:
+        """What this rank's checkpoint copies: model and optimizer on rank 0 (every rank when
+        sharded; every rank's shards, as DCP state, under FSDP), the schedule and fp16's scaler
+        on rank 0."""
+        state: dict[str, Any] = {}
+        if self.dcp:
+            model_state, optimizer_state = get_state_dict(self.state.model, self.state.optimizer)
+            state["dcp"] = {"model": model_state, "optimizer": optimizer_state}
+        elif self.section.sharded or self.rank == 0:
+            state["model"] = self.state.model.state_dict()
+            state["optimizer"] = self.state.optimizer.state_dict()
+        if self.rank == 0:
+            state["scheduler"] = self.state.scheduler.state_dict()
+            if self.state.scaler is not None:
+                state["scaler"] = self.state.scaler.state_dict()
+        return state
+
+    def _changed_by_step(self) -> Callable[[torch.Tensor], bool]:
+        """Picks what only the optimizer step changes, the parameters and the optimizer's state,
+        for the checkpoint thread to copy while the next forward and backward run. The rest
+        (buffers such as batch norm's running statistics, which a forward pass updates, and
+        plain values) is copied before training goes on."""
+        pointers = {_local(p).data_ptr() for p in self.state.model.parameters()}
+        for state in self.state.optimizer.state.values():
+            pointers.update(
+                _local(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor)
+            )
+        return lambda tensor: _local(tensor).data_ptr() in pointers
+
+    def _say_if_writes_are_slow(self, step: int, wait_s: float, now: float) -> None:
+        if self.slow_writes_said or self.last_submit is None:  # said, or no earlier write
+            return
+        since = now - self.last_submit
+        if not writes_outlast_interval(wait_s, since):
+            return
+        self.slow_writes_said = True
+        self.relay.send(
+            "slow_checkpoint_writes",
+            step=step,
+            wait_s=round(wait_s, 3),
+            since_s=round(since, 3),
+            every=self.section.every,
+        )
+
+    def _write(
+        self,
+        step: int,
+        staged: dict[str, Any],
+        rngs: dict[int, dict[str, Any]],
+        rows: list[dict[str, Any]],
+        meta: dict[str, Any],
+    ) -> None:
+        """The checkpoint thread: finish staging (the next optimizer step waits for it), check,
+        write every file, then (rank 0) commit and retain."""
+        started = time.perf_counter()
+        try:
+            self.stager.copy_deferred()
+        finally:
+            self.copied.set()
+        if "dcp" in staged:
+            self._check_finite_parameters(step, staged["dcp"]["model"])
+        elif "model" in staged:
+            self._check_finite_parameters(step, staged["model"])
+        if self.rank == 0:
+            self.run_dir.prepare_checkpoint_dir(step)
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        entries = [
+            self.run_dir.stream_checkpoint_file(
+                step, self.names[key], functools.partial(training_state.save, value)
+            )
+            for key, value in staged.items()
+            if key != "dcp"
+        ]
+        if "dcp" in staged:
+            location = self.run_dir.checkpoint_location(step)
+            entries += dcp_storage.save(staged["dcp"], location, self.group)
+        entries += [
+            self.run_dir.write_checkpoint_file(
+                step, file_names(False, rank)["rng"], training_state.to_bytes(rng)
+            )
+            for rank, rng in sorted(rngs.items())
+        ]
+        if self.group is not None:
+            gathered: list[list[FileEntry] | None] = [None] * self.world_size
+            dist.all_gather_object(gathered, entries, group=self.group)
+            entries = [e for part in gathered for e in (part or [])]
+        if self.rank == 0:
+            self.run_dir.write_metrics_segment(self.attempt, rows)
+            info = self.run_dir.commit_checkpoint(step, entries, meta)
+            self.run_dir.apply_retention(
+                self.section, protected_steps={self.resumed_from}, in_flight_from_step=step + 1
+            )
+            self.relay.send(
+                "checkpoint", step=step, checkpoint_uri=info.uri, metrics=meta["metrics"]
+            )
+        self.timings.checkpoint_write_s += time.perf_counter() - started
+
+    def _check_finite_parameters(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        """Never commit NaN/inf weights: the loss of step N is computed before step N's update,
+        so a finite loss does not prove the weights a checkpoint would save are finite."""
+        bad = [
+            name
+            for name, value in state.items()
+            if value.is_floating_point() and not bool(torch.isfinite(_local(value)).all())
+        ]
+        if self.dcp:  # every rank checks its shards; all fail together, none waits in DCP
+            anywhere = torch.tensor([float(bool(bad))])
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=self.group)
+            if anywhere.item() and not bad:
+                raise TrainingCodeError(
+                    f"parameters became non-finite by the update of step {step} on another "
+                    f"rank (no checkpoint written at step {step}): lower optimizer.lr, or add "
+                    "gradient clipping in your model",
+                    error_type="NonFiniteParameters",
+                    step=step,
+                    rank=self.rank,
+                    deterministic=True,
+                )
+        if bad:
+            raise TrainingCodeError(
+                f"parameters {bad[:3]} became non-finite by the update of step {step} on rank "
+                f"{self.rank} (no checkpoint written at step {step}): lower optimizer.lr, or add "
+                "gradient clipping in your model",
+                error_type="NonFiniteParameters",
+                step=step,
+                rank=self.rank,
+                deterministic=True,
+            )
+
+
+def _replicated(checkpoint: CheckpointInfo, names: dict[str, str]) -> dict[str, str]:
+    """Of ``names`` (state key: file), the files every rank restores alike."""
+    own = ("model", "optimizer") if checkpoint.manifest.get("sharded") else ()
+    return {k: v for k, v in names.items() if k in REPLICATED and k not in own}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (its shard of a DTensor; a plain tensor itself)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # no autograd
+
+
+def _empty_like(value: Any) -> Any:
+    """``value`` (nested dicts and lists of tensors) with new, uninitialized tensors of the same
+    shapes and layouts (a DTensor's sharding included); other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value)
+    if isinstance(value, dict):
+        return {k: _empty_like(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_empty_like(v) for v in value]
+    return value
+
+
+def _optimizer_by_name(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """A ``torch.optim`` state dict (parameters by position) keyed by parameter name, as
+    ``set_state_dict`` takes it. The built-in loop's optimizer holds the model's parameters in
+    ``parameters()`` order, which FSDP keeps."""
+    names = [name for name, _ in model.named_parameters()]
+    return {
+        "state": {names[index]: value for index, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[index] for index in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }

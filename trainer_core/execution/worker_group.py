@@ -1,0 +1,122 @@
+"""What the ranks of a worker group share while they train: the collectives every rank joins
+(``all_reduce``, ``all_ok``), rank 0's relay of events to the driver, and the timings it
+reports."""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer_core.execution import worker_api
+
+
+class Relay:
+    """Rank 0's non-blocking channel to the driver (fire-and-forget actor calls).
+
+    Metric rows are batched and pushed at most every ``interval_s`` (an actor call costs about
+    half a millisecond on a busy machine); any other event flushes them first, in order.
+    """
+
+    def __init__(self, handle: Any, rank: int, interval_s: float = 1.0):
+        self.handle = handle if rank == 0 else None
+        self.rank = rank
+        self.driver = handle  # every rank's, for what only a rank that outlived rank 0 knows
+        self.interval_s = interval_s
+        self.rows: list[dict[str, Any]] = []
+        self.last_push = 0.0
+        self.lock = threading.Lock()  # the checkpoint thread sends too
+
+    def send(self, kind: str, **payload: Any) -> None:
+        if self.handle is None:
+            return
+        with self.lock:
+            now = time.time()
+            if kind == "metrics":
+                self.rows.extend(payload["rows"])
+                if now - self.last_push < self.interval_s:
+                    return
+            self._flush_rows(now)
+            if kind != "metrics":
+                self.handle.push.remote({"kind": kind, "time": now, **payload})
+
+    def begin_group(self) -> int:
+        """Tell the driver a worker group started: 0 for an attempt's first, n after the n-th
+        in-place restart (rank 0 asks; other ranks get 0 and learn it by broadcast)."""
+        if self.handle is None:
+            return 0
+        return int(worker_api.ask(self.handle.begin_group))
+
+    def outlived_rank_0(self, last_step: int, group: int) -> None:
+        """A rank other than 0 lost a peer: tell the driver the last step it completed, which
+        rank 0's buffered rows would have said, had rank 0 not been the one to die."""
+        if self.rank != 0 and self.driver is not None:
+            self.driver.push.remote(
+                {
+                    "kind": "peer_lost",
+                    "time": time.time(),
+                    "rank": self.rank,
+                    "last_step": last_step,
+                    "group": group,
+                }
+            )
+
+    def flush(self) -> None:
+        """Push buffered rows now (before an error ends the worker)."""
+        if self.handle is not None:
+            with self.lock:
+                self._flush_rows(time.time())
+
+    def _flush_rows(self, now: float) -> None:
+        if self.rows and self.handle is not None:
+            self.handle.push.remote({"kind": "metrics", "time": now, "rows": self.rows})
+            self.rows = []
+        self.last_push = now
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def collective_device() -> torch.device:
+    """Where the default process group's collectives take their tensors: the current GPU under
+    nccl, the CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(values: list[float], op: Any = None) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def all_ok(ok: bool) -> bool:
+    return all_reduce([1.0 if ok else 0.0], dist.ReduceOp.MIN)[0] == 1.0
+
+
+@dataclass
+class Timings:
+    """Seconds this rank spent in each part of the loop (reported by rank 0 when it finishes)."""
+
+    step_s: float = 0.0
+    aggregate_s: float = 0.0
+    checkpoint_s: float = 0.0  # training blocked: waiting for the previous one, then staging
+    checkpoint_wait_s: float = 0.0  # of which waiting for the previous checkpoint's write
+    checkpoint_copy_wait_s: float = 0.0  # of which the next optimizer step waiting for the copy
+    checkpoint_write_s: float = 0.0  # in the background: serialize, upload, commit, retention
+    preemption_hold_s: float = 0.0  # waiting, after a just-in-time checkpoint, for the drain
+    relay_s: float = 0.0
+    num_steps: int = 0
+    num_aggregates: int = 0
+    num_checkpoints: int = 0
+
+    def to_json(self) -> dict[str, float]:
+        return dict(self.__dict__)

@@ -1,0 +1,13 @@
+"""A run across its attempts, driven from the driver: the attempt, its record, the lease, the
+retry decision, the result, and what a storage holds.
+
+- ``engine``: one attempt: preflight, the plan, the Ray Train fit, the attempt's record.
+- ``jobs``: attempts as Ray jobs on a remote cluster.
+- ``attempts``: the attempt records (``attempts.jsonl``).
+- ``lease``: one live flow drives a run at a time (``lock.json``).
+- ``retry``: retry or stop, from the error and the records.
+- ``summary``: the typed result, the per-epoch table, finalize.
+- ``catalog``: the runs a storage holds, read from their directories alone.
+
+May import: every other package of ``trainer_core``.
+"""

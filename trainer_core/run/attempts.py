@@ -1,0 +1,137 @@
+"""The attempt record: one per attempt of a run, in the run directory's ``attempts.jsonl``.
+
+A typed, versioned record with a few verbs: ``opened`` when an attempt starts, ``failed`` or
+``completed`` when it ends, ``abandoned`` for one whose driver died without a word, and
+``decided`` once the orchestrator chose to retry or stop. Readers get every field (a record
+written by an older release gets the defaults), never a missing key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trainer_core.checkpoint.run_directory import RunDirectory
+
+Status = Literal["running", "failed", "completed"]
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    attempt: int
+    status: Status = "running"
+    started_at: float | None = None
+    ended_at: float | None = None
+    #: The plan's words: fresh start, or resume from which checkpoint and why.
+    plan: str = ""
+    #: The committed step the workers resumed from (0: from the beginning; None: unknown).
+    resumed_from_step: int | None = None
+    #: When the workers had loaded it (worker clock): training resumed here.
+    resumed_at: float | None = None
+    #: What loading it cost: ``bytes_read`` from storage by the whole group, and the slowest
+    #: rank's ``restore_s``.
+    restore: dict[str, Any] | None = None
+    last_step: int | None = None
+    #: In-place restarts of the worker group within the attempt (resizes of an elastic run):
+    #: reason, world sizes, steps and seconds, as ``engine.LiveState`` recorded them.
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    world_size: int | None = None
+    peak_worker_rss_mb: float | None = None
+    error_class: str | None = None
+    #: The retry budget the failure draws on: "none", "infrastructure", "preemption", "code".
+    error_budget: str = "none"
+    error_message: str | None = None
+    error_step: int | None = None
+    error_type: str | None = None
+    #: True when the failure will repeat on retry (a NaN loss).
+    deterministic: bool = False
+    retry_decision: str | None = None
+
+    # -- verbs ---------------------------------------------------------------------------------
+
+    @classmethod
+    def opened(cls, attempt: int, plan: str, resume_step: int | None) -> AttemptRecord:
+        return cls(attempt, "running", time.time(), plan=plan, resumed_from_step=resume_step)
+
+    def failed(
+        self, error: BaseException, outcome: dict[str, Any], last_step: int
+    ) -> AttemptRecord:
+        """Ended by ``error`` (classified); ``outcome`` is what the workers said of themselves."""
+        return dataclasses.replace(
+            self,
+            **_known(outcome),
+            status="failed",
+            ended_at=time.time(),
+            last_step=max(last_step, getattr(error, "step", None) or 0),
+            error_class=type(error).__name__,
+            error_budget=getattr(error, "budget", "none"),
+            error_message=str(error)[:2000],
+            error_step=getattr(error, "step", None),
+            error_type=getattr(error, "error_type", None),
+            deterministic=getattr(error, "deterministic", False),
+        )
+
+    def completed(self, outcome: dict[str, Any], last_step: int) -> AttemptRecord:
+        return dataclasses.replace(
+            self, **_known(outcome), status="completed", ended_at=time.time(), last_step=last_step
+        )
+
+    def abandoned(self, last_step: int | None = None) -> AttemptRecord:
+        """A record still "running" that its driver can no longer end; ``last_step``: the
+        newest step it is known to have trained (its metric segments), if any."""
+        return dataclasses.replace(
+            self,
+            status="failed",
+            last_step=last_step if self.last_step is None else self.last_step,
+            error_class="DriverLost",
+            error_budget="infrastructure",
+            error_message="this attempt ended without recording how: its driver died (flow "
+            "process killed, machine lost) or storage refused the record",
+        )
+
+    def decided(self, reason: str) -> AttemptRecord:
+        return dataclasses.replace(self, retry_decision=reason)
+
+    # -- JSON ----------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AttemptRecord:
+        """A stored record; fields this release does not know are left out."""
+        return cls(**_known(data))
+
+
+_FIELDS = {f.name for f in dataclasses.fields(AttemptRecord)}
+
+
+def _known(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k in _FIELDS}
+
+
+def read(run_dir: RunDirectory) -> list[AttemptRecord]:
+    """The run's attempt records, oldest first."""
+    return [AttemptRecord.from_json(r) for r in run_dir.read_attempts()]
+
+
+def write(run_dir: RunDirectory, record: AttemptRecord) -> None:
+    """Insert or replace the record of ``record.attempt``."""
+    run_dir.record_attempt(record.to_json())
+
+
+def next_number(records: list[AttemptRecord]) -> int:
+    return max((r.attempt for r in records), default=0) + 1
+
+
+def close_abandoned(run_dir: RunDirectory, attempt: int) -> None:
+    """Mark earlier attempts still running as failed: they ended without a word.
+
+    Only the lease holder starts attempts, so a running record of another attempt belongs to a
+    driver whose flow process was killed or lost (its lease expired or was taken over).
+    """
+    for record in read(run_dir):
+        if record.status == "running" and record.attempt != attempt:
+            write(run_dir, record.abandoned(run_dir.last_recorded_step(record.attempt)))

@@ -1,0 +1,464 @@
+"""One attempt of a run: preflight on the driver, the plan, the attempt's record, and the
+outcome. Ray is reached through ``trainer_core.execution`` only.
+
+``run_attempt(spec)`` is one attempt: preflight checks on the driver (fail fast, no workers),
+Ray Train's ``fit()`` with ``RunConfig(storage_path, name=<run name>)`` so every attempt
+addresses the same run directory, metrics relayed to ``on_event`` while fit() runs, the attempt
+recorded in ``attempts.jsonl``, and any failure raised as a classified ``RelaytrainError``.
+A second call on the same run resumes from the newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow
+import torch
+
+from trainer_core import __version__, storage
+from trainer_core.checkpoint.run_directory import RunDirectory, Scan, open_checkpoint
+from trainer_core.data import arrays as data_mod
+from trainer_core.data import dataset_snapshot, stream
+from trainer_core.errors import IncompatibleRunError, LeaseLostError, SpecError
+from trainer_core.execution import classify, cluster, trainer
+from trainer_core.execution.trainer import EventHandler
+from trainer_core.run import attempts
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.train import workloads
+from trainer_core.train.loop import builtin_train_loop
+from trainer_core.train.user_loop import user_train_loop
+
+logger = logging.getLogger("relaytrain.engine")
+
+
+# -- preflight ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What an attempt will do, decided on the driver before any worker starts."""
+
+    run_name: str
+    storage_uri: str
+    run_uri: str
+    attempt: int
+    resume_step: int | None
+    candidates: list[int]
+    reason: str
+    #: The dataset snapshot the workers read (``PinnedDataset.for_workers``; None: generated
+    #: data or a user's own loop).
+    dataset: dict[str, Any] | None = None
+    #: The lease owner the attempt's commits are fenced by (None: no lease, e.g. a test).
+    lease_owner: str | None = None
+
+
+def versions() -> dict[str, str]:
+    return {
+        "relaytrain": __version__,
+        "ray": cluster.ray_version(),
+        "torch": torch.__version__,
+        "pyarrow": pyarrow.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def canonical_storage_uri(uri: str) -> str:
+    """The storage URI every process can resolve (local paths made absolute)."""
+    location = storage.resolve(uri)
+    return location.path if location.is_local else uri
+
+
+@dataclass(frozen=True)
+class PinnedDataset:
+    """The dataset an attempt trains on: the run's snapshot (taken now on the first attempt,
+    else read from the run directory and verified), what it holds, and the files added to
+    the dataset since the snapshot (ignored)."""
+
+    layout: stream.Layout
+    info: data_mod.DatasetInfo
+    record: dict[str, Any] | None
+    added: list[str]
+
+    def for_workers(self) -> dict[str, Any] | None:
+        """What every rank builds its stream from, with no listing or footer read of its own."""
+        if self.record is None:
+            return None
+        return {"snapshot": self.record, "info": asdict(self.info)}
+
+
+def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDataset | None:
+    """The built-in loop's dataset as this attempt must read it: the snapshot ``run_dir``
+    records, checked against the files (SpecError naming a file that changed or vanished), or
+    a new scan when the run has none (its first attempt). None for a user's own loop."""
+    if spec.train_loop is not None:
+        return None
+    assert spec.data is not None
+    data = spec.data.resolved()
+    stored = run_dir.read_dataset_snapshot() if run_dir is not None else None
+    location = None if data.dataset == "synthetic" else stream.dataset_location(data)
+    added: list[str] = []
+    if stored is not None and location is not None and stored["uri"] == location.uri:
+        layout = dataset_snapshot.from_json(stored, data)
+        added = dataset_snapshot.verify(layout, data).added
+    else:
+        layout = stream.scan(data)  # footers only
+    record = dataset_snapshot.to_json(layout) if layout.files else None
+    return PinnedDataset(layout, stream.describe(layout, data), record, added)
+
+
+def validate_workload(spec: RunSpec) -> int | None:
+    """Import what the spec names, read the dataset (footers) and build the model: SpecError
+    before any worker starts. Returns the run's total optimizer steps (None for a user's own
+    loop)."""
+    if spec.train_loop is not None:
+        workloads.resolve_train_loop(spec.train_loop)
+        for name, uri in spec.datasets.items():  # footers only: the files are Parquet
+            stream.scan_files(storage.resolve(uri), None, None, f"datasets.{name}")
+        return None
+    assert spec.model is not None and spec.data is not None and spec.schedule is not None
+    data = spec.data.resolved()
+    pinned = pin_dataset(spec)
+    assert pinned is not None
+    layout, info = pinned.layout, pinned.info
+    _check_reader_memory(data, layout)
+    one = stream.RankStream(layout, data, spec.run.seed, 1, 0)  # row ids only: no rows read
+    if one.batches_per_epoch == 0:
+        raise SpecError(
+            f"dataset {layout.uri} has {one.train_rows} training rows, fewer than one global batch "
+            f"(data.batch_size={data.batch_size}): lower data.batch_size or "
+            f"data.validation_fraction ({data.validation_fraction})",
+            field="data.batch_size",
+        )
+    model = workloads.build_model(spec.model, info.num_features, info.num_outputs)
+    if spec.scaling.shard_fn is not None:
+        workloads.import_object(spec.scaling.shard_fn, "scaling.shard_fn")
+    first = next(g for g, count in enumerate(one.train_counts) if count)  # one row group read
+    sample = np.arange(min(one.train_counts[first], 4))
+    _, rows = one.reader.take(np.full(len(sample), first), sample)
+    workloads.check_loss_and_metrics(
+        model,
+        torch.from_numpy(rows.features),
+        torch.from_numpy(rows.labels),
+        spec.loss,
+        spec.metrics,
+        data.task or "classification",
+    )
+    return (
+        data_mod.steps_per_epoch(one.batches_per_epoch, spec.optimizer.grad_accumulation)
+        * spec.schedule.epochs
+    )
+
+
+def _check_reader_memory(data: Any, layout: stream.Layout) -> None:
+    """The live and next shuffle windows of every partition must fit in half of
+    data.memory_mb (the row group slices around them take the rest): SpecError naming the
+    settings otherwise."""
+    windows_mb = 2 * data.partitions * data.shuffle_window * stream.row_bytes(layout) / 2**20
+    if windows_mb > data.memory_mb / 2:
+        raise SpecError(
+            f"data.partitions ({data.partitions}) x 2 x data.shuffle_window "
+            f"({data.shuffle_window}) rows (the live window and the next, read ahead) of "
+            f"{stream.row_bytes(layout):.0f} bytes hold {windows_mb:.0f} MB, more than "
+            f"half of data.memory_mb ({data.memory_mb}): lower data.shuffle_window or "
+            "data.partitions, or raise data.memory_mb",
+            field="data.shuffle_window",
+        )
+
+
+def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDirectory]:
+    """Validate storage and the run directory, and decide fresh start vs. resume."""
+    name = spec.run.name
+    if name is None:
+        raise SpecError("run.name is not set: give the run a name", field="run.name")
+    storage_uri = canonical_storage_uri(spec.run.storage)
+    root = storage.resolve(storage_uri)
+    if root.uri.startswith("memory://"):
+        raise SpecError(
+            "run.storage memory:// lives in one process; Ray workers cannot see it. Use a "
+            "path shared by every node, or object storage.",
+            field="run.storage",
+        )
+    storage.probe_writable(storage.resolve(storage_uri, fail_fast=True))
+    run_dir = RunDirectory.of(storage_uri, name)
+    record = run_dir.read_run_record()
+    if record is not None:
+        stored_ray = record.get("versions", {}).get("ray")
+        if stored_ray and stored_ray != cluster.ray_version():
+            raise IncompatibleRunError(
+                f"run {run_dir.uri} was written by Ray {stored_ray}; this is Ray "
+                f"{cluster.ray_version()}, which cannot read its run snapshot. Resume it with Ray "
+                f"{stored_ray}, or start a new run.name.",
+                field="run.name",
+            )
+        run_dir.check_compatible(spec.identity(), spec.fingerprint())
+    number = attempt if attempt is not None else attempts.next_number(attempts.read(run_dir))
+    plan = resume_plan(name, storage_uri, run_dir.uri, number, run_dir.scan(), spec.run.init_from)
+    if plan.resume_step is None and spec.run.init_from:
+        open_checkpoint(spec.run.init_from)  # the workers would fail on it only after they start
+    return plan, run_dir
+
+
+def resume_plan(
+    run_name: str,
+    storage_uri: str,
+    run_uri: str,
+    attempt: int,
+    scan: Scan,
+    init_from: str | None = None,
+) -> Plan:
+    """Fresh start or resume, and why: from what a listing of the run directory found."""
+    candidates = [c.step for c in reversed(scan.committed)]
+    if candidates:
+        reason = f"resume from the newest committed checkpoint (step {candidates[0]})"
+        if scan.uncommitted:
+            reason += f"; ignoring uncommitted {', '.join(scan.uncommitted)}"
+        if scan.damaged:
+            reason += f"; skipping damaged {', '.join(scan.damaged)}"
+    else:
+        reason = "fresh start: no committed checkpoint in the run directory"
+        if init_from:
+            reason += f"; warm start from {init_from}"
+    resume_step = candidates[0] if candidates else None
+    return Plan(run_name, storage_uri, run_uri, attempt, resume_step, candidates, reason)
+
+
+# -- one attempt ----------------------------------------------------------------------------------
+
+
+@dataclass
+class AttemptResult:
+    run_name: str
+    run_uri: str
+    attempt: int
+    status: str
+    resumed_from_step: int | None
+    steps_completed: int
+    final_metrics: dict[str, Any]
+    latest_checkpoint_uri: str | None
+    wall_time_s: float
+    plan_reason: str
+    #: Seconds rank 0 spent stepping, aggregating metrics and writing checkpoints.
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LiveState:
+    """What the driver knows of a running attempt, folded from the relayed events."""
+
+    step: int = 0
+    resumed_from: int | None = None
+    #: When the workers had loaded their start point (worker clock): training resumes here.
+    resumed_at: float | None = None
+    #: What loading it cost: bytes the group read from storage, the slowest rank's seconds.
+    restore: dict[str, Any] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    checkpoint_uri: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    #: In-place restarts of the worker group: when, after what, and where each resumed.
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    #: Workers in the group, and the largest peak resident memory any of them reported (MB).
+    world_size: int | None = None
+    peak_worker_rss_mb: float | None = None
+    #: The just-in-time checkpoint of a drain's notice, until the preemption's restart.
+    notice: dict[str, Any] | None = None
+    #: Nodes whose preemption an in-place restart already answered: not the cause of a later
+    #: failure.
+    preempted_nodes: set[str] = field(default_factory=set)
+
+    def outcome(self) -> dict[str, Any]:
+        """What an ended attempt's record says of its workers, failed or completed."""
+        return {
+            "resumed_from_step": self.resumed_from,
+            "resumed_at": self.resumed_at,
+            "restore": self.restore,
+            "restarts": self.restarts,
+            "world_size": self.world_size,
+            "peak_worker_rss_mb": self.peak_worker_rss_mb,
+        }
+
+    def apply(self, event: dict[str, Any]) -> bool:
+        """Fold ``event`` in; True when it ended or began a worker group of the attempt (a
+        restart to record)."""
+        kind = event["kind"]
+        self._fold(event, kind)
+        return kind in ("restarting", "resizing") or (
+            kind in ("resumed", "fresh_start") and bool(event.get("group"))
+        )
+
+    def _fold(self, event: dict[str, Any], kind: str) -> None:
+        if event.get("world_size"):
+            self.world_size = event["world_size"]
+        if kind == "memory":
+            self.peak_worker_rss_mb = max(
+                self.peak_worker_rss_mb or 0.0, event["peak_worker_rss_mb"]
+            )
+        if kind == "metrics" and event["rows"]:
+            self.step = max(self.step, event["rows"][-1]["step"])
+            self.metrics = {**self.metrics, **event["rows"][-1]}
+        elif kind == "preemption_notice":
+            self.notice = {
+                "just_in_time_step": event["step"],
+                "seconds_to_deadline": event["seconds_left"],
+            }
+        elif kind == "restarting":
+            reason = event["error_budget"]  # the budget the restart drew on
+            self.preempted_nodes |= set(event.get("preempted_nodes") or ())
+            notice = None
+            if reason == "preemption":  # the just-in-time checkpoint answered this one
+                notice, self.notice = self.notice, None
+            self.restarts.append(
+                {
+                    **(notice or {}),
+                    "restart": len(self.restarts) + 1,
+                    "reason": reason,
+                    "failed_at": event["time"],
+                    "last_step": self.step,
+                    "world_size_before": self.world_size,
+                    "error_class": event["error_class"],
+                    "error_message": event["error_message"],
+                }
+            )
+        elif kind == "resizing":  # the elastic policy found capacity for another size
+            self.restarts.append(
+                {
+                    "restart": len(self.restarts) + 1,
+                    "reason": "capacity",
+                    "failed_at": event["time"],
+                    "last_step": self.step,
+                    "world_size_before": event["world_size"],
+                }
+            )
+        elif kind in ("resumed", "fresh_start") and event.get("group"):
+            if not self.restarts or "resumed_at" in self.restarts[-1]:
+                self.restarts.append({"restart": len(self.restarts) + 1, "reason": "unknown"})
+            self.restarts[-1]["resumed_from_step"] = event.get("step", 0)
+            self.restarts[-1]["resumed_at"] = event.get("time")
+            self.restarts[-1]["world_size_after"] = event.get("world_size")
+        elif kind == "peer_lost":
+            # A surviving rank's last completed step, when rank 0 (whose rows say it) died.
+            group = event.get("group", 0)
+            if group < len(self.restarts):  # that group's restart was heard of first
+                last = self.restarts[group].get("last_step") or 0
+                self.restarts[group]["last_step"] = max(last, event["last_step"])
+            else:
+                self.step = max(self.step, event["last_step"])
+        elif kind == "resumed":
+            self.resumed_from = event.get("step")
+            self.resumed_at = event.get("time")
+            self.restore = {k: event[k] for k in ("bytes_read", "restore_s") if k in event}
+        elif kind == "fresh_start":
+            self.resumed_from = 0  # known: from the beginning (None means unknown)
+            self.resumed_at = event.get("time")
+        elif kind == "checkpoint":
+            self.checkpoint_uri = event.get("checkpoint_uri")
+        elif kind == "finished":
+            self.timings = dict(event.get("timings") or {})
+
+
+def run_attempt(
+    spec: RunSpec,
+    *,
+    attempt: int | None = None,
+    on_event: EventHandler | None = None,
+    poll_interval_s: float = 0.5,
+    lease_owner: str | None = None,
+    lost: Callable[[], BaseException | None] | None = None,
+) -> AttemptResult:
+    """Run one attempt of ``spec`` (resuming if the run has committed checkpoints).
+    ``lease_owner``: the lease the workers' commits are fenced by; ``lost()``: an error once
+    the lease is lost (the attempt is stopped and raises it)."""
+    started = time.time()
+    validate_workload(spec)  # bad input names itself before anything about the run directory
+    plan, run_dir = plan_attempt(spec, attempt)
+    plan = dataclasses.replace(plan, lease_owner=lease_owner)
+    pinned = pin_dataset(spec, run_dir)
+    if pinned is not None:
+        plan = dataclasses.replace(plan, dataset=pinned.for_workers())
+        if pinned.added and on_event is not None:
+            on_event({"kind": "dataset_added", "files": pinned.added, "uri": pinned.layout.uri})
+    with cluster.ray_cluster():
+        cluster.check_capacity(spec)
+        reclaimed_before = cluster.preempted_nodes()
+        _prepare_run_directory(spec, run_dir, plan)
+        # The built-in loop starts from step 0 when nothing is committed; a loop of the user's
+        # own resumes from Ray's checkpoint, which only its workers know.
+        start = plan.resume_step if plan.resume_step is not None or spec.train_loop else 0
+        record = attempts.AttemptRecord.opened(plan.attempt, plan.reason, start)
+        attempts.write(run_dir, record)
+        live = LiveState(step=plan.resume_step or 0, resumed_from=start)
+
+        def handle(event: dict[str, Any]) -> None:
+            if live.apply(event):  # a worker group ended or began: the record says so now
+                attempts.write(run_dir, dataclasses.replace(record, restarts=live.restarts))
+            if on_event is not None:
+                on_event(event)
+
+        loop = builtin_train_loop if spec.train_loop is None else user_train_loop
+        try:
+            trainer.fit(spec, plan, loop, handle, poll_interval_s, reclaimed_before, lost)
+        except BaseException as error:
+            answered = reclaimed_before | live.preempted_nodes  # by in-place restarts
+            classified = classify.name_preemption(classify.classify(error), answered)
+            if not isinstance(classified, LeaseLostError):  # the run is another flow's now
+                attempts.write(run_dir, record.failed(classified, live.outcome(), live.step))
+            if classified is error:
+                raise
+            raise classified from error
+        result = _result(plan, run_dir, live, started)
+        attempts.write(run_dir, record.completed(live.outcome(), result.steps_completed))
+        return result
+
+
+def _prepare_run_directory(spec: RunSpec, run_dir: RunDirectory, plan: Plan) -> None:
+    """The dataset snapshot and the run record on the first attempt (in that order: the run
+    record names the snapshot's fingerprint); earlier attempts that ended without a word
+    closed; checkpoint directories no attempt committed removed (before any worker starts)."""
+    snapshot = plan.dataset["snapshot"] if plan.dataset else None
+    if snapshot is not None and run_dir.read_dataset_snapshot() is None:
+        run_dir.write_dataset_snapshot(snapshot)
+    if run_dir.read_run_record() is None:
+        run_dir.write_run_record(
+            spec.model_dump(mode="json"),
+            spec.identity(),
+            spec.fingerprint(),
+            versions(),
+            dataset=snapshot["fingerprint"] if snapshot else None,
+        )
+    attempts.close_abandoned(run_dir, plan.attempt)
+    _clean_orphans(run_dir)
+
+
+def _result(plan: Plan, run_dir: RunDirectory, live: LiveState, started: float) -> AttemptResult:
+    """A completed attempt's result: where the newest commit (else the workers' word) got."""
+    newest = run_dir.scan().newest
+    return AttemptResult(
+        run_name=plan.run_name,
+        run_uri=plan.run_uri,
+        attempt=plan.attempt,
+        status="completed",
+        resumed_from_step=live.resumed_from or None,
+        steps_completed=newest.step if newest else live.step,
+        final_metrics=newest.metrics if newest else dict(live.metrics),
+        latest_checkpoint_uri=newest.uri if newest else live.checkpoint_uri,
+        wall_time_s=time.time() - started,
+        plan_reason=plan.reason,
+        timings=live.timings,
+    )
+
+
+def _clean_orphans(run_dir: RunDirectory) -> None:
+    """Before workers start nothing is in flight: drop uncommitted checkpoint directories."""
+    uncommitted = run_dir.scan().uncommitted
+    if uncommitted:
+        logger.info("removing uncommitted checkpoint directories: %s", uncommitted)
+        run_dir.delete_checkpoints(uncommitted)

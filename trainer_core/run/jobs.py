@@ -1,0 +1,295 @@
+"""Attempts as Ray jobs: drive a remote Ray cluster through its Jobs API instead of in-process.
+
+When ``scaling.job_address`` (or ``RELAYTRAIN_RAY_JOB_ADDRESS``) names a cluster's job server,
+the train task submits each attempt as a Ray job whose driver runs ``engine.run_attempt`` inside
+the cluster (``python -m trainer_core.run.jobs``). The job prints its relayed events and its outcome
+as tagged JSON lines; the caller follows the job's log, streams the events to ``on_event``,
+relays every other line to its logger, and rebuilds the outcome: an ``AttemptResult`` or the
+classified error the job raised.
+
+The job uses the cluster's own storage credentials (its nodes' environment or IAM role): the
+caller's, from its environment or ``run.credentials``, never travel in a job's runtime env,
+which Ray logs. Submission ids are deterministic (``relaytrain-<run>-<attempt>``) and every
+job carries the run in its metadata, so a caller that died while its job ran re-attaches to
+that job instead of starting a second one. A cancelled caller stops its job; a killed one
+leaves it running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import queue
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from trainer_core import errors
+from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.errors import InfrastructureError, RelaytrainError, SpecError
+from trainer_core.execution import cluster
+from trainer_core.run import attempts, engine
+from trainer_core.spec.run_spec import RunSpec
+
+logger = logging.getLogger("relaytrain.jobs")
+
+JOB_ADDRESS_ENV = "RELAYTRAIN_RAY_JOB_ADDRESS"
+EVENT_TAG = "RELAYTRAIN_EVENT "
+OUTCOME_TAG = "RELAYTRAIN_OUTCOME "
+RUN_KEY = "relaytrain_run_uri"
+ATTEMPT_KEY = "relaytrain_attempt"
+LIVE = ("PENDING", "RUNNING")
+
+LineHandler = Callable[[str], None]
+
+
+def job_address(spec: RunSpec) -> str | None:
+    """The job server to submit attempts to, or None to drive them in this process."""
+    return spec.scaling.job_address or os.environ.get(JOB_ADDRESS_ENV) or None
+
+
+def driver_cluster(spec: RunSpec) -> contextlib.AbstractContextManager[Any]:
+    """The Ray this process needs: none when attempts run as jobs, else local or RAY_ADDRESS."""
+    return contextlib.nullcontext() if job_address(spec) else cluster.ray_cluster()
+
+
+def client(address: str) -> Any:
+    """A JobSubmissionClient for ``address``; SpecError naming the knob when unreachable."""
+    try:
+        return cluster.job_submission_client(address)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise SpecError(
+            f"the Ray job server at {address!r} did not answer ({e}): fix scaling.job_address "
+            f"(or {JOB_ADDRESS_ENV}), e.g. http://<head-node>:8265, or unset it to run locally",
+            field="scaling.job_address",
+        ) from e
+
+
+def submission_id(run_name: str, attempt: int, suffix: int = 0) -> str:
+    base = f"relaytrain-{run_name}-{attempt}"
+    return base if suffix == 0 else f"{base}-{suffix}"
+
+
+def find_live_job(jobs: list[Any], run_uri: str) -> Any | None:
+    """The pending or running job of this run, if one is still going (pure)."""
+    live = [
+        j
+        for j in jobs
+        if (j.metadata or {}).get(RUN_KEY) == run_uri and str(j.status) in LIVE and j.submission_id
+    ]
+    return max(live, key=lambda j: j.start_time or 0) if live else None
+
+
+def free_submission_id(taken: set[str], run_name: str, attempt: int) -> str:
+    """The attempt's deterministic id, or the next free variant if a dead job already used it."""
+    suffix = 0
+    while submission_id(run_name, attempt, suffix) in taken:
+        suffix += 1
+    return submission_id(run_name, attempt, suffix)
+
+
+def entrypoint(spec: RunSpec, attempt: int) -> str:
+    payload = base64.b64encode(spec.model_dump_json().encode()).decode()
+    return f"python -m trainer_core.run.jobs --attempt {attempt} --spec {shlex.quote(payload)}"
+
+
+# -- the caller's side ------------------------------------------------------------------------
+
+
+def run_attempt(
+    spec: RunSpec,
+    *,
+    on_event: engine.EventHandler | None = None,
+    on_log: LineHandler | None = None,
+    address: str | None = None,
+) -> engine.AttemptResult:
+    """Run (or re-attach to) this run's attempt as a Ray job and follow it to its end."""
+    address = address or job_address(spec)
+    assert address, "run_attempt needs a job address"
+    # The job plans the attempt (and checks storage) itself; here only its number and run.
+    assert spec.run.name, "the flow names the run before any attempt"
+    run_dir = RunDirectory.of(engine.canonical_storage_uri(spec.run.storage), spec.run.name)
+    plan = Submission(spec.run.name, run_dir.uri, attempts.next_number(attempts.read(run_dir)))
+    jobs_client = client(address)
+    say = on_log or logger.info
+    try:
+        job_id = _attach_or_submit(jobs_client, spec, plan, say)
+        outcome = follow(jobs_client, job_id, on_event, on_log)
+        info = jobs_client.get_job_info(job_id)
+        say(f"Ray job {job_id} ended {info.status}: {info.message}")
+        return _result_of(job_id, info, outcome)
+    except RelaytrainError:
+        raise
+    except (RuntimeError, OSError) as e:  # the job server failed us, not the training
+        raise InfrastructureError(f"the Ray Jobs API at {address} failed: {e}") from e
+
+
+@dataclass(frozen=True)
+class Submission:
+    """The run and attempt a job is for."""
+
+    run_name: str
+    run_uri: str
+    attempt: int
+
+
+def _attach_or_submit(jobs_client: Any, spec: RunSpec, plan: Submission, say: LineHandler) -> str:
+    """The id of this run's live job, or of the job just submitted for ``plan.attempt``."""
+    jobs = jobs_client.list_jobs()
+    live = find_live_job(jobs, plan.run_uri)
+    if live is not None:
+        say(f"re-attaching to the running Ray job {live.submission_id} of run {plan.run_name}")
+        return str(live.submission_id)
+    taken = {j.submission_id for j in jobs if j.submission_id}
+    job_id = free_submission_id(taken, plan.run_name, plan.attempt)
+    _submit(
+        jobs_client,
+        entrypoint=entrypoint(spec, plan.attempt),
+        submission_id=job_id,
+        metadata={RUN_KEY: plan.run_uri, ATTEMPT_KEY: str(plan.attempt)},
+        # No runtime_env: Ray logs runtime envs whole, so no credential may travel in one. The
+        # cluster's nodes reach storage with their own credentials (environment, IAM role).
+    )
+    say(f"submitted attempt {plan.attempt} of {plan.run_name} as Ray job {job_id}")
+    return job_id
+
+
+def _submit(jobs_client: Any, timeout_s: float = 60.0, **job: Any) -> None:
+    """Submit, retrying while the job server says it is not ready yet (a node agent starting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            jobs_client.submit_job(**job)
+            return
+        except (RuntimeError, ConnectionError) as e:
+            if "already" in str(e) or time.monotonic() > deadline:
+                raise InfrastructureError(
+                    f"the Ray job server did not take job {job['submission_id']}: {e}"
+                ) from e
+            logger.info("job server not ready (%s); retrying", e)
+            time.sleep(2.0)
+
+
+def follow(
+    jobs_client: Any,
+    job_id: str,
+    on_event: engine.EventHandler | None,
+    on_log: LineHandler | None,
+) -> dict[str, Any] | None:
+    """Stream the job's log until it ends; returns its outcome line's payload, if it printed one.
+
+    A cancellation of the caller (a BaseException) stops the job.
+    """
+    outcome: dict[str, Any] | None = None
+    finished = False
+    try:
+        for line in _log_lines(jobs_client, job_id):
+            if line.startswith(EVENT_TAG):
+                if on_event is not None:
+                    on_event(json.loads(line[len(EVENT_TAG) :]))
+            elif line.startswith(OUTCOME_TAG):
+                outcome = json.loads(line[len(OUTCOME_TAG) :])
+            elif on_log is not None and line.strip():
+                on_log(line)
+        finished = True
+    finally:
+        if not finished:
+            logger.warning("interrupted: stopping Ray job %s", job_id)
+            with contextlib.suppress(Exception):
+                jobs_client.stop_job(job_id)
+    return outcome
+
+
+def _log_lines(jobs_client: Any, job_id: str, poll_s: float = 1.0) -> Iterator[str]:
+    """Every line of the job's log, in order, until the job is over.
+
+    Follows ``tail_job_logs`` (a websocket) in a thread; if the stream breaks while the job
+    still runs, it reconnects and skips the lines already seen.
+    """
+    seen = 0
+    while True:
+        for index, line in enumerate(_tail(jobs_client, job_id), start=1):
+            if index > seen:
+                seen = index
+                yield line
+        status = str(jobs_client.get_job_status(job_id))
+        if status not in LIVE:
+            # The tail may end a moment before the last lines are flushed: read them whole.
+            lines = jobs_client.get_job_logs(job_id).splitlines()
+            yield from lines[seen:]
+            return
+        time.sleep(poll_s)
+
+
+def _tail(jobs_client: Any, job_id: str) -> Iterator[str]:
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    async def pump() -> None:
+        buffer = ""
+        try:
+            async for chunk in jobs_client.tail_job_logs(job_id):
+                buffer += chunk
+                *complete, buffer = buffer.split("\n")
+                for line in complete:
+                    lines.put(line)
+            if buffer:
+                lines.put(buffer)
+        except Exception as e:  # the stream broke: the caller checks status and reconnects
+            logger.info("log stream of Ray job %s ended: %s", job_id, e)
+        finally:
+            lines.put(None)
+
+    thread = threading.Thread(target=lambda: asyncio.run(pump()), daemon=True)
+    thread.start()
+    while (line := lines.get()) is not None:
+        yield line
+
+
+def _result_of(job_id: str, info: Any, outcome: dict[str, Any] | None) -> engine.AttemptResult:
+    if outcome is not None and "result" in outcome:
+        return engine.AttemptResult(**outcome["result"])
+    if outcome is not None and "error" in outcome:
+        raise errors.from_json(outcome["error"])
+    raise InfrastructureError(
+        f"Ray job {job_id} ended {info.status} without reporting an outcome: {info.message}. "
+        "Its driver or node died; the next attempt resumes from the newest committed checkpoint."
+    )
+
+
+# -- the job's side (the driver inside the cluster) ----------------------------------------------
+
+
+def _emit(tag: str, payload: dict[str, Any]) -> None:
+    print(tag + json.dumps(payload, default=str), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the job: run one attempt in the cluster, print events and the outcome."""
+    parser = argparse.ArgumentParser(prog="python -m trainer_core.run.jobs")
+    parser.add_argument("--attempt", type=int, required=True)
+    parser.add_argument("--spec", required=True, help="the RunSpec as base64 JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    spec = RunSpec.model_validate_json(base64.b64decode(args.spec))
+    try:
+        result = engine.run_attempt(
+            spec, attempt=args.attempt, on_event=lambda e: _emit(EVENT_TAG, e)
+        )
+    except RelaytrainError as error:
+        _emit(OUTCOME_TAG, {"error": errors.to_json(error)})
+        return 1
+    _emit(OUTCOME_TAG, {"result": result.to_dict()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The run lease (``lock.json``): one live flow drives a run at a time.
+
+A lease names its holder (an owner id, host and pid) and expires unless renewed. Acquire takes a
+free, expired or stale lease (the holder's process is gone from this very host), or one the
+same owner already holds (a retried flow run). Where the store has compare-and-swap writes
+(S3's conditional PutObject, GCS's ifGenerationMatch, a lock on local disks:
+``conditional_write``), acquire and renew
+write only if ``lock.json`` is still what they read, so of two racing flows exactly one wins.
+Elsewhere acquire writes, waits a moment, and reads back: the last writer wins and the loser
+sees it.
+
+The lease is fenced: the flow renews it from setup to finalize (across its retry delays), a
+renewal that finds it taken over marks the holder lost (``LeaseKeeper.lost``: the attempt is
+stopped), every checkpoint commit checks it first (``RunDirectory.commit_checkpoint``), and
+finalize writes nothing without it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory
+from trainer_core.errors import LeaseHeldError, LeaseLostError
+from trainer_core.storage import conditional_write
+from trainer_core.storage.locations import Location
+
+DEFAULT_TTL_S = 60.0
+
+
+def lease_ttl_s() -> float:
+    """Seconds a lease lasts unless renewed (renewed every third of it):
+    ``RELAYTRAIN_LEASE_TTL_S``, else 60."""
+    return float(os.environ.get("RELAYTRAIN_LEASE_TTL_S") or DEFAULT_TTL_S)
+
+
+@dataclass(frozen=True)
+class Lease:
+    owner: str
+    host: str
+    pid: int
+    acquired_at: float
+    expires_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA_VERSION, **self.__dict__}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def holder_is_gone(lease: dict[str, Any], now: float, host: str) -> bool:
+    """True when ``lease`` no longer protects anything: expired, or its process is dead here."""
+    if lease.get("expires_at", 0) <= now:
+        return True
+    return lease.get("host") == host and not _pid_alive(int(lease.get("pid", -1)))
+
+
+def acquire(
+    run_location: Location,
+    owner: str | None = None,
+    ttl_s: float | None = None,
+    settle_s: float = 0.2,
+) -> Lease:
+    """Take the run's lease or raise LeaseHeldError naming the holder."""
+    ttl_s = ttl_s or lease_ttl_s()
+    path = RunDirectory(run_location).lease_file
+    host = socket.gethostname()
+    owner = owner or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    now = time.time()
+    conditional = conditional_write.supported(path)
+    found = conditional_write.read(path) if conditional else None
+    current = found.value if found else (path.read_json() if path.exists() else None)
+    if current and current.get("owner") != owner and not holder_is_gone(current, now, host):
+        raise LeaseHeldError(
+            f"run {run_location.uri} is held by {current.get('owner')} (pid {current.get('pid')} "
+            f"on {current.get('host')}) until {time.ctime(current['expires_at'])}: another flow "
+            "is driving it. Wait for it to finish or cancel it, or choose another run.name.",
+            field="run.name",
+        )
+    lease = Lease(owner, host, os.getpid(), now, now + ttl_s)
+    taken = LeaseHeldError(
+        f"run {run_location.uri} was taken by another flow at the same moment: it is driving "
+        "it. Wait for it to finish, or choose another run.name.",
+        field="run.name",
+    )
+    if found is not None:  # compare-and-swap: only one of two racing flows wins
+        try:
+            conditional_write.write(path, lease.to_json(), found.version)
+        except conditional_write.ConditionFailed as e:
+            # Written since it was read: by this owner's own keeper renewing it (then it is
+            # ours), or by another flow that won.
+            if (conditional_write.read(path).value or {}).get("owner") != owner:
+                raise taken from e
+        return lease
+    path.write_json(lease.to_json())
+    time.sleep(settle_s)
+    if path.read_json().get("owner") != owner:
+        raise taken
+    return lease
+
+
+def renew(run_location: Location, lease: Lease, ttl_s: float | None = None) -> Lease:
+    """Extend ``lease``; LeaseLostError when another owner holds the run now."""
+    path = RunDirectory(run_location).lease_file
+    found = conditional_write.read(path) if conditional_write.supported(path) else None
+    current = found.value if found else (path.read_json() if path.exists() else None)
+    if current is None or current.get("owner") != lease.owner:
+        holder = "nobody (it was released)" if current is None else current.get("owner")
+        raise LeaseLostError(
+            f"the lease of run {run_location.uri} was taken over: it is held by {holder}, not "
+            f"this flow ({lease.owner}), which stops and commits nothing more. Let the other "
+            "flow finish, or cancel it and run this one again.",
+            field="run.name",
+        )
+    renewed = Lease(
+        lease.owner,
+        lease.host,
+        lease.pid,
+        lease.acquired_at,
+        time.time() + (ttl_s or lease_ttl_s()),
+    )
+    if found is None:
+        path.write_json(renewed.to_json())
+        return renewed
+    try:  # unless another flow wrote it since it was read
+        conditional_write.write(path, renewed.to_json(), found.version)
+    except conditional_write.ConditionFailed:
+        return renew(run_location, lease, ttl_s)  # read again: lost, or ours still
+    return renewed
+
+
+def check_held(run_location: Location, owner: str) -> None:
+    """LeaseLostError unless ``owner`` holds the run's lease now (a fence before a write that
+    only the holder may make)."""
+    RunDirectory(run_location).check_lease(owner)
+
+
+def release(run_location: Location, owner: str) -> None:
+    """Give the run back, if ``owner`` still holds it."""
+    path = RunDirectory(run_location).lease_file
+    if path.exists() and path.read_json().get("owner") == owner:
+        path.delete_file()
+
+
+class LeaseKeeper:
+    """Renews a lease in a background thread while the run is driven (from setup to finalize,
+    across retry delays). A renewal that finds the lease taken over stops renewing and keeps
+    the error in ``lost``: the attempt in progress checks it and stops."""
+
+    def __init__(self, run_location: Location, lease: Lease, ttl_s: float | None = None):
+        self.location, self.lease = run_location, lease
+        self.ttl_s = ttl_s or lease_ttl_s()
+        self.lost: LeaseLostError | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="relaytrain-lease", daemon=True)
+
+    @classmethod
+    def of(cls, run_location: Location, owner: str) -> LeaseKeeper:
+        """A keeper of the lease ``owner`` holds (taken by ``acquire`` earlier)."""
+        now = time.time()
+        return cls(run_location, Lease(owner, socket.gethostname(), os.getpid(), now, now))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.lease = renew(self.location, self.lease, self.ttl_s)
+            except LeaseLostError as e:
+                self.lost = e
+                return
+            except Exception:  # a missed renewal is retried; expiry is the backstop
+                continue
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)

@@ -1,0 +1,493 @@
+"""What a finished run amounts to: the typed result, the per-epoch table, the markdown summary.
+
+Pure functions of the run directory's records (no Prefect): finalize writes ``summary.json``
+from them and publishes them as artifacts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from trainer_core.checkpoint import exports
+from trainer_core.checkpoint.run_directory import (
+    SCHEMA_VERSION,
+    CheckpointInfo,
+    RunDirectory,
+    rank_by_metric,
+)
+from trainer_core.errors import CheckpointCorruptError, SpecError
+from trainer_core.run.attempts import AttemptRecord
+from trainer_core.run.attempts import read as read_attempts
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.storage.locations import walk_files
+from trainer_core.tracking import mlflow_log, tensorboard_log
+
+logger = logging.getLogger("relaytrain.summary")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class InPlaceRestart(_Frozen):
+    """One in-place restart of an attempt's worker group (a resize, for an elastic run), why,
+    and what it cost."""
+
+    #: "infrastructure" (a worker or node lost), "preemption", "startup" (a group sized to
+    #: capacity that went away could not start) or "capacity" (the elastic policy grew or
+    #: shrank a healthy group).
+    reason: str | None = None
+    world_size_before: int | None = None
+    world_size_after: int | None = None
+    error_class: str | None = None
+    error_message: str | None = None
+    last_step: int | None = None
+    resumed_from_step: int | None = None
+    steps_lost: int | None = None
+    recovery_s: float | None = None
+
+
+class AttemptSummary(_Frozen):
+    attempt: int
+    status: str
+    error_class: str | None = None
+    error_message: str | None = None
+    error_step: int | None = None
+    resumed_from_step: int | None = None
+    last_step: int | None = None
+    steps_lost: int | None = None
+    #: Seconds from this attempt's failure to the next attempt's workers resuming.
+    recovery_s: float | None = None
+    duration_s: float | None = None
+    retry_decision: str | None = None
+    #: In-place restarts of the worker group within this attempt: resizes of an elastic run,
+    #: preemptions, and ``retries.in_place`` restarts.
+    restarts: list[InPlaceRestart] = []
+    #: Workers the attempt trained on, and the largest peak resident memory of any of them
+    #: (MB; the built-in loop measures every rank, a user's loop rank 0), as of its last
+    #: checkpoint or its end.
+    world_size: int | None = None
+    peak_worker_rss_mb: float | None = None
+
+
+class TrainingResult(_Frozen):
+    """The flow's result: JSON-serializable, also written as the run's ``summary.json``."""
+
+    run_name: str
+    storage_uri: str
+    run_uri: str
+    status: Literal["completed", "failed"]
+    attempts: list[AttemptSummary]
+    steps_completed: int
+    epochs_completed: int
+    final_metrics: dict[str, Any]
+    best_metrics: dict[str, Any]
+    best_checkpoint_uri: str | None
+    latest_checkpoint_uri: str | None
+    wall_time_s: float
+    storage_bytes: int
+    target_epochs: int | None = None
+    #: Why training ended before ``target_epochs`` (early stopping); None when it did not.
+    stop_reason: str | None = None
+    #: The best and latest checkpoints' whole model as one ``torch.load(weights_only=True)``
+    #: file: the checkpoint's own ``model.pt``, or the export of a DCP (fsdp) checkpoint.
+    best_model_uri: str | None = None
+    latest_model_uri: str | None = None
+    #: Optimizer steps the workers ran, counting again each step a failure made them redo
+    #: (None when a resume point is unknown: a user's loop resumed by Ray), and the share of
+    #: them the result keeps: ``steps_completed / steps_computed``.
+    steps_computed: int | None = None
+    goodput: float | None = None
+    #: Where the run is in MLflow and whether everything reached it (None: no MLflow).
+    mlflow: mlflow_log.MlflowState | None = None
+    #: A user's own loop's ``train_loop_config`` as the run had it: a finished run is finished
+    #: for this config (``tasks.setup.is_finished``). None for the built-in loop.
+    train_loop_config: dict[str, Any] | None = None
+
+
+def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
+    """Attempt records with the steps each failure lost (last step minus the next resume)."""
+    summaries = []
+    for index, record in enumerate(records):
+        following = records[index + 1] if index + 1 < len(records) else None
+        lost = recovery = None
+        if record.status == "failed" and following is not None:
+            lost = _steps_lost(record.last_step, following.resumed_from_step)
+            if following.resumed_at and record.ended_at:
+                recovery = following.resumed_at - record.ended_at
+        started, ended = record.started_at, record.ended_at
+        summaries.append(
+            AttemptSummary(
+                attempt=record.attempt,
+                status=record.status,
+                error_class=record.error_class,
+                error_message=record.error_message,
+                error_step=record.error_step,
+                resumed_from_step=record.resumed_from_step,
+                last_step=record.last_step,
+                steps_lost=lost,
+                recovery_s=recovery,
+                duration_s=(ended - started) if started and ended else None,
+                retry_decision=record.retry_decision,
+                restarts=[_restart(r) for r in record.restarts],
+                world_size=record.world_size,
+                peak_worker_rss_mb=record.peak_worker_rss_mb,
+            )
+        )
+    return summaries
+
+
+def steps_computed(attempts: Sequence[AttemptSummary]) -> int | None:
+    """Steps the workers ran across every attempt and in-place restart: each attempt from its
+    resume point to its last step, plus what each in-place restart rewound (ran twice).
+
+    A restart whose group never resumed (it failed again while starting) rewound nothing: the
+    next one that did counts from the same last step. An attempt whose driver died is counted
+    to the newest step its metric segments hold (a lower bound). None when an attempt's resume
+    point is unknown (a user's loop that Ray resumed)."""
+    total = 0
+    for a in attempts:
+        if a.last_step is None:
+            continue
+        if a.resumed_from_step is None:
+            return None
+        total += max(a.last_step - a.resumed_from_step, 0)
+        total += sum(r.steps_lost or 0 for r in a.restarts)
+    return total
+
+
+def _steps_lost(last_step: Any, resumed_from: Any) -> int | None:
+    """Steps run before a failure that the resume point does not hold."""
+    if last_step is None or resumed_from is None:
+        return None
+    return max(int(last_step) - int(resumed_from), 0)
+
+
+def _restart(record: dict[str, Any]) -> InPlaceRestart:
+    last, resumed = record.get("last_step"), record.get("resumed_from_step")
+    failed, back = record.get("failed_at"), record.get("resumed_at")
+    return InPlaceRestart(
+        reason=record.get("reason"),
+        world_size_before=record.get("world_size_before"),
+        world_size_after=record.get("world_size_after"),
+        error_class=record.get("error_class"),
+        error_message=record.get("error_message"),
+        last_step=last,
+        resumed_from_step=resumed,
+        steps_lost=_steps_lost(last, resumed),
+        recovery_s=(back - failed) if failed and back else None,
+    )
+
+
+def best_checkpoint(
+    committed: Sequence[CheckpointInfo], metric: str, mode: str
+) -> CheckpointInfo | None:
+    """The best checkpoint by ``metric`` (``rank_by_metric``); the newest when none recorded
+    it."""
+    ranked = rank_by_metric(committed, metric, mode)
+    if ranked:
+        return ranked[0]
+    return committed[-1] if committed else None
+
+
+def epoch_table(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per epoch: mean training loss, the epoch-end validation metrics, last lr."""
+    epochs: dict[int, list[dict[str, Any]]] = {}
+    for row in history:
+        epochs.setdefault(int(row.get("epoch", 0)), []).append(row)
+    table = []
+    for epoch in sorted(epochs):
+        rows = epochs[epoch]
+        losses = [r["loss"] for r in rows if _finite(r.get("loss"))]
+        entry: dict[str, Any] = {
+            "epoch": epoch,
+            "last_step": rows[-1]["step"],
+            "train_loss": round(sum(losses) / len(losses), 6) if losses else None,
+        }
+        for key, value in rows[-1].items():
+            if key.startswith("val_") and _finite(value):
+                entry[key] = round(float(value), 6)
+        if _finite(rows[-1].get("lr")):
+            entry["lr"] = float(rows[-1]["lr"])
+        table.append(entry)
+    return table
+
+
+def storage_bytes(run_dir: RunDirectory) -> int:
+    return sum(info.size or 0 for info in walk_files(run_dir.location))
+
+
+def committed_checkpoints(spec: RunSpec, run_dir: RunDirectory) -> list[CheckpointInfo]:
+    """The run's committed checkpoints, oldest first: relaytrain's own, or a user's own loop's
+    Ray checkpoints that Ray Train registered (``RunDirectory.ray_checkpoints``)."""
+    if spec.train_loop is not None:
+        return run_dir.ray_checkpoints()
+    return run_dir.scan().committed
+
+
+def user_loop_progress(
+    status: str, newest: CheckpointInfo | None, history: Sequence[dict[str, Any]]
+) -> tuple[int, int, dict[str, Any]]:
+    """Where a user's own loop got: steps (its reports, or its ``step`` metric), epochs and
+    final metrics. A completed run counts to its last report, checkpointed or not; an unfinished
+    one to its newest checkpoint (a resume runs again what came after). Epochs from the loop's
+    own ``epoch`` metric (an index: + 1), 0 without one."""
+    if status == "completed" and history:
+        final = dict(history[-1])
+    else:
+        final = newest.metrics if newest else {}
+    step = final.get("step")
+    epoch = final.get("epoch")
+    done = int(step) if isinstance(step, int | float) and _finite(step) else 0
+    epochs = int(epoch) + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
+    return done, epochs, final
+
+
+def build_result(
+    spec: RunSpec,
+    run_dir: RunDirectory,
+    storage_uri: str,
+    status: Literal["completed", "failed"],
+    model_uris: dict[int, str | None] | None = None,
+) -> TrainingResult:
+    """The result as the run directory records it; ``model_uris`` (by step) names the model
+    files of the best and latest checkpoints."""
+    model_uris = model_uris or {}
+    records = read_attempts(run_dir)
+    attempts = attempt_summaries(records)
+    committed = committed_checkpoints(spec, run_dir)
+    newest = committed[-1] if committed else None
+    best = best_checkpoint(committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
+    history = run_dir.read_metrics_history()
+    started = min((r.started_at for r in records if r.started_at), default=time.time())
+    ended = max((r.ended_at or 0 for r in records), default=0) or time.time()
+    if spec.train_loop is not None:
+        done, epochs_done, final = user_loop_progress(status, newest, history)
+    else:
+        final = newest.metrics if newest else (history[-1] if history else {})
+        epochs_done = int(newest.manifest.get("epoch", 0)) if newest else 0
+        done = newest.step if newest else 0
+    computed = steps_computed(attempts)
+    return TrainingResult(
+        run_name=spec.run.name or run_dir.location.path.rsplit("/", 1)[-1],
+        storage_uri=storage_uri,
+        run_uri=run_dir.uri,
+        status=status,
+        attempts=attempts,
+        steps_completed=done,
+        epochs_completed=epochs_done,
+        final_metrics=_clean(final),
+        best_metrics=_clean(best.metrics) if best else {},
+        best_checkpoint_uri=best.uri if best else None,
+        latest_checkpoint_uri=newest.uri if newest else None,
+        best_model_uri=model_uris.get(best.step) if best else None,
+        latest_model_uri=model_uris.get(newest.step) if newest else None,
+        wall_time_s=round(ended - started, 3),
+        steps_computed=computed,
+        goodput=round(done / computed, 4) if computed else None,
+        storage_bytes=storage_bytes(run_dir),
+        target_epochs=spec.schedule.epochs if spec.schedule else None,
+        stop_reason=(newest.manifest.get("early_stopping") or {}).get("stopped")
+        if newest
+        else None,
+        train_loop_config=dict(spec.train_loop_config) if spec.train_loop is not None else None,
+    )
+
+
+def finalize_run(
+    spec: RunSpec, run_dir: RunDirectory, storage_uri: str, status: Literal["completed", "failed"]
+) -> TrainingResult:
+    """Apply retention one last time, give the best and latest checkpoints a model file (an
+    export, for DCP ones and a user loop's Ray ones), write the TensorBoard event file, then
+    ``summary.json``; return the result."""
+    run_dir.apply_retention(spec.checkpoint)  # relaytrain's own; Ray Train keeps a user loop's
+    tensorboard_log.write_quietly(run_dir)
+    committed = committed_checkpoints(spec, run_dir)
+    exports.prune(run_dir, committed)
+    best = best_checkpoint(committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
+    chosen = {c.step: c for c in (best, committed[-1] if committed else None) if c is not None}
+    model_uris = {step: _model_uri(run_dir, c) for step, c in chosen.items()}
+    result = build_result(spec, run_dir, storage_uri, status, model_uris)
+    tracker = mlflow_log.for_run(spec, run_dir)
+    if tracker is not None:
+        tracker.finish(result)
+        result = result.model_copy(update={"mlflow": tracker.state})
+    write_summary(run_dir, result)
+    return result
+
+
+def write_summary(run_dir: RunDirectory, result: TrainingResult) -> None:
+    if run_dir.lease_owner is not None:
+        run_dir.check_lease(run_dir.lease_owner)  # only the run's holder writes its summary
+    run_dir.summary_file.write_json({"schema": SCHEMA_VERSION, **result.model_dump(mode="json")})
+
+
+def sync_tracking(
+    spec: RunSpec | None, run_dir: RunDirectory, result: TrainingResult | None = None
+) -> TrainingResult | None:
+    """Log to MLflow what its server missed (see ``mlflow_log.sync_run``); a finalized run's
+    summary then records the new state. Returns the summary as it now is."""
+    stored = read_stored_result(run_dir)
+    state = mlflow_log.sync_run(run_dir, stored, spec=spec)
+    result = result or stored
+    if result is None:
+        return None
+    result = result.model_copy(update={"mlflow": state})
+    write_summary(run_dir, result)
+    return result
+
+
+def _model_uri(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> str | None:
+    try:
+        return exports.model_location(run_dir, checkpoint).uri
+    except (CheckpointCorruptError, SpecError) as e:  # the result still names the checkpoint
+        logger.warning("no model file for checkpoint %s: %s", checkpoint.uri, e)
+        return None
+
+
+def read_stored_result(run_dir: RunDirectory) -> TrainingResult | None:
+    path = run_dir.summary_file
+    if not path.exists():
+        return None
+    data = path.read_json()
+    data.pop("schema", None)
+    return TrainingResult.model_validate(data)
+
+
+def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | None = None) -> str:
+    """The run summary a person reads in the UI."""
+    workload = spec.train_loop or (
+        f"{spec.model.name} on {spec.data.dataset}" if spec.model and spec.data else "?"
+    )
+    lines = [
+        f"# Run `{result.run_name}`: {result.status}",
+        "",
+        f"- workload: `{workload}`, {_workers(spec)} DDP worker(s)"
+        + (f", {spec.schedule.epochs} epochs" if spec.schedule else ""),
+    ]
+    if spec.data and spec.schedule:
+        optimizer = spec.optimizer
+        accumulation = optimizer.grad_accumulation
+        lines.append(
+            f"- global batch {spec.data.batch_size}"
+            + (f" x {accumulation} per optimizer step" if accumulation > 1 else "")
+            + f", {optimizer.name} lr {optimizer.lr}, schedule {spec.schedule.lr_schedule}"
+            + (
+                f", gradients clipped to norm {optimizer.clip_grad_norm}"
+                if optimizer.clip_grad_norm
+                else ""
+            )
+            + (f", {spec.precision}" if spec.precision != "fp32" else "")
+        )
+        if spec.loss or spec.metrics:
+            lines.append(f"- loss `{spec.loss or 'built-in'}`; metrics {spec.metrics}")
+    lines += [
+        f"- checkpoints every {spec.checkpoint.every} steps; keep last "
+        f"{spec.checkpoint.keep_last}, best {spec.checkpoint.keep_best} by "
+        f"`{spec.checkpoint.best_metric}` ({spec.checkpoint.best_mode})",
+        f"- steps completed: {result.steps_completed}; epochs: {result.epochs_completed}",
+        *(
+            [
+                f"- goodput: {result.goodput:.3f} ({result.steps_completed} steps kept of "
+                f"{result.steps_computed} computed)"
+            ]
+            if result.goodput is not None
+            else []
+        ),
+        *([f"- stopped early: {result.stop_reason}"] if result.stop_reason else []),
+        f"- run directory: `{result.run_uri}` ({result.storage_bytes / 1e6:.2f} MB)",
+        f"- wall time: {result.wall_time_s:.1f} s",
+    ]
+    if plan_reason:
+        lines.append(f"- plan: {plan_reason}")
+    lines += [
+        "",
+        "## Attempts",
+        "",
+        "| # | status | resumed from | last step | steps lost | seconds | error: decision |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a in result.attempts:
+        error = ""
+        if a.error_class:
+            error = f"{a.error_class}: {_one_line(a.error_message, 70)}"
+            if a.retry_decision:
+                error += f": {_one_line(a.retry_decision, 60)}"
+        seconds = "" if a.duration_s is None else f"{a.duration_s:.1f}"
+        lines.append(
+            f"| {a.attempt} | {a.status} | {_dash(a.resumed_from_step)} | {_dash(a.last_step)} | "
+            f"{_dash(a.steps_lost)} | {seconds} | {error} |"
+        )
+        for number, r in enumerate(a.restarts, 1):
+            back = "" if r.recovery_s is None else f"{r.recovery_s:.1f} s to resume"
+            what = "restarted in place"
+            if r.world_size_before and r.world_size_after:
+                what = f"{r.world_size_before} → {r.world_size_after} workers"
+            why = f"{r.error_class}: {_one_line(r.error_message, 70)}" if r.error_class else ""
+            if r.reason:
+                why = f"{r.reason}: {why}" if why else r.reason
+            lines.append(
+                f"| {a.attempt}.{number} | {what} | {_dash(r.resumed_from_step)} | "
+                f"{_dash(r.last_step)} | {_dash(r.steps_lost)} | {back} | {why} |"
+            )
+    lines += [
+        "",
+        "## Checkpoints",
+        "",
+        f"- best: `{result.best_checkpoint_uri}` {_metrics(result.best_metrics)}",
+        f"- latest: `{result.latest_checkpoint_uri}` {_metrics(result.final_metrics)}",
+    ]
+    lines += [
+        "",
+        "## Tracking",
+        "",
+        f"- TensorBoard: `tensorboard --logdir {result.run_uri}` (event files in the run "
+        "directory, one value per step across attempts)",
+    ]
+    if result.mlflow is not None:
+        lines.append(f"- {result.mlflow.describe()}")
+    if result.best_model_uri or result.latest_model_uri:
+        lines += [
+            "",
+            "Whole model, one `torch.load(path, weights_only=True)` file:",
+            f"- best: `{result.best_model_uri}`",
+            f"- latest: `{result.latest_model_uri}`",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _workers(spec: RunSpec) -> str:
+    scaling = spec.scaling
+    if scaling.elastic:
+        return f"{scaling.min_workers} to {scaling.max_workers} (elastic)"
+    return str(scaling.num_workers)
+
+
+def _metrics(metrics: dict[str, Any]) -> str:
+    shown = {
+        k: round(v, 4) for k, v in metrics.items() if k in ("step", "loss") or k.startswith("val_")
+    }
+    return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def _one_line(text: str | None, limit: int = 160) -> str:
+    flat = " ".join((text or "").split()).replace("|", "/")
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _clean(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metrics.items() if isinstance(v, int | float | str) and k != "time"}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

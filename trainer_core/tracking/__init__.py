@@ -1,0 +1,10 @@
+"""What a run shows outside its directory: MLflow, TensorBoard, plots.
+
+- ``mlflow_log``: one MLflow run per relaytrain run, continued across attempts, caught up
+  when its server was away.
+- ``tensorboard_log``: the run's TensorBoard event file from its metrics history.
+- ``plots``: the loss and metric curve as PNG bytes.
+
+May import: ``errors``, ``storage``, ``spec``, ``data``, ``execution``, ``checkpoint``,
+``train``.
+"""

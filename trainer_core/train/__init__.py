@@ -1,0 +1,12 @@
+"""Training inside the Ray Train workers, and the model contract.
+
+- ``loop``: the built-in per-worker loop (epochs, validation, checkpoints, faults).
+- ``steps``: one optimizer step: accumulation over micro-batches, clipping, precision.
+- ``worker``: what every training worker shares: its config, fault injection, errors.
+- ``user_loop``: a user's own Ray Train loop, run unchanged with relaytrain's bookkeeping.
+- ``preemption``: answering a drain's notice with a checkpoint.
+- ``workloads``: the built-in models, losses and metrics; the import-path contract for users'.
+- ``evaluate``: committed checkpoints evaluated on the holdout, on the driver.
+
+May import: ``errors``, ``storage``, ``spec``, ``data``, ``execution``, ``checkpoint``.
+"""

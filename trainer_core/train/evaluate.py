@@ -1,0 +1,104 @@
+"""Evaluate committed checkpoints on a holdout, on the driver (no Ray: small models, one process).
+
+Used by retraining to compare a challenger with the champion on the same rows, and to check
+that a champion's weights fit the challenger's model before warm-starting from them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainer_core.checkpoint.exports import read_model_weights
+from trainer_core.data import arrays as data_mod
+from trainer_core.data import stream
+from trainer_core.errors import SpecError
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.train import workloads
+
+
+def check_holdout(spec: RunSpec) -> None:
+    """SpecError unless the spec holds rows out for validation: a comparison of models needs
+    rows that none of them trained on."""
+    assert spec.data is not None
+    if spec.data.validation_fraction == 0:
+        raise SpecError(
+            "data.validation_fraction is 0: the loop holds out no rows, and comparing a "
+            "challenger with the champion needs rows neither trained on. Set "
+            "data.validation_fraction above 0 (e.g. 0.1)",
+            field="data.validation_fraction",
+        )
+
+
+def holdout(spec: RunSpec) -> data_mod.Arrays:
+    """The rows the loop validates on (``data.validation_fraction`` of them, by row id): the
+    same rows for every model evaluated, none of them trained on (SpecError if there are
+    none)."""
+    assert spec.data is not None
+    check_holdout(spec)
+    data = spec.data.resolved()
+    layout = stream.scan(data)
+    parts = list(stream.RankStream(layout, data, spec.run.seed, 1, 0).validation())
+    if not parts:
+        raise SpecError(
+            f"data.validation_fraction {data.validation_fraction} holds out none of the "
+            f"{layout.num_rows} rows of {layout.uri}, and comparing a challenger with the "
+            "champion needs rows neither trained on: raise data.validation_fraction",
+            field="data.validation_fraction",
+        )
+    return data_mod.Arrays(
+        np.concatenate([p.features for p in parts]), np.concatenate([p.labels for p in parts])
+    )
+
+
+def describe(spec: RunSpec) -> data_mod.DatasetInfo:
+    assert spec.data is not None
+    return stream.describe(stream.scan(spec.data), spec.data)
+
+
+def load_model(spec: RunSpec, checkpoint_uri: str, num_inputs: int, num_outputs: int) -> nn.Module:
+    """The spec's model with the weights of ``checkpoint_uri`` (SpecError if they do not fit)."""
+    assert spec.model is not None
+    model = workloads.build_model(spec.model, num_inputs, num_outputs)
+    state = read_model_weights(checkpoint_uri)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise SpecError(
+            f"checkpoint {checkpoint_uri} does not fit model {spec.model.name} "
+            f"{spec.model.kwargs}: {str(e).splitlines()[0]}",
+            field="model",
+        ) from e
+    return model.eval()
+
+
+def compatible(spec: RunSpec, checkpoint_uri: str) -> tuple[bool, str]:
+    """Whether ``checkpoint_uri``'s weights load into the spec's model, and why not."""
+    assert spec.data is not None
+    info = describe(spec)
+    try:
+        load_model(spec, checkpoint_uri, info.num_features, info.num_outputs)
+    except SpecError as e:
+        return False, str(e)
+    return True, "weights fit the model"
+
+
+@torch.no_grad()
+def evaluate(spec: RunSpec, checkpoint_uri: str, rows: data_mod.Arrays) -> dict[str, float]:
+    """What the loop measures on validation, for a checkpoint on ``rows``: val_loss (the spec's
+    ``loss``), val_accuracy for classification, and the spec's own ``metrics``."""
+    assert spec.data is not None
+    task = spec.data.resolved().task or "classification"
+    outputs = int(rows.labels.max()) + 1 if task == "classification" else 1
+    info = describe(spec)
+    model = load_model(spec, checkpoint_uri, rows.features.shape[1], max(outputs, info.num_outputs))
+    features = torch.from_numpy(rows.features)
+    labels = torch.from_numpy(rows.labels)
+    output = model(features)
+    metrics = {"val_loss": float(workloads.loss_function(task, spec.loss)(output, labels))}
+    if task == "classification":
+        metrics["val_accuracy"] = float((output.argmax(dim=1) == labels).float().mean())
+    for name, fn in workloads.metric_functions(list(spec.metrics)).items():
+        metrics[name] = float(fn(output, labels))
+    return metrics

@@ -1,0 +1,112 @@
+"""One optimizer step of the built-in loop: gradient accumulation over micro-batches, clipping,
+fp16's scaler, and an epoch's batches grouped into steps. Pure functions of torch objects."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from trainer_core.data import arrays as data_mod
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    weight: float = 1.0,
+) -> torch.Tensor:
+    """Forward and backward over one optimizer step's micro-batches; returns the step's loss.
+
+    Each micro-batch's mean loss is weighted by its share of the step's samples, so the
+    gradients are those of one batch of all of them. DDP's all-reduce (FSDP's reduce-scatter)
+    runs once, in the last backward: the others run under ``no_sync`` (FSDP: without gradient
+    sync). ``scale`` is fp16's loss scaling; ``weight``
+    the rank's (``sample_order.rank_weight``: 1 unless the workers do not divide the batch).
+    """
+    total = sum(len(labels) for _, labels in micro_batches)
+    loss = torch.zeros((), device=micro_batches[0][1].device)
+    no_sync = getattr(model, "no_sync", None)
+    for position, (features, labels) in enumerate(micro_batches):
+        last = position == len(micro_batches) - 1
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(last)
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            with autocast():
+                part = loss_fn(model(features), labels) * (weight * len(labels) / total)
+            (part if scale is None else scale(part)).backward()
+        loss += part.detach().float()
+    return loss
+
+
+def optimizer_steps(
+    batches: Iterable[tuple[int, np.ndarray, data_mod.Arrays]], accumulation: int
+) -> Iterator[tuple[int, list[data_mod.Arrays]]]:
+    """An epoch's (global batch index, row ids, rows) grouped into optimizer steps: (the
+    index after the step's last batch, its micro-batches). A step ends where a multiple of
+    ``accumulation`` batches of the epoch does, or at the epoch's end."""
+    group: list[data_mod.Arrays] = []
+    index = -1
+    for index, _, rows in batches:
+        group.append(rows)
+        if (index + 1) % accumulation == 0:
+            yield index + 1, group
+            group = []
+    if group:
+        yield index + 1, group
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    clip: float | None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> float | None:
+    """Clip the gradients' total norm to ``clip`` (after fp16's unscaling), then step (through
+    the scaler, which skips a step whose gradients overflowed). Returns the norm before
+    clipping, or None without ``clip``."""
+    grad_norm = None
+    if clip is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+    return grad_norm
+
+
+@dataclass
+class NonFiniteLosses:
+    """When a non-finite loss stops training.
+
+    Without fp16's gradient scaler (fp32, bf16): at once. With it, a step whose loss overflowed
+    fp16 is the scaler's to handle (its gradients are not finite either, so ``optimizer_step``
+    skips it and lowers the scale) and training goes on; only ``limit`` such steps in a row stop
+    it, an overflow that lowering the scale does not cure (fp16 cannot hold the model's values).
+    """
+
+    scaled: bool
+    limit: int = 3
+    #: Steps in a row, up to the last one, whose loss was not finite.
+    in_a_row: int = 0
+
+    def should_stop(self, loss: float) -> bool:
+        """Take a step's loss; True when it stops training."""
+        if math.isfinite(loss):
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        return not self.scaled or self.in_a_row >= self.limit

@@ -1,0 +1,184 @@
+"""Run a user's own Ray Train loop unchanged, with relaytrain's faults, metrics and history."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import posixpath
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer_core.checkpoint.run_directory import REPORT_FILE, RunDirectory, report_record
+from trainer_core.errors import (
+    InfrastructureError,
+    InjectedFault,
+    RelaytrainError,
+    TrainingCodeError,
+)
+from trainer_core.execution import worker_api
+from trainer_core.execution.worker_config import WorkerConfig
+from trainer_core.execution.worker_group import Relay, all_reduce, peak_rss_mb
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.train import workloads
+from trainer_core.train.worker import Faults, worker_error
+
+logger = logging.getLogger("relaytrain.user_loop")
+
+
+class ReportHook:
+    """Wraps ``ray.train.report`` around a user's loop: faults, relayed and persisted metrics.
+
+    Reports are numbered across the run's attempts: a resumed attempt goes on from the number
+    its checkpoint's report record holds (``resume``). Each report's history key (``step``) is
+    its ``step`` metric, else that number; a checkpoint the loop passes gets the record
+    (``run_directory.REPORT_FILE``) before Ray uploads it. Faults fire at the run's N-th report.
+    """
+
+    def __init__(self, config: WorkerConfig, original: Callable[..., Any]):
+        self.rank, _ = worker_api.rank_and_world_size()
+        self.original = original
+        self.config = config
+        self.spec = RunSpec.model_validate(config.spec)
+        self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
+        self.relay = Relay(config.relay, self.rank)
+        self.run_dir = RunDirectory.of(config.storage_uri, config.run_name)
+        #: The run's reports so far, and the history key of the last one.
+        self.reports = 0
+        self.step = 0
+        self.unsaved: list[dict[str, Any]] = []
+
+    def resume(self, record: dict[str, Any] | None) -> None:
+        """Go on counting from the report record of the checkpoint Ray resumed the loop from."""
+        if record is not None:
+            self.reports, self.step = int(record["report"]), int(record["step"])
+
+    def __call__(self, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        self.reports += 1
+        self.faults.check(self.reports)
+        step = user_step(metrics, self.reports)
+        row = {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float | str)}
+        row.update(step=step, attempt=self.config.attempt, time=time.time())
+        self.unsaved.append(row)
+        checkpoint = kwargs.get("checkpoint") or (args[0] if args else None)
+        if checkpoint is not None:
+            self._add_record(checkpoint, step, row)
+            self.flush()  # the rows up to this report, before Ray registers its checkpoint
+        self.relay.send("metrics", rows=[row])
+        result = self.original(metrics, *args, **kwargs)
+        self.step = step
+        if self.rank == 0 and checkpoint is not None:
+            self.relay.send("checkpoint", step=step, metrics=row)
+            self.relay.send("memory", peak_worker_rss_mb=round(peak_rss_mb(), 1))  # rank 0's
+        return result
+
+    def flush(self) -> None:
+        if self.rank == 0 and self.unsaved:
+            self.run_dir.write_metrics_segment(self.config.attempt, self.unsaved)
+        self.unsaved = []
+
+    def _add_record(self, checkpoint: Any, step: int, row: dict[str, Any]) -> None:
+        """Put the report record into the directory the loop hands Ray (its own filesystem's)."""
+        metrics = {k: v for k, v in row.items() if k not in ("attempt", "time")}
+        data = report_record(step, self.reports, self.config.attempt, metrics)
+        try:
+            path = posixpath.join(str(checkpoint.path), REPORT_FILE)
+            with checkpoint.filesystem.open_output_stream(path) as stream:
+                stream.write(data)
+        except (OSError, AttributeError) as e:  # the checkpoint still goes to Ray
+            logger.warning(
+                "could not add %s to the checkpoint of report %d (%s): a resume from it "
+                "restarts the report count, and the result does not list it",
+                REPORT_FILE,
+                self.reports,
+                e,
+            )
+
+
+def user_step(metrics: Any, report: int) -> int:
+    """The history key of a user loop's report: its ``step`` metric, else its number in the
+    run (``report``, counted across attempts)."""
+    if isinstance(metrics, dict) and isinstance(metrics.get("step"), int | float):
+        return int(metrics["step"])
+    return report
+
+
+def user_train_loop(config: dict[str, Any]) -> None:
+    """Ray Train ``train_loop_per_worker`` that runs a user's own loop unchanged."""
+    worker_config = WorkerConfig.from_dict(config)
+    spec = RunSpec.model_validate(worker_config.spec)
+    assert spec.train_loop is not None
+    with worker_api.reports_through(lambda report: ReportHook(worker_config, report)) as hook:
+        fn = workloads.resolve_train_loop(spec.train_loop)
+        group = _start(hook)
+        try:
+            if _takes_config(fn):
+                fn(dict(spec.train_loop_config))
+            else:
+                fn()
+        except Exception as e:
+            error = loop_error(e, hook.reports, hook.rank)
+            _tell_driver(hook, error, group)
+            if error is e:
+                raise
+            raise error from e
+        hook.flush()
+        hook.relay.send("memory", peak_worker_rss_mb=round(peak_rss_mb(), 1))
+        hook.relay.send("finished", step=hook.step, metrics={})
+
+
+def loop_error(error: Exception, report: int, rank: int) -> Exception:
+    """What an exception out of a user's loop means to the orchestrator: relaytrain's own errors
+    stay as they are; a collective that lost a peer (``is_peer_failure``: another rank died,
+    hung or was cut off) is the infrastructure's; anything else, an injected fault included, is
+    the loop's code's. ``report``: the run's report the loop was at."""
+    if isinstance(error, RelaytrainError):
+        return error
+    if isinstance(error, InjectedFault):
+        return TrainingCodeError(str(error), error_type="InjectedFault", step=report, rank=rank)
+    return worker_error(error, where=f"after report {report}", step=report, rank=rank)
+
+
+def _start(hook: ReportHook) -> int:
+    """Which worker group of the attempt this is (0: the first; n after the n-th in-place
+    restart: rank 0 asks the driver, the others learn it from rank 0), where it starts from
+    (Ray's newest checkpoint and its report record), told to the driver. Returns the group."""
+    group = float(hook.relay.begin_group())
+    if dist.is_available() and dist.is_initialized():
+        group = all_reduce([group])[0]  # the other ranks add 0
+    hook.faults.group = int(group)
+    world_size = worker_api.rank_and_world_size()[1]
+    resumed = worker_api.latest_checkpoint_path()
+    if resumed is None:
+        hook.relay.send("fresh_start", skipped=[], world_size=world_size, group=int(group))
+        return int(group)
+    record = hook.run_dir.read_report_record(posixpath.basename(resumed.rstrip("/")))
+    hook.resume(record)
+    hook.relay.send(
+        "resumed",
+        checkpoint_uri=resumed,
+        # None: unknown (a checkpoint without a record), so nothing is rewound.
+        step=hook.step if record is not None else None,
+        skipped=[],
+        world_size=world_size,
+        group=int(group),
+    )
+    return int(group)
+
+
+def _tell_driver(hook: ReportHook, error: Exception, group: int) -> None:
+    """Before a failure ends the worker: the rows rank 0 holds back, and, for a lost peer, the
+    last report a rank other than 0 completed (rank 0's rows would have said it, had it not
+    been the one to die)."""
+    try:
+        hook.relay.flush()
+        if isinstance(error, InfrastructureError) and hook.reports:
+            hook.relay.outlived_rank_0(hook.step, group)
+    except Exception:  # the relay is best effort; the error being raised matters more
+        logger.debug("relay flush failed", exc_info=True)
+
+
+def _takes_config(fn: Callable[..., Any]) -> bool:
+    return len(inspect.signature(fn).parameters) >= 1
