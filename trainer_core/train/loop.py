@@ -9,7 +9,7 @@ checkpoint it lists.
 
 Resume is exact: model, optimizer, LR schedule, every rank's RNG states and the data cursor are
 restored from the newest checkpoint that every rank can verify against its manifest. The loop
-says when to save and what the manifest carries; ``checkpoint_manager`` owns the rest (state
+says when to save and what the manifest carries; ``checkpoint.manager`` owns the rest (state
 keys, file names, staging, the background write, the commit).
 """
 
