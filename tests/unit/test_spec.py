@@ -168,16 +168,16 @@ def test_training_essentials_parse_and_refuse_what_cannot_work(tmp_path):
         )
 
 
-def test_the_readme_accumulation_example_is_a_valid_spec(tmp_path):
-    """The YAML under the README's "Accumulation, your own loss and metrics, early stopping"
-    builds (the imports it names are a user's own: setup checks those)."""
+def test_the_documented_accumulation_example_is_a_valid_spec(tmp_path):
+    """The YAML under docs/run-spec.md's "Accumulation, your own loss and metrics, early
+    stopping" builds (the imports it names are a user's own: setup checks those)."""
     import re
     from pathlib import Path
 
     import yaml
 
-    readme = Path(__file__).resolve().parents[2] / "README.md"
-    section = readme.read_text().split("### Accumulation, your own loss and metrics", 1)[1]
+    page = Path(__file__).resolve().parents[2] / "docs" / "run-spec.md"
+    section = page.read_text().split("## Accumulation, your own loss and metrics", 1)[1]
     block = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1))
     raw = tiny_raw(tmp_path, "readme")
     for key, value in block.items():
