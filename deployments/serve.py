@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from flows.retraining import retraining
 from flows.training import training
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import load_spec
+from trainer_core.spec.overrides import load_spec
 
 DEFAULT_SPEC = "examples/digits_cnn.yaml"
 NIGHTLY_CRON = "0 2 * * *"

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from trainer_core.spec.run_spec import RunSpec, build_spec
+from trainer_core.spec.overrides import build_spec
+from trainer_core.spec.run_spec import RunSpec
 
 
 def tiny_spec_dict(storage: str | Path, name: str, **sections: Any) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from tasks.setup import holding
 from trainer_core.errors import SpecError
 from trainer_core.run import jobs
 from trainer_core.run.summary import TrainingResult
-from trainer_core.spec.run_spec import RunSpec, load_spec
+from trainer_core.spec.overrides import load_spec
+from trainer_core.spec.run_spec import RunSpec
 
 
 def default_run_name(spec: RunSpec) -> str:

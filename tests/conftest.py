@@ -31,7 +31,7 @@ def uninterrupted(relaytrain_ray, tmp_path_factory):
     too."""
     from tests.recovery import final_state, losses, measure_checkpoints, run_dir_of
     from trainer_core.run.engine import run_attempt
-    from trainer_core.spec.run_spec import build_spec
+    from trainer_core.spec.overrides import build_spec
 
     # Every checkpoint kept, so each one's weights can be evaluated (tests/recovery.py).
     raw = tiny_raw(

@@ -33,7 +33,8 @@ from trainer_core.checkpoint.exports import read_model_weights
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import RelaytrainError
 from trainer_core.run.engine import run_attempt
-from trainer_core.spec.run_spec import RunSpec, load_spec
+from trainer_core.spec.overrides import load_spec
+from trainer_core.spec.run_spec import RunSpec
 
 FAULTS = (
     '[{"kind": "raise", "at_step": 50, "rank": 0, "attempt": 1},'

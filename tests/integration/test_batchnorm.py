@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import tiny_raw
 from tests.recovery import run_dir_of
 from trainer_core.run.engine import run_attempt
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 from trainer_core.train import evaluate
 
 pytestmark = pytest.mark.integration

@@ -27,7 +27,7 @@ from trainer_core.errors import (
 )
 from trainer_core.run.engine import run_attempt
 from trainer_core.run.summary import build_result
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 from trainer_core.train import evaluate, workloads
 
 pytestmark = pytest.mark.integration

@@ -25,7 +25,7 @@ from tests.conftest import tiny_raw
 from tests.prefect_api import task_runs
 from tests.recovery import REPO, assert_recovered, record_matrix_row, run_dir_of
 from trainer_core.checkpoint.run_directory import RunDirectory
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 pytestmark = pytest.mark.integration
 

@@ -35,7 +35,7 @@ from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import SpecError
 from trainer_core.run import lease
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from tests.recovery import assert_same_tensors, run_dir_of
 from trainer_core.checkpoint import training_state
 from trainer_core.errors import TrainingCodeError
 from trainer_core.run.engine import run_attempt
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 pytestmark = pytest.mark.integration
 AT = 7  # rank 0's 7th training forward pass, so step 7's

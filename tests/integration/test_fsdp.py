@@ -18,7 +18,7 @@ from trainer_core.checkpoint.exports import DCP_FORMAT, FORMAT, read_model_weigh
 from trainer_core.errors import TrainingCodeError
 from trainer_core.run.engine import run_attempt
 from trainer_core.run.summary import finalize_run
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 from trainer_core.train import evaluate
 
 pytestmark = pytest.mark.integration

@@ -26,7 +26,7 @@ from tests.recovery import (
     run_dir_of,
 )
 from trainer_core.errors import StorageAccessError, StorageUnavailableError
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 pytestmark = pytest.mark.integration
 KINDS = {"pyarrow": False, "gcsfs": True}

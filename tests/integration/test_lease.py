@@ -24,7 +24,8 @@ from tests.recovery import run_dir_of
 from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.run import lease
-from trainer_core.spec.run_spec import RunSpec, build_spec
+from trainer_core.spec.overrides import build_spec
+from trainer_core.spec.run_spec import RunSpec
 from trainer_core.storage import conditional_write
 
 pytestmark = pytest.mark.integration

@@ -40,7 +40,7 @@ from trainer_core.errors import (
     StorageFullError,
     StorageUnavailableError,
 )
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 pytestmark = pytest.mark.integration
 TIMINGS_FILE = REPO / "runs" / "object-storage-timings.jsonl"

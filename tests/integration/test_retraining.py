@@ -13,7 +13,7 @@ from flows.retraining import retraining
 from trainer_core import storage
 from trainer_core.checkpoint.registry import Registry
 from trainer_core.data.arrays import synthetic_arrays
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 pytestmark = pytest.mark.integration
 

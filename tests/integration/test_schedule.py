@@ -12,7 +12,7 @@ from tests.conftest import tiny_raw
 from tests.recovery import run_dir_of
 from trainer_core.errors import TrainingCodeError
 from trainer_core.run.engine import run_attempt
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 pytestmark = pytest.mark.integration
 TWO_EPOCHS = {"epochs": 2}  # the tiny spec's cosine with warm-up: 26 steps

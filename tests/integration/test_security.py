@@ -27,7 +27,7 @@ from trainer_core import storage
 from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import CheckpointCorruptError, SpecError
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,8 @@ from trainer_core import storage
 from trainer_core.data import stream
 from trainer_core.errors import SpecError, TrainingCodeError
 from trainer_core.run.engine import run_attempt
-from trainer_core.spec.run_spec import RunSpec, build_spec
+from trainer_core.spec.overrides import build_spec
+from trainer_core.spec.run_spec import RunSpec
 
 pytestmark = pytest.mark.integration
 

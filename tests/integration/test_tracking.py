@@ -20,7 +20,7 @@ from tests.net import free_port, stop, wait_until_answers
 from tests.prefect_api import artifacts
 from tests.recovery import losses, run_dir_of
 from trainer_core.checkpoint.exports import read_model_weights
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 from trainer_core.tracking import mlflow_log, tensorboard_log
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ import torch
 from tests.conftest import tiny_raw
 from tests.recovery import final_state, losses, run_dir_of
 from trainer_core.run.engine import run_attempt
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 pytestmark = pytest.mark.integration
 

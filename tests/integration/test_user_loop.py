@@ -119,7 +119,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def own_loop_spec(storage: Path, name: str, **loop_config: Any) -> Any:
-    from trainer_core.spec.run_spec import build_spec
+    from trainer_core.spec.overrides import build_spec
 
     return build_spec(
         {
@@ -298,7 +298,7 @@ def test_the_example_loop_through_the_flow(relaytrain_ray, relaytrain_prefect, t
 
     from flows import cli
     from flows.training import training
-    from trainer_core.spec.run_spec import build_spec
+    from trainer_core.spec.overrides import build_spec
 
     raw = yaml.safe_load((REPO / "examples" / "ray_loop.yaml").read_text())
     raw["run"].update({"name": "example", "storage": str(tmp_path)})

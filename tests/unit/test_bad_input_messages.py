@@ -14,7 +14,8 @@ from tests.conftest import tiny_raw
 from trainer_core.checkpoint.run_directory import RunDirectory, identity_changes
 from trainer_core.data import stream
 from trainer_core.errors import IncompatibleRunError, SpecError
-from trainer_core.spec.run_spec import DataSection, ModelSection, build_spec
+from trainer_core.spec.overrides import build_spec
+from trainer_core.spec.sections import DataSection, ModelSection
 from trainer_core.storage.locations import resolve
 from trainer_core.train.workloads import build_model, import_object
 

@@ -49,7 +49,7 @@ def _manager(root: str, state: TrainingState, rank: int, world: int) -> Checkpoi
     from trainer_core import storage
     from trainer_core.checkpoint.run_directory import RunDirectory
     from trainer_core.execution.worker_group import Relay, Timings
-    from trainer_core.spec.run_spec import CheckpointSection
+    from trainer_core.spec.operations import CheckpointSection
 
     return CheckpointManager(
         RunDirectory(storage.resolve(root)),

@@ -10,7 +10,7 @@ import pytest
 from trainer_core.data import arrays as data
 from trainer_core.data import sample_order, stream
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import DataSection
+from trainer_core.spec.sections import DataSection
 
 
 def test_digits_are_bundled_and_shaped():

@@ -1,5 +1,5 @@
-"""A run's dataset snapshot (trainer_core.data.dataset_snapshot) on real Parquet files: what it pins,
-and what a later attempt finds against it."""
+"""A run's dataset snapshot (trainer_core.data.dataset_snapshot) on real Parquet files: what it
+pins, and what a later attempt finds against it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from trainer_core.data import dataset_snapshot, stream
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import DataSection
+from trainer_core.spec.sections import DataSection
 
 
 def write(path: Path, values: np.ndarray) -> None:

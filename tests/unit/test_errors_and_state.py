@@ -19,7 +19,7 @@ from trainer_core.errors import (
     TrainingCodeError,
 )
 from trainer_core.execution.classify import classify
-from trainer_core.spec.run_spec import ModelSection, ScheduleSection
+from trainer_core.spec.sections import ModelSection, ScheduleSection
 from trainer_core.train import workloads
 
 
@@ -230,7 +230,7 @@ def grown_record(live):
 def test_restart_limits_follow_the_spec(tmp_path):
     from tests.conftest import tiny_raw
     from trainer_core.execution.trainer import restart_limits
-    from trainer_core.spec.run_spec import build_spec
+    from trainer_core.spec.overrides import build_spec
 
     fixed = build_spec(tiny_raw(tmp_path, "r"))  # the default: one restart in place
     assert restart_limits(fixed) == {"infrastructure": 1, "preemption": None}
@@ -246,7 +246,7 @@ def test_restart_limits_follow_the_spec(tmp_path):
 
 def test_early_stopping_counts_epochs_without_improvement_and_survives_json():
     from trainer_core.checkpoint.training_state import EarlyStopping
-    from trainer_core.spec.run_spec import EarlyStoppingSection
+    from trainer_core.spec.sections import EarlyStoppingSection
 
     section = EarlyStoppingSection(metric="val_loss", mode="min", patience=2, min_delta=0.1)
     state = EarlyStopping()

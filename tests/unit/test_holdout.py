@@ -14,7 +14,8 @@ import pytest
 from tests.conftest import tiny_raw
 from trainer_core.data import stream
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import RunSpec, build_spec
+from trainer_core.spec.overrides import build_spec
+from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import evaluate
 
 NUM_ROWS = 400

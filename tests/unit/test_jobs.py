@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from trainer_core import errors
 from trainer_core.errors import ClusterCapacityError, InfrastructureError, TrainingCodeError
 from trainer_core.run import jobs
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 
 def job(sid, status, run="s3://b/runs/a", start=0):

@@ -7,7 +7,7 @@ from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import IncompatibleRunError, SpecError
 from trainer_core.run.engine import plan_attempt, validate_workload
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 
 def make(tmp_path, *overrides, name="planned"):

@@ -6,7 +6,7 @@ from tests.conftest import tiny_raw
 from trainer_core import storage
 from trainer_core.checkpoint.registry import Champion, Registry, decide_promotion
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 
 def test_promotion_needs_a_margin():

@@ -13,7 +13,7 @@ from trainer_core.run import lease
 from trainer_core.run.attempts import AttemptRecord
 from trainer_core.run.retry import decide_retry
 from trainer_core.run.summary import attempt_summaries, epoch_table, render_markdown, steps_computed
-from trainer_core.spec.run_spec import RetriesSection
+from trainer_core.spec.operations import RetriesSection
 
 BUDGETS = RetriesSection(infrastructure=2, code=1)
 
@@ -264,7 +264,7 @@ def test_epoch_table_and_markdown(tmp_path):
     ]
     from flows.pytest_plugin import tiny_spec_dict
     from trainer_core.run.summary import build_result
-    from trainer_core.spec.run_spec import build_spec
+    from trainer_core.spec.overrides import build_spec
 
     spec = build_spec(tiny_spec_dict(tmp_path, "md"))
     run_dir = RunDirectory(storage.resolve(str(tmp_path)).child("md"))

@@ -4,7 +4,7 @@ import pytest
 
 from tests.conftest import tiny_raw
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import build_spec, load_spec, parse_override
+from trainer_core.spec.overrides import build_spec, load_spec, parse_override
 
 
 def test_examples_load_and_are_frozen():

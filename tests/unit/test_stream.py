@@ -12,7 +12,7 @@ import pytest
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import row_slices, sample_order, stream
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import DataSection
+from trainer_core.spec.sections import DataSection
 
 
 def write(path: Path, first_id: int, rows: int, row_group_size: int, **extra) -> None:

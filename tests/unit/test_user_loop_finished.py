@@ -7,7 +7,7 @@ from typing import Any
 
 from tasks.setup import is_finished
 from trainer_core.run.summary import TrainingResult
-from trainer_core.spec.run_spec import build_spec
+from trainer_core.spec.overrides import build_spec
 
 
 def own_loop(config: dict[str, Any]) -> Any:

@@ -49,7 +49,7 @@ from trainer_core.checkpoint.run_directory import CheckpointInfo, FileEntry, Run
 from trainer_core.checkpoint.staging import Background, Stager
 from trainer_core.errors import CheckpointCorruptError, TrainingCodeError
 from trainer_core.execution.worker_group import Relay, Timings, all_ok
-from trainer_core.spec.run_spec import CheckpointSection
+from trainer_core.spec.operations import CheckpointSection
 
 logger = logging.getLogger("relaytrain.worker")
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from trainer_core.checkpoint.run_directory import SCHEMA_VERSION
-from trainer_core.spec.run_spec import validate_run_name
+from trainer_core.spec.sections import validate_run_name
 from trainer_core.storage.locations import Location
 
 

@@ -45,7 +45,8 @@ from trainer_core.errors import (
     LeaseLostError,
     SpecError,
 )
-from trainer_core.spec.run_spec import CheckpointSection, RunSpec
+from trainer_core.spec.operations import CheckpointSection
+from trainer_core.spec.run_spec import RunSpec
 from trainer_core.storage.locations import Location
 
 SCHEMA_VERSION = 1

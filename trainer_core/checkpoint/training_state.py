@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from trainer_core.errors import CheckpointCorruptError
-from trainer_core.spec.run_spec import EarlyStoppingSection, OptimizerSection, ScheduleSection
+from trainer_core.spec.sections import EarlyStoppingSection, OptimizerSection, ScheduleSection
 
 
 def save(value: Any, stream: Any) -> None:

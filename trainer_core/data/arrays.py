@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import DataSection
+from trainer_core.spec.sections import DataSection
 
 #: The synthetic regression set does not depend on the run's seed: one dataset for every run.
 SYNTHETIC_DATA_SEED = 20240607

@@ -23,7 +23,7 @@ import pyarrow.fs as pafs
 
 from trainer_core.data import stream
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import DataSection
+from trainer_core.spec.sections import DataSection
 
 SCHEMA_VERSION = 1
 

@@ -32,7 +32,7 @@ from trainer_core import storage
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import row_slices, sample_order
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import DATASET_FORMATS, DataSection
+from trainer_core.spec.sections import DATASET_FORMATS, DataSection
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ def _abortable_trainer_class() -> type:
     method (Ray is pinned exactly) minus the SIGINT handler, which cannot be installed off the
     main thread anyway. Each helper actor is a process start (about 2 s of CPU on 2 cores,
     contending with the workers' own start), paid again by every attempt and in-place restart.
-    What the controller unpickles comes from ``trainer_core.execution.controller``, which imports no torch.
+    What the controller unpickles comes from ``trainer_core.execution.controller``, which
+    imports no torch.
     Ray's placement-group cleaner (a detached actor per fit) is replaced by the driver's own
     cleanup (``PlacementGroupsToDriver``, ``_remove_left_behind``).
     """

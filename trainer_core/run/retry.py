@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainer_core.run.attempts import AttemptRecord
-from trainer_core.spec.run_spec import RetriesSection
+from trainer_core.spec.operations import RetriesSection
 
 
 @dataclass(frozen=True)

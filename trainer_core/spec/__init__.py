@@ -1,7 +1,13 @@
 """The run specification: what a run is, validated once at the edge, frozen.
 
-- ``run_spec``: ``RunSpec`` and its sections, ``build_spec`` (YAML, ``--set``, flow
-  parameters), the identity that decides whether a run directory can be resumed.
+- ``run_spec``: ``RunSpec``, the whole spec, its rules across sections, and the identity
+  that decides whether a run directory can be resumed.
+- ``sections``: what a run trains (run, model, data, optimizer, schedule) and the rules every
+  section shares.
+- ``operations``: how it is carried out (scaling, checkpoint, report, tracking, retries,
+  faults).
+- ``overrides``: a spec from YAML, ``--set`` overrides and flow parameters (``build_spec``,
+  ``load_spec``), with errors that name the field.
 
 May import: ``errors``.
 """

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from trainer_core.errors import InfrastructureError, InjectedFault, TrainingCodeError
 from trainer_core.execution.classify import is_peer_failure as is_peer_failure  # the driver's too
-from trainer_core.spec.run_spec import FaultSection
+from trainer_core.spec.operations import FaultSection
 
 
 def worker_error(

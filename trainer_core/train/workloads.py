@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from trainer_core.errors import SpecError
-from trainer_core.spec.run_spec import ModelSection, metric_name
+from trainer_core.spec.sections import ModelSection, metric_name
 
 
 def import_object(path: str, field: str) -> Any:

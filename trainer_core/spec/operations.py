@@ -1,0 +1,180 @@
+"""How a run is carried out, as spec sections: the worker group (scaling), checkpoints, reports,
+tracking, retries and injected faults."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    Field,
+    field_validator,
+)
+
+from trainer_core.spec.sections import (
+    NonNegativeInt,
+    PositiveInt,
+    _Section,
+)
+
+
+class ScalingSection(_Section):
+    #: Workers in the group: a count, or ``[MIN, MAX]`` for elastic capacity (Ray Train's
+    #: elastic scaling). An elastic run starts on as many workers as the cluster holds (at least
+    #: MIN), goes on with fewer after a node is lost, without waiting for it, and grows back when
+    #: capacity returns; every resize resumes from the newest committed checkpoint.
+    num_workers: PositiveInt | tuple[PositiveInt, PositiveInt]
+    #: Elastic runs: seconds between Ray's checks whether the cluster holds more workers than the
+    #: group has (Ray's ``elastic_resize_monitor_interval_s``); growing restarts the group.
+    resize_interval_s: Annotated[float, Field(ge=0)] = 60.0
+    use_gpu: bool = False
+    resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] | None = None
+    #: Ray's placement of the worker group: "PACK" fills nodes in turn, "SPREAD" puts the
+    #: workers on as many nodes as it can.
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    #: The job server of a remote Ray cluster (e.g. ``http://head:8265``): the train task then
+    #: submits each attempt as a Ray job. ``RELAYTRAIN_RAY_JOB_ADDRESS`` sets it from the
+    #: environment; unset, the attempt is driven in-process (local Ray or ``RAY_ADDRESS``).
+    job_address: str | None = None
+    #: How the built-in loop spreads the model: "ddp" keeps a whole replica on every worker;
+    #: "fsdp" shards parameters, gradients and optimizer state over the workers (FSDP2's
+    #: ``fully_shard``), for a model too big for one worker, and checkpoints them with
+    #: ``torch.distributed.checkpoint``, which a group of any size can load.
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    #: With "fsdp": ``module:function`` called as ``function(model, mesh)`` to shard the model
+    #: your way (``fully_shard(block, mesh=mesh)`` per block). Unset: every layer holding
+    #: parameters is a unit.
+    shard_fn: str | None = None
+
+    @field_validator("num_workers")
+    @classmethod
+    def _min_not_above_max(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
+        if isinstance(value, tuple) and value[0] > value[1]:
+            raise ValueError(
+                f"[MIN, MAX] = {list(value)} has MIN above MAX: give [{value[1]}, {value[0]}]"
+            )
+        return value
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the worker count is a range that Ray may resize within."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+
+class CheckpointSection(_Section):
+    #: Commit a checkpoint every this many optimizer steps (and always at the end).
+    every: PositiveInt = 50
+    #: Keep the newest N committed checkpoints; None keeps all.
+    keep_last: PositiveInt | None = 3
+    #: Also keep the best N by ``best_metric``; 0 disables.
+    keep_best: NonNegativeInt = 1
+    best_metric: str = "val_loss"
+    best_mode: Literal["min", "max"] = "min"
+    #: Every rank writes its own model/optimizer shard (rank-named files) instead of rank 0 only.
+    sharded: bool = False
+    #: Write checkpoints in the background: training waits only for a copy of the state in
+    #: memory. Then a checkpoint whose write fails can lose, besides one interval, the steps
+    #: run while it was being written; false waits for every write (at most one interval).
+    asynchronous: bool = True
+
+
+class ReportSection(_Section):
+    #: Aggregate per-step losses across ranks and stream them to the driver every N steps.
+    every: PositiveInt = 10
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why ``uri`` cannot be a tracking URI, or None. Credentials never go in it."""
+    parts = urlsplit(uri)
+    if parts.username is not None or parts.password is not None:
+        return (
+            "it carries a user or password before the host: set MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment instead"
+        )
+    if parts.scheme in ("http", "https") and not parts.hostname:
+        return "it names no host: give http://HOST:PORT"
+    return None
+
+
+class TrackingSection(_Section):
+    """Experiment trackers the driver reports to. TensorBoard event files are always written
+    into the run directory; MLflow is used when a tracking URI is set here or in
+    ``MLFLOW_TRACKING_URI``."""
+
+    #: An MLflow tracking URI (``http://host:5000``, ``databricks``, ``sqlite:///mlflow.db``).
+    #: Credentials never go in it: MLflow reads MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN
+    #: from the environment.
+    mlflow_uri: str | None = None
+    #: The MLflow experiment the run is logged under (created when missing).
+    mlflow_experiment: str = "relaytrain"
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _mlflow_uri(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        problem = tracking_uri_problem(value)
+        if problem:
+            raise ValueError(f"tracking.mlflow_uri cannot be used: {problem}")
+        return value
+
+    @field_validator("mlflow_experiment")
+    @classmethod
+    def _experiment(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("tracking.mlflow_experiment is empty: name an experiment")
+        return value
+
+
+#: Prefect refuses a task with more retry delays than this (prefect/tasks.py).
+PREFECT_MAX_RETRY_DELAYS = 50
+
+
+class RetriesSection(_Section):
+    #: Retries after a worker/node death, preemption or transient storage failure.
+    infrastructure: NonNegativeInt = 3
+    #: Retries after the training code raised (the same error at the same step twice stops).
+    code: NonNegativeInt = 1
+    #: Seconds before the first retry; each later one waits ``backoff`` times longer.
+    delay_s: Annotated[float, Field(ge=0)] = 10.0
+    backoff: Annotated[float, Field(ge=1)] = 2.0
+    #: Random extra delay, as a fraction of the delay (Prefect's retry_jitter_factor).
+    jitter: Annotated[float, Field(ge=0)] = 0.5
+    #: Infrastructure failures Ray Train may recover in place, within one attempt, before a
+    #: failure ends the attempt: it restarts the worker group, which resumes from the newest
+    #: committed checkpoint, without a new fit() or a Prefect retry (the faster path: no new
+    #: controller, relay or Prefect state changes). Each restart is recorded on the attempt.
+    #: 1 (the default): the first infrastructure failure of an attempt restarts in place, the
+    #: next ends the attempt and Prefect retries it; 0: every failure ends the attempt.
+    in_place: NonNegativeInt = 1
+    #: Restarts after a node is reclaimed for preemption (Ray's preemption budget, counted apart
+    #: from ``infrastructure``). Recovered in place, within the attempt, from the newest commit,
+    #: which a notice of the drain makes just in time. None (the default): unlimited, as in Ray.
+    preemption: NonNegativeInt | None = None
+
+    @property
+    def num_retries(self) -> int:
+        """Prefect retries of the train task: every budget's (a preemption that ends an attempt
+        is one whose budget, or one without limit, is spent in place)."""
+        return self.infrastructure + self.code + (self.preemption or 0)
+
+    def delays(self) -> list[float]:
+        """The delay before each retry (Prefect's ``retry_delay_seconds``). Prefect takes at
+        most 50 and repeats the last for later retries: a longer budget would fail the flow."""
+        count = min(self.num_retries, PREFECT_MAX_RETRY_DELAYS)
+        return [self.delay_s * self.backoff**i for i in range(count)]
+
+
+class FaultSection(_Section):
+    kind: Literal["raise", "kill"]
+    at_step: PositiveInt
+    rank: NonNegativeInt = 0
+    attempt: PositiveInt = 1

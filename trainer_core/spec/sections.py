@@ -1,0 +1,278 @@
+"""What a run trains, as spec sections: the run's name and storage, the model, the data, the
+optimizer and the schedule; and the rules every section shares."""
+
+from __future__ import annotations
+
+import difflib
+import posixpath
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from trainer_core.errors import SpecError
+
+SCHEMA_VERSION = 1
+
+
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+IMPORT_PATH_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+BUILTIN_MODELS = ("mlp", "cnn")
+
+
+BUILTIN_DATASETS = ("digits", "synthetic")
+
+
+#: What ``data.dataset`` may name, for messages that refuse something else.
+DATASET_FORMATS = (
+    "a Parquet file or a directory of Parquet files (local or on any run.storage URI), or a "
+    "built-in: 'digits', 'synthetic'"
+)
+
+
+#: Suffixes of tabular formats relaytrain does not read: refused before anything is opened.
+NOT_PARQUET_SUFFIXES = {
+    ".csv": "CSV",
+    ".tsv": "TSV",
+    ".txt": "text",
+    ".json": "JSON",
+    ".jsonl": "JSON lines",
+    ".ndjson": "JSON lines",
+    ".arrow": "Arrow IPC",
+    ".feather": "Feather",
+    ".orc": "ORC",
+    ".xlsx": "Excel",
+    ".npy": "NumPy",
+    ".npz": "NumPy",
+    ".h5": "HDF5",
+    ".hdf5": "HDF5",
+    ".pkl": "pickle",
+    ".pt": "PyTorch",
+}
+
+
+#: ``run.seed`` seeds numpy, whose seeds are 32-bit.
+MAX_SEED = 2**32 - 1
+
+
+#: What the built-in loop measures on the validation split itself.
+BUILTIN_VALIDATION_METRICS = ("val_loss", "val_accuracy")
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        """Refuse an unknown key (a typo like ``schedul``) naming the closest known one."""
+        if isinstance(value, dict):
+            known = list(cls.model_fields)
+            for key in value:
+                if key not in cls.model_fields:
+                    close = difflib.get_close_matches(str(key), known, n=1)
+                    hint = f"did you mean {close[0]!r}? " if close else ""
+                    raise SpecError(
+                        f"unknown key {key!r}: {hint}the keys here are {known}",
+                        field=str(key),
+                    )
+        return value
+
+
+def not_parquet_format(uri: str) -> str | None:
+    """The tabular format a URI's suffix names when it is not Parquet (``.csv``: "CSV")."""
+    suffix = posixpath.splitext(uri.split("?", 1)[0].rstrip("/"))[1].lower()
+    return NOT_PARQUET_SUFFIXES.get(suffix)
+
+
+def metric_name(path: str) -> str:
+    """The name a validation metric ``package.module:function`` is recorded under."""
+    return "val_" + path.rsplit(":", 1)[1]
+
+
+def validate_run_name(name: str) -> str:
+    """Return ``name`` if it is a safe run name, else raise SpecError naming the rule."""
+    if not RUN_NAME_PATTERN.fullmatch(name) or ".." in name:
+        raise SpecError(
+            f"run.name {name!r} is not a valid run name: use 1-100 characters from "
+            "letters, digits, '.', '_' and '-', starting with a letter or digit, and no '..' "
+            "(a run name is a directory under run.storage and must not escape it).",
+            field="run.name",
+        )
+    return name
+
+
+class RunSection(_Section):
+    name: str | None = None
+    storage: str = "./runs"
+    seed: int = 0
+    #: A committed checkpoint URI whose model weights start a fresh run (warm start). Ignored
+    #: once the run has checkpoints of its own.
+    init_from: str | None = None
+    #: A Prefect block holding the storage credentials, as ``<block-type-slug>/<block-name>``
+    #: (e.g. ``aws-credentials/lake``, ``minio-credentials/dev``, ``secret/lake-keys``). Only
+    #: the block's name travels in the spec; without it, credentials come from the environment.
+    credentials: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        return None if value is None else validate_run_name(value)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int) -> int:
+        if not 0 <= value <= MAX_SEED:
+            raise ValueError(
+                f"run.seed {value} is out of range: give an integer from 0 to {MAX_SEED} "
+                "(2**32 - 1, numpy's seed range)"
+            )
+        return value
+
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError(
+                "run.storage is empty: give a path or a URI such as s3://bucket/prefix"
+            )
+        return value
+
+
+class ModelSection(_Section):
+    #: "mlp", "cnn", or the import path of a builder ``package.module:function``.
+    name: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if value not in BUILTIN_MODELS and not IMPORT_PATH_PATTERN.fullmatch(value):
+            raise ValueError(
+                f"model.name {value!r} is neither a built-in model {BUILTIN_MODELS} nor an "
+                "import path 'package.module:function'"
+            )
+        return value
+
+
+class SyntheticSection(_Section):
+    num_samples: PositiveInt = 2048
+    num_features: PositiveInt = 16
+    noise: Annotated[float, Field(ge=0)] = 0.1
+
+
+class DataSection(_Section):
+    #: "digits", "synthetic", or a Parquet URI / path (file or directory).
+    dataset: str
+    #: One list column (e.g. "pixels") or several scalar columns.
+    features: str | list[str] | None = None
+    label: str | None = None
+    task: Literal["classification", "regression"] | None = None
+    #: The global batch: samples per micro-batch summed over every worker (each worker takes
+    #: a slice; slices differ by one sample when the workers do not divide it, their losses
+    #: weighted so the gradient is the whole batch's mean). The same for every worker count.
+    batch_size: PositiveInt = 32
+    #: Rows whose hash of (run.seed, row id) falls below this are validation rows.
+    validation_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    #: Rows shuffled together: each of the ``partitions`` parts of an epoch is shuffled within
+    #: consecutive windows of this many samples. A worker holds about one window (plus a row
+    #: group each side) per partition it reads.
+    shuffle_window: PositiveInt = 8192
+    #: An epoch is read as this many contiguous parts side by side: every global batch draws
+    #: from each. A worker reads only the parts its slice overlaps (about partitions/workers).
+    partitions: PositiveInt = 8
+    #: Micro-batches each worker reads ahead in a background thread.
+    prefetch: PositiveInt = 2
+    #: What a worker's reader may hold, in MB: the live shuffle windows (at most half of it)
+    #: and the row group slices around them. Row groups bigger than a slice are read in parts
+    #: (streamed once, spilled to local disk), so this holds whatever the files' row groups.
+    memory_mb: Annotated[int, Field(ge=64)] = 512
+    synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset(cls, value: str) -> str:
+        kind = not_parquet_format(value)
+        if kind:
+            raise ValueError(
+                f"data.dataset {value!r} is a {kind} file, not Parquet: "
+                f"relaytrain reads {DATASET_FORMATS}. Convert it to Parquet (e.g. "
+                "pyarrow.parquet.write_table(pyarrow.csv.read_csv(path), 'data.parquet')) and "
+                "point data.dataset at that"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _builtin_defaults(self) -> DataSection:
+        if self.dataset not in BUILTIN_DATASETS and (self.features is None or self.label is None):
+            raise ValueError(
+                f"data.dataset {self.dataset!r} is a Parquet dataset: name its columns with "
+                "data.features (one list column or a list of scalar columns) and data.label"
+            )
+        if self.dataset not in BUILTIN_DATASETS and self.task is None:
+            raise ValueError(
+                "data.task is required for a Parquet dataset: 'classification' or 'regression'"
+            )
+        return self
+
+    def resolved(self) -> DataSection:
+        """This section with the built-in datasets' columns and task filled in."""
+        defaults: dict[str, Any] = {}
+        if self.dataset == "digits":
+            defaults = {"features": "pixels", "label": "label", "task": "classification"}
+        elif self.dataset == "synthetic":
+            defaults = {"features": "x", "label": "y", "task": "regression"}
+        update = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        return self.model_copy(update=update)
+
+
+class OptimizerSection(_Section):
+    name: Literal["sgd", "adam", "adamw"] = "adam"
+    lr: Annotated[float, Field(gt=0)] = 1e-3
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    #: Global batches per optimizer step: gradients add up over them, DDP synchronizing only
+    #: on the last. Steps and checkpoints count optimizer steps, so a checkpoint never holds a
+    #: half-accumulated gradient.
+    grad_accumulation: PositiveInt = 1
+    #: Clip the gradients' total norm to this before each optimizer step (after fp16's
+    #: unscaling); the norm before clipping is recorded as ``grad_norm``. None: no clipping.
+    clip_grad_norm: Annotated[float, Field(gt=0)] | None = None
+
+
+class EarlyStoppingSection(_Section):
+    """Stop when ``metric`` (a validation metric, measured at the end of every epoch) has not
+    improved by more than ``min_delta`` for ``patience`` epochs in a row."""
+
+    metric: str = "val_loss"
+    mode: Literal["min", "max"] = "min"
+    patience: PositiveInt = 3
+    min_delta: Annotated[float, Field(ge=0)] = 0.0
+
+
+class ScheduleSection(_Section):
+    epochs: PositiveInt
+    lr_schedule: Literal["constant", "cosine", "step"] = "constant"
+    warmup_steps: NonNegativeInt = 0
+    #: For lr_schedule "step": multiply the rate by ``gamma`` every ``step_size`` steps.
+    step_size: PositiveInt = 100
+    gamma: Annotated[float, Field(gt=0, le=1)] = 0.5
+    #: Stop before ``epochs`` when a validation metric stops improving (its state is
+    #: checkpointed, so a retry does not reset the patience). None: train every epoch.
+    early_stopping: EarlyStoppingSection | None = None
