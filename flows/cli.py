@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainer_core import storage
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import stored_spec
 from trainer_core.errors import RelaytrainError, SpecError
 from trainer_core.run import catalog
@@ -159,7 +160,7 @@ def _show(args: argparse.Namespace) -> int:
     ]
     print(_table(checkpoints) if checkpoints else "  none committed")
     print("\nmetrics per epoch")
-    table = epoch_table(run_dir.read_metrics_history())
+    table = epoch_table(read_metrics_history(run_dir))
     print(_table([{k: _number(val) for k, val in row.items()} for row in table]) or "  none")
     return 0
 

@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.naming import artifact_key
 from tasks.setup import Prepared
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import LeaseHeldError, StorageError
 from trainer_core.run import lease
@@ -50,7 +51,7 @@ def finalize(
         logger.warning("could not renew the run's lease before finalize: %s", e)
     try:
         result = finalize_run(spec, run_dir, prepared.storage_uri, status)
-        history = run_dir.read_metrics_history()
+        history = read_metrics_history(run_dir)
         publish(spec, prepared, result, history, run_dir)
     finally:  # a summary that cannot be written (e.g. a full disk) must not hold the run
         lease.release(run_dir.location, prepared.lease_owner)

@@ -14,6 +14,7 @@ import torch
 from trainer_core import storage
 from trainer_core.checkpoint import dcp_storage, training_state
 from trainer_core.checkpoint.exports import is_dcp
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.run.attempts import AttemptRecord
 from trainer_core.run.attempts import read as read_attempts
@@ -79,7 +80,7 @@ def assert_same_tensors(a: Any, b: Any) -> None:
 
 
 def losses(run_dir: RunDirectory) -> list[tuple[int, float]]:
-    return [(row["step"], row["loss"]) for row in run_dir.read_metrics_history()]
+    return [(row["step"], row["loss"]) for row in read_metrics_history(run_dir)]
 
 
 def assert_recovered(

@@ -23,6 +23,7 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 from flows.pytest_plugin import tiny_spec_dict
 from tests.net import free_port
 from trainer_core import storage
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import RunDirectory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -285,7 +286,7 @@ def run_with_a_fault_and_see_it(server, tmp_path: Path, name: str, shots: Path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = RunDirectory(storage.resolve(str(tmp_path)).child(name))
-    first_row = run_dir.read_metrics_history()[0]
+    first_row = read_metrics_history(run_dir)[0]
     print(
         f"deployment run -> first training step (window published): "
         f"{first_row['time'] - started:.1f} s"

@@ -19,6 +19,7 @@ from tests import own_functions
 from tests.conftest import tiny_raw
 from tests.helpers import steps_by_process
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.errors import (
     ClusterCapacityError,
     InfrastructureError,
@@ -178,7 +179,7 @@ def test_stock_ray_train_loop_runs_and_resumes(ray_cluster, tmp_path):
     }
     spec = build_spec(raw)
     events = fail_then_resume(spec)
-    epochs = [row["epoch"] for row in run_dir_of(spec).read_metrics_history()]
+    epochs = [row["epoch"] for row in read_metrics_history(run_dir_of(spec))]
     assert epochs == [0, 1, 2, 3]  # epoch 2 onwards ran again after the resume, once each
     reported = [e["rows"][0]["epoch"] for e in events if e["kind"] == "metrics"]
     assert reported == [2, 3]
@@ -385,7 +386,7 @@ def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tm
     assert_same_tensors(final, final_state(whole_dir))
     assert losses(resumed_dir) == losses(whole_dir)
     assert losses(whole_dir) != reference["losses"]  # the Huber loss was used
-    history = resumed_dir.read_metrics_history()
+    history = read_metrics_history(resumed_dir)
     assert [row["step"] for row in history] == list(range(1, 40))
     assert all(row["grad_norm"] > 0 for row in history)  # the norm before clipping
     # The metrics, all-reduced over both ranks' validation rows, equal the final model's
@@ -462,7 +463,7 @@ def test_ray_data_datasets_reach_a_stock_loop_and_resume_at_an_epoch(ray_cluster
     raw["faults"] = [{"kind": "raise", "at_step": 2}]
     spec = build_spec(raw)
     fail_then_resume(spec)
-    history = run_dir_of(spec).read_metrics_history()
+    history = read_metrics_history(run_dir_of(spec))
     assert [row["epoch"] for row in history] == [0, 1, 2]
     # 1797 digits, split equally between 2 workers: at most one row left out an epoch.
     assert {row["rows"] for row in history} <= {1796, 1797}

@@ -13,6 +13,7 @@ import torch
 from tests.conftest import tiny_raw
 from tests.recovery import assert_same_tensors, run_dir_of
 from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.errors import TrainingCodeError
 from trainer_core.run.engine import run_attempt
 from trainer_core.spec.overrides import build_spec
@@ -47,7 +48,7 @@ def test_an_fp16_overflow_skips_its_step_and_lowers_the_scale(ray_cluster, tmp_p
     result = run_attempt(spec)
     assert result.status == "completed" and result.steps_completed == 13  # it went on
     run_dir = run_dir_of(spec)
-    losses = {row["step"]: row["loss"] for row in run_dir.read_metrics_history()}
+    losses = {row["step"]: row["loss"] for row in read_metrics_history(run_dir)}
     assert math.isinf(losses[AT])
     assert all(math.isfinite(loss) for step, loss in losses.items() if step != AT)
     before, at, after = (committed(run_dir, s, "scaler.pt") for s in (AT - 1, AT, AT + 1))

@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import tiny_raw
 from tests.recovery import run_dir_of
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.errors import TrainingCodeError
 from trainer_core.run.engine import run_attempt
 from trainer_core.spec.overrides import build_spec
@@ -20,7 +21,7 @@ LAST = 26
 
 
 def lr_by_step(spec) -> dict[int, float]:
-    return {row["step"]: row["lr"] for row in run_dir_of(spec).read_metrics_history()}
+    return {row["step"]: row["lr"] for row in read_metrics_history(run_dir_of(spec))}
 
 
 @pytest.fixture(scope="module")

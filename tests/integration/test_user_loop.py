@@ -163,13 +163,14 @@ def faulted(relaytrain_ray, relaytrain_prefect, tmp_path_factory):
 def test_history_keeps_every_report_once(faulted):
     """The loop reports no step or epoch: relaytrain numbers its reports across attempts, and
     the resumed attempt's rows replace the failed one's after the checkpoint it resumed from."""
+    from trainer_core.checkpoint.history import read_metrics_history
     from trainer_core.checkpoint.run_directory import RunDirectory
     from trainer_core.storage.locations import resolve
 
     _, log, run_path = faulted
     kept = final_timeline(log)
     assert [line["epoch"] for line in log] == [0, 1, 2, 3, 2, 3, 4, 5]  # the loop's account
-    history = RunDirectory(resolve(str(run_path))).read_metrics_history()
+    history = read_metrics_history(RunDirectory(resolve(str(run_path))))
     assert [row["loss"] for row in history] == [line["loss"] for line in kept]
     assert [row["step"] for row in history] == list(range(1, len(kept) + 1))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainer_core import storage
+from trainer_core.checkpoint.history import write_metrics_segment
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import PreemptedError, TrainingCodeError
 from trainer_core.run import attempts
@@ -36,9 +37,9 @@ def test_a_running_record_of_another_attempt_is_closed_as_driver_lost(tmp_path):
     run_dir = RunDirectory(storage.resolve(str(tmp_path / "run")))
     attempts.write(run_dir, AttemptRecord.opened(1, "fresh start", 0))
     # what attempt 1 committed before its driver died: its metric rows up to step 20
-    run_dir.write_metrics_segment(1, [{"step": s, "loss": 1.0} for s in range(1, 11)])
-    run_dir.write_metrics_segment(1, [{"step": s, "loss": 1.0} for s in range(11, 21)])
-    run_dir.write_metrics_segment(2, [{"step": 21, "loss": 1.0}])
+    write_metrics_segment(run_dir, 1, [{"step": s, "loss": 1.0} for s in range(1, 11)])
+    write_metrics_segment(run_dir, 1, [{"step": s, "loss": 1.0} for s in range(11, 21)])
+    write_metrics_segment(run_dir, 2, [{"step": 21, "loss": 1.0}])
     attempts.write(run_dir, AttemptRecord.opened(2, "resume", 10))
     attempts.close_abandoned(run_dir, 2)
     first, second = attempts.read(run_dir)

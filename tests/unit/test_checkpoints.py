@@ -3,13 +3,14 @@ import json
 import pytest
 
 from trainer_core import storage
-from trainer_core.checkpoint.run_directory import (
-    MARKER_FILE,
-    CheckpointInfo,
-    RunDirectory,
+from trainer_core.checkpoint.files import CheckpointInfo
+from trainer_core.checkpoint.history import (
     merge_metrics,
-    plan_retention,
+    read_metrics_history,
+    write_metrics_segment,
 )
+from trainer_core.checkpoint.retention import plan_retention
+from trainer_core.checkpoint.run_directory import MARKER_FILE, RunDirectory
 from trainer_core.errors import CheckpointCorruptError, IncompatibleRunError
 
 
@@ -107,11 +108,11 @@ def test_attempt_records_upsert(run_dir):
 
 
 def test_metrics_history_merges_attempts(run_dir):
-    run_dir.write_metrics_segment(1, [{"step": s, "loss": 1.0} for s in range(1, 21)])
+    write_metrics_segment(run_dir, 1, [{"step": s, "loss": 1.0} for s in range(1, 21)])
     run_dir.record_attempt({"attempt": 1, "resumed_from_step": 0})
     run_dir.record_attempt({"attempt": 2, "resumed_from_step": 10})
-    run_dir.write_metrics_segment(2, [{"step": s, "loss": 2.0} for s in range(11, 31)])
-    rows = run_dir.read_metrics_history()
+    write_metrics_segment(run_dir, 2, [{"step": s, "loss": 2.0} for s in range(11, 31)])
+    rows = read_metrics_history(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert {r["loss"] for r in rows if r["step"] <= 10} == {1.0}
     assert {r["loss"] for r in rows if r["step"] > 10} == {2.0}

@@ -72,7 +72,7 @@ def test_workload_is_checked_on_the_driver(tmp_path):
 
 
 def test_the_resume_plan_is_a_function_of_the_listing():
-    from trainer_core.checkpoint.run_directory import CheckpointInfo, Scan
+    from trainer_core.checkpoint.files import CheckpointInfo, Scan
     from trainer_core.run.engine import resume_plan
 
     def info(step):

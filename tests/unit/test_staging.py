@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from trainer_core.checkpoint import training_state
-from trainer_core.checkpoint.run_directory import RunDirectory, file_digest
+from trainer_core.checkpoint.files import file_digest
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.checkpoint.staging import Background, Stager
 from trainer_core.storage.locations import resolve
 

@@ -12,12 +12,13 @@ import torch
 
 from trainer_core import storage
 from trainer_core.checkpoint import exports
-from trainer_core.checkpoint.run_directory import (
+from trainer_core.checkpoint.ray_checkpoints import (
     RAY_SNAPSHOT_FILE,
     REPORT_FILE,
-    RunDirectory,
+    ray_checkpoints,
     report_record,
 )
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import SpecError
 
 
@@ -56,7 +57,7 @@ def test_only_registered_checkpoints_with_a_record_count_in_report_order(tmp_pat
     ray_checkpoint(run, "checkpoint_no_record", {"model.pt": saved(weights)}, None)
     snapshot(run, ["checkpoint_a", "checkpoint_no_record"], latest="checkpoint_b")
 
-    found = RunDirectory(storage.resolve(str(run))).ray_checkpoints()
+    found = ray_checkpoints(RunDirectory(storage.resolve(str(run))))
 
     assert [(c.name, c.step) for c in found] == [("checkpoint_b", 2), ("checkpoint_a", 4)]
     assert found[1].metrics == {"loss": 0.25, "epoch": 3}
@@ -66,7 +67,7 @@ def test_only_registered_checkpoints_with_a_record_count_in_report_order(tmp_pat
 
 
 def test_no_snapshot_no_checkpoints(tmp_path):
-    assert RunDirectory(storage.resolve(str(tmp_path))).ray_checkpoints() == []
+    assert ray_checkpoints(RunDirectory(storage.resolve(str(tmp_path)))) == []
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,7 @@ def test_export_finds_the_state_dict_the_loop_saved(tmp_path, content):
     ray_checkpoint(run, "checkpoint_x", {"model.pt": saved(content)}, report_record(1, 1, 1, {}))
     snapshot(run, ["checkpoint_x"], latest="checkpoint_x")
     run_dir = RunDirectory(storage.resolve(str(run)))
-    (checkpoint,) = run_dir.ray_checkpoints()
+    (checkpoint,) = ray_checkpoints(run_dir)
 
     weights = exports.model_weights(run_dir, checkpoint)
 
@@ -109,7 +110,7 @@ def test_export_says_what_it_found_when_there_is_no_state_dict(tmp_path, files, 
     ray_checkpoint(run, "checkpoint_x", files, report_record(1, 1, 1, {}))
     snapshot(run, ["checkpoint_x"], latest="checkpoint_x")
     run_dir = RunDirectory(storage.resolve(str(run)))
-    (checkpoint,) = run_dir.ray_checkpoints()
+    (checkpoint,) = ray_checkpoints(run_dir)
 
     with pytest.raises(SpecError) as raised:
         exports.model_weights(run_dir, checkpoint)

@@ -1,8 +1,12 @@
 """Checkpoints: the committed format, how the built-in loop saves and loads them, and what
 reads them outside training.
 
-- ``run_directory``: a run directory's layout (``RunDirectory``): checkpoint commits with
-  their manifests, discovery, the metrics history, retention, the lease's fence.
+- ``run_directory``: a run directory's layout (``RunDirectory``): its records, checkpoint
+  commits with their manifests, discovery, retention applied, the lease's fence.
+- ``files``: a checkpoint's name and files: digests, manifest entries, ``CheckpointInfo``.
+- ``retention``: the ranking by a metric (the best checkpoint) and the retention plan.
+- ``history``: the metrics history, written in segments, merged into a row per step.
+- ``ray_checkpoints``: a user's own loop's checkpoints, which Ray Train names and keeps.
 - ``manager``: the built-in loop's checkpoints in one object: what is saved, when, how it is
   restored (whole state dicts or DCP), with staging and background writes.
 - ``staging``: stage state to memory, write it in the background.

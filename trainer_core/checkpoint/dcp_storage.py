@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from trainer_core.checkpoint.run_directory import FileEntry, HashingWriter, matches
+from trainer_core.checkpoint.files import FileEntry, HashingWriter, matches
 from trainer_core.errors import CheckpointCorruptError
 from trainer_core.storage.locations import Location, storage_error
 

@@ -28,16 +28,9 @@ from typing import Any
 import torch
 
 from trainer_core.checkpoint import dcp_storage, training_state
-from trainer_core.checkpoint.run_directory import (
-    FILE_DIGEST,
-    RAY_FORMAT,
-    SCHEMA_VERSION,
-    CheckpointInfo,
-    HashingWriter,
-    RunDirectory,
-    matches,
-    open_checkpoint,
-)
+from trainer_core.checkpoint.files import FILE_DIGEST, CheckpointInfo, HashingWriter, matches
+from trainer_core.checkpoint.ray_checkpoints import RAY_FORMAT
+from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, open_checkpoint
 from trainer_core.errors import CheckpointCorruptError, SpecError
 from trainer_core.storage.locations import Location
 

@@ -45,7 +45,9 @@ from torch.distributed.tensor import DTensor
 
 from trainer_core.checkpoint import dcp_storage, training_state
 from trainer_core.checkpoint.exports import DCP_FORMAT, FORMAT, is_dcp, read_model_weights
-from trainer_core.checkpoint.run_directory import CheckpointInfo, FileEntry, RunDirectory
+from trainer_core.checkpoint.files import CheckpointInfo, FileEntry
+from trainer_core.checkpoint.history import write_metrics_segment
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.checkpoint.staging import Background, Stager
 from trainer_core.errors import CheckpointCorruptError, TrainingCodeError
 from trainer_core.execution.worker_group import Relay, Timings, all_ok
@@ -497,7 +499,7 @@ class CheckpointManager:
             dist.all_gather_object(gathered, entries, group=self.group)
             entries = [e for part in gathered for e in (part or [])]
         if self.rank == 0:
-            self.run_dir.write_metrics_segment(self.attempt, rows)
+            write_metrics_segment(self.run_dir, self.attempt, rows)
             info = self.run_dir.commit_checkpoint(step, entries, meta)
             self.run_dir.apply_retention(
                 self.section, protected_steps={self.resumed_from}, in_flight_from_step=step + 1

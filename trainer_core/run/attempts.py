@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trainer_core.checkpoint.history import last_recorded_step
 from trainer_core.checkpoint.run_directory import RunDirectory
 
 Status = Literal["running", "failed", "completed"]
@@ -134,4 +135,4 @@ def close_abandoned(run_dir: RunDirectory, attempt: int) -> None:
     """
     for record in read(run_dir):
         if record.status == "running" and record.attempt != attempt:
-            write(run_dir, record.abandoned(run_dir.last_recorded_step(record.attempt)))
+            write(run_dir, record.abandoned(last_recorded_step(run_dir, record.attempt)))

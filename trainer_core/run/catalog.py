@@ -17,12 +17,9 @@ import torch
 
 from trainer_core import storage
 from trainer_core.checkpoint.exports import model_weights
-from trainer_core.checkpoint.run_directory import (
-    RUN_FILE,
-    CheckpointInfo,
-    RunDirectory,
-    stored_spec,
-)
+from trainer_core.checkpoint.files import CheckpointInfo
+from trainer_core.checkpoint.ray_checkpoints import ray_checkpoints
+from trainer_core.checkpoint.run_directory import RUN_FILE, RunDirectory, stored_spec
 from trainer_core.errors import SpecError
 from trainer_core.run.lease import holder_is_gone
 from trainer_core.run.summary import (
@@ -132,7 +129,7 @@ def committed(run_dir: RunDirectory) -> list[CheckpointInfo]:
     spec = stored_spec(run_dir)
     if spec is not None:
         return committed_checkpoints(spec, run_dir)
-    return run_dir.scan().committed or run_dir.ray_checkpoints()
+    return run_dir.scan().committed or ray_checkpoints(run_dir)
 
 
 def choose_checkpoint(

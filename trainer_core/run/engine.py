@@ -23,7 +23,8 @@ import pyarrow
 import torch
 
 from trainer_core import __version__, storage
-from trainer_core.checkpoint.run_directory import RunDirectory, Scan, open_checkpoint
+from trainer_core.checkpoint.files import Scan
+from trainer_core.checkpoint.run_directory import RunDirectory, open_checkpoint
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import dataset_snapshot, stream
 from trainer_core.errors import IncompatibleRunError, LeaseLostError, SpecError

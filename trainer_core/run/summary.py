@@ -15,12 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from trainer_core.checkpoint import exports
-from trainer_core.checkpoint.run_directory import (
-    SCHEMA_VERSION,
-    CheckpointInfo,
-    RunDirectory,
-    rank_by_metric,
-)
+from trainer_core.checkpoint.files import CheckpointInfo
+from trainer_core.checkpoint.history import read_metrics_history
+from trainer_core.checkpoint.ray_checkpoints import ray_checkpoints
+from trainer_core.checkpoint.retention import rank_by_metric
+from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory
 from trainer_core.errors import CheckpointCorruptError, SpecError
 from trainer_core.run.attempts import AttemptRecord
 from trainer_core.run.attempts import read as read_attempts
@@ -227,7 +226,7 @@ def committed_checkpoints(spec: RunSpec, run_dir: RunDirectory) -> list[Checkpoi
     """The run's committed checkpoints, oldest first: relaytrain's own, or a user's own loop's
     Ray checkpoints that Ray Train registered (``RunDirectory.ray_checkpoints``)."""
     if spec.train_loop is not None:
-        return run_dir.ray_checkpoints()
+        return ray_checkpoints(run_dir)
     return run_dir.scan().committed
 
 
@@ -264,7 +263,7 @@ def build_result(
     committed = committed_checkpoints(spec, run_dir)
     newest = committed[-1] if committed else None
     best = best_checkpoint(committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
-    history = run_dir.read_metrics_history()
+    history = read_metrics_history(run_dir)
     started = min((r.started_at for r in records if r.started_at), default=time.time())
     ended = max((r.ended_at or 0 for r in records), default=0) or time.time()
     if spec.train_loop is not None:

@@ -19,7 +19,9 @@ from pydantic import (
     model_validator,
 )
 
-from trainer_core.errors import SpecError
+from trainer_core.errors import (
+    SpecError,
+)
 from trainer_core.spec.operations import (
     CheckpointSection,
     FaultSection,
@@ -344,3 +346,22 @@ class RunSpec(_Section):
 
 
 # -- building a spec at the edge -----------------------------------------------------------
+
+
+#: Where each part of a spec's identity lives in the spec (for messages that name the field).
+_IDENTITY_FIELDS = {"num_workers": "scaling.num_workers", "seed": "run.seed"}
+
+
+def identity_changes(
+    stored: dict[str, Any], current: dict[str, Any], prefix: str = ""
+) -> list[tuple[str, Any, Any]]:
+    """The leaves where two spec identities differ: (dotted spec field, stored, current)."""
+    changes: list[tuple[str, Any, Any]] = []
+    for key in sorted(set(stored) | set(current)):
+        old, new = stored.get(key), current.get(key)
+        path = f"{prefix}{key}" if prefix else _IDENTITY_FIELDS.get(key, key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += identity_changes(old, new, f"{path}.")
+        elif old != new:
+            changes.append((path, old, new))
+    return changes

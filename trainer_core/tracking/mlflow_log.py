@@ -34,12 +34,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
-from trainer_core.checkpoint.run_directory import (
-    SCHEMA_VERSION,
-    RunDirectory,
-    checkpoint_step,
-    stored_spec,
-)
+from trainer_core.checkpoint.files import checkpoint_step
+from trainer_core.checkpoint.history import read_metrics_history
+from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, stored_spec
 from trainer_core.errors import SpecError
 from trainer_core.spec.run_spec import RunSpec
 
@@ -278,7 +275,7 @@ class Tracker:
         )
 
     def _catch_up(self, history: Sequence[dict[str, Any]] | None = None) -> None:
-        rows = self.run_dir.read_metrics_history() if history is None else history
+        rows = read_metrics_history(self.run_dir) if history is None else history
         self._log_rows(rows)
 
     def _tag_attempts(self) -> None:
@@ -306,7 +303,7 @@ class Tracker:
         if result.best_checkpoint_uri:
             client.set_tag(run_id, "relaytrain.best_checkpoint", result.best_checkpoint_uri)
         client.log_dict(run_id, result.model_dump(mode="json"), "summary.json")
-        rows = self.run_dir.read_metrics_history() if history is None else history
+        rows = read_metrics_history(self.run_dir) if history is None else history
         if rows:
             png = plots.curve_png(rows, f"{result.run_name}: loss and validation metrics")
             with tempfile.TemporaryDirectory() as tmp:

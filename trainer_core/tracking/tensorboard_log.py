@@ -25,6 +25,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.record_writer import RecordWriter
 
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.storage.locations import Location
 
@@ -67,7 +68,7 @@ def write(run_dir: RunDirectory, history: Sequence[dict[str, Any]] | None = None
     """(Re)write the run's event file from ``history`` (read from the run when None); any
     event file of ours with another name (a history that now starts at another time) goes."""
     if history is None:
-        history = run_dir.read_metrics_history()
+        history = read_metrics_history(run_dir)
     start = _wall_time(history[0]) if history else time.time()
     name = f"{PREFIX}{int(start):010d}{SUFFIX}"
     target = run_dir.location.child(name)

@@ -11,7 +11,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer_core.checkpoint.run_directory import REPORT_FILE, RunDirectory, report_record
+from trainer_core.checkpoint.history import write_metrics_segment
+from trainer_core.checkpoint.ray_checkpoints import REPORT_FILE, read_report_record, report_record
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import (
     InfrastructureError,
     InjectedFault,
@@ -34,7 +36,7 @@ class ReportHook:
     Reports are numbered across the run's attempts: a resumed attempt goes on from the number
     its checkpoint's report record holds (``resume``). Each report's history key (``step``) is
     its ``step`` metric, else that number; a checkpoint the loop passes gets the record
-    (``run_directory.REPORT_FILE``) before Ray uploads it. Faults fire at the run's N-th report.
+    (``ray_checkpoints.REPORT_FILE``) before Ray uploads it. Faults fire at the run's N-th report.
     """
 
     def __init__(self, config: WorkerConfig, original: Callable[..., Any]):
@@ -76,7 +78,7 @@ class ReportHook:
 
     def flush(self) -> None:
         if self.rank == 0 and self.unsaved:
-            self.run_dir.write_metrics_segment(self.config.attempt, self.unsaved)
+            write_metrics_segment(self.run_dir, self.config.attempt, self.unsaved)
         self.unsaved = []
 
     def _add_record(self, checkpoint: Any, step: int, row: dict[str, Any]) -> None:
@@ -154,7 +156,7 @@ def _start(hook: ReportHook) -> int:
     if resumed is None:
         hook.relay.send("fresh_start", skipped=[], world_size=world_size, group=int(group))
         return int(group)
-    record = hook.run_dir.read_report_record(posixpath.basename(resumed.rstrip("/")))
+    record = read_report_record(hook.run_dir, posixpath.basename(resumed.rstrip("/")))
     hook.resume(record)
     hook.relay.send(
         "resumed",
