@@ -21,7 +21,7 @@ from tests.conftest import tiny_raw
 from tests.prefect_api import task_runs
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
 from trainer_core import storage
-from trainer_core.data import stream
+from trainer_core.data import footers, rank_stream
 from trainer_core.errors import SpecError, TrainingCodeError
 from trainer_core.run.engine import run_attempt
 from trainer_core.spec.overrides import build_spec
@@ -99,7 +99,7 @@ def expected_batches(spec: RunSpec, epochs: int = EPOCHS) -> list[list[int]]:
     """The uninterrupted run's global batches of ``epochs``, as one worker reads them."""
     assert spec.data is not None
     data = spec.data.resolved()
-    one = stream.RankStream(stream.scan(data), data, spec.run.seed, 1, 0)
+    one = rank_stream.RankStream(footers.scan(data), data, spec.run.seed, 1, 0)
     batches: list[list[int]] = []
     for epoch in range(epochs):
         ahead = one.epoch(epoch)

@@ -12,7 +12,7 @@ import pytest
 from deployments.serve import cron_expression, positive_seconds
 from tests.conftest import tiny_raw
 from trainer_core.checkpoint.run_directory import RunDirectory
-from trainer_core.data import stream
+from trainer_core.data import footers
 from trainer_core.errors import IncompatibleRunError, SpecError
 from trainer_core.spec.overrides import build_spec
 from trainer_core.spec.run_spec import identity_changes
@@ -123,7 +123,7 @@ def test_column_types_are_refused_before_any_row_is_read(
         **{"dataset": table_path, "features": "x", "label": "y", "task": "regression", **columns}
     )
     valid = {"features": "x", "label": "y", "task": "regression"}
-    assert stream.scan(section.model_copy(update=valid)).num_rows == 8
+    assert footers.scan(section.model_copy(update=valid)).num_rows == 8
 
     def no_reading(*args, **kwargs):
         raise AssertionError("rows were read before the columns were checked")
@@ -131,7 +131,7 @@ def test_column_types_are_refused_before_any_row_is_read(
     monkeypatch.setattr(pq.ParquetFile, "read_row_group", no_reading)
     monkeypatch.setattr(pq.ParquetFile, "read", no_reading)
     with pytest.raises(SpecError) as error:
-        stream.scan(section)
+        footers.scan(section)
     assert error.value.field == field and fix.lower() in str(error.value).lower()
 
 

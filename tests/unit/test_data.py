@@ -8,14 +8,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from trainer_core.data import arrays as data
-from trainer_core.data import sample_order, stream
+from trainer_core.data import footers, rank_stream, sample_order, stream
 from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
 
 
 def test_digits_are_bundled_and_shaped():
     section = DataSection(dataset="digits")
-    layout = stream.scan(section)
+    layout = footers.scan(section)
     info = stream.describe(layout, section)
     assert (info.num_rows, info.num_features, info.num_outputs) == (1797, 64, 10)
     assert len(layout.row_groups) > 1  # validation is shared by the workers
@@ -43,7 +43,7 @@ def write_table(path, write_statistics=True, **columns):
 def test_user_parquet_scalar_columns(tmp_path):
     uri = write_table(tmp_path / "d.parquet", a=[1.0, 2.0, 3.0], b=[0.5, 0.1, 0.2], y=[0, 1, 1])
     section = DataSection(dataset=uri, features=["a", "b"], label="y", task="classification")
-    layout = stream.scan(section)
+    layout = footers.scan(section)
     arrays = stream.Reader(layout, section, seed=0).read(0)
     assert arrays.features.shape == (3, 2) and arrays.labels.dtype == np.int64
     assert stream.describe(layout, section).num_outputs == 2
@@ -53,31 +53,31 @@ def test_user_parquet_scalar_columns(tmp_path):
 def test_classes_come_from_statistics_or_the_label_column(tmp_path, statistics):
     uri = write_table(tmp_path / "d.parquet", statistics, x=[1.0, 2.0, 3.0], y=[0, 4, 1])
     section = DataSection(dataset=uri, features=["x"], label="y", task="classification")
-    assert stream.describe(stream.scan(section), section).num_outputs == 5
+    assert stream.describe(footers.scan(section), section).num_outputs == 5
     bad = write_table(tmp_path / "n.parquet", statistics, x=[1.0, 2.0], y=[0, -2])
     section = section.model_copy(update={"dataset": bad})
     with pytest.raises(SpecError, match=r"negative classes \(down to -2\)") as error:
-        stream.describe(stream.scan(section), section)
+        stream.describe(footers.scan(section), section)
     assert error.value.field == "data.label"
 
 
 def test_missing_dataset_and_columns_name_the_fix(tmp_path):
     with pytest.raises(SpecError, match="does not exist"):
-        stream.scan(
+        footers.scan(
             DataSection(
                 dataset=str(tmp_path / "none.parquet"), features="x", label="y", task="regression"
             )
         )
     uri = write_table(tmp_path / "d.parquet", x=[1.0, 2.0], target=[1.0, 2.0])
     with pytest.raises(SpecError, match=r"no column\(s\) \['y'\]") as error:
-        stream.scan(DataSection(dataset=uri, features="x", label="y", task="regression"))
+        footers.scan(DataSection(dataset=uri, features="x", label="y", task="regression"))
     assert error.value.field == "data.label"
 
 
 def test_mistyped_label_column(tmp_path):
     uri = write_table(tmp_path / "d.parquet", x=[1.0, 2.0], y=["cat", "dog"])
     with pytest.raises(SpecError, match="must be integers"):
-        stream.scan(DataSection(dataset=uri, features="x", label="y", task="classification"))
+        footers.scan(DataSection(dataset=uri, features="x", label="y", task="classification"))
 
 
 def test_no_sample_is_left_out_of_every_epoch_even_in_one_row_group():
@@ -98,13 +98,13 @@ def test_no_sample_is_left_out_of_every_epoch_even_in_one_row_group():
 def rank_batches(section: DataSection, world_size: int, rank: int, count: int) -> list:
     """What the loop's stream gives ``rank``: its first ``count`` batches of epoch 0 (row ids,
     features, labels), then its validation rows."""
-    rank_stream = stream.RankStream(stream.scan(section), section, 0, world_size, rank)
-    epoch = rank_stream.epoch(0)
+    ranks = rank_stream.RankStream(footers.scan(section), section, 0, world_size, rank)
+    epoch = ranks.epoch(0)
     try:
         batches = [(ids, rows.features, rows.labels) for _, ids, rows in islice(epoch, count)]
     finally:
         epoch.close()
-    validation = list(rank_stream.validation())
+    validation = list(ranks.validation())
     features = np.concatenate([part.features for part in validation])
     return [*batches, ("validation", features, np.concatenate([p.labels for p in validation]))]
 
@@ -145,7 +145,7 @@ def scaling_file(path, metadata: dict | None) -> DataSection:
 
 
 def read_features(section: DataSection) -> list[list[float]]:
-    return stream.Reader(stream.scan(section), section, seed=0).read(0).features.tolist()
+    return stream.Reader(footers.scan(section), section, seed=0).read(0).features.tolist()
 
 
 def test_a_file_records_how_its_features_scale(tmp_path):

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer_core.data import dataset_snapshot, stream
+from trainer_core.data import dataset_snapshot, footers, stream
 from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
 
@@ -32,7 +32,7 @@ def table(tmp_path: Path) -> tuple[Path, DataSection]:
 
 def test_a_snapshot_round_trips_and_reads_the_same_rows(table) -> None:
     _, data = table
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     again = dataset_snapshot.from_json(dataset_snapshot.to_json(layout), data)
     assert again.row_groups == layout.row_groups and again.files == layout.files
     assert again.schema.equals(layout.schema)
@@ -43,7 +43,7 @@ def test_a_snapshot_round_trips_and_reads_the_same_rows(table) -> None:
 
 def test_files_added_later_are_ignored_and_counted(table) -> None:
     directory, data = table
-    layout = dataset_snapshot.from_json(dataset_snapshot.to_json(stream.scan(data)), data)
+    layout = dataset_snapshot.from_json(dataset_snapshot.to_json(footers.scan(data)), data)
     write(directory / "part-3.parquet", np.arange(5))
     check = dataset_snapshot.verify(layout, data)
     assert [Path(p).name for p in check.added] == ["part-3.parquet"]
@@ -52,7 +52,7 @@ def test_files_added_later_are_ignored_and_counted(table) -> None:
 
 def test_a_file_rewritten_with_the_same_size_is_refused_by_its_footer(table) -> None:
     directory, data = table
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     target = directory / "part-1.parquet"
     size = target.stat().st_size
     write(target, np.arange(10) + 11)  # one more in every row: other statistics
@@ -66,14 +66,14 @@ def test_a_file_only_touched_is_accepted(table) -> None:
     """Its footer is unchanged (a copy, a touch). The footer pins sizes, offsets and every
     column's statistics, not the values: a rewrite that keeps all of those is not seen."""
     directory, data = table
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     os.utime(directory / "part-0.parquet", ns=(0, layout.files[0].mtime_ns + 10**9))
     assert dataset_snapshot.verify(layout, data).added == []
 
 
 def test_a_vanished_file_is_refused(table) -> None:
     directory, data = table
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     (directory / "part-2.parquet").unlink()
     with pytest.raises(SpecError, match=r"part-2\.parquet.*gone"):
         dataset_snapshot.verify(layout, data)
@@ -81,7 +81,7 @@ def test_a_vanished_file_is_refused(table) -> None:
 
 def test_a_worker_refuses_a_file_that_changed_under_it(table) -> None:
     directory, data = table
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     write(directory / "part-2.parquet", np.arange(20))
     with pytest.raises(SpecError, match=r"part-2\.parquet.*changed while the run"):
         stream.Reader(layout, data, 0).read(2)

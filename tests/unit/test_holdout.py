@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import tiny_raw
-from trainer_core.data import stream
+from trainer_core.data import footers, rank_stream
 from trainer_core.errors import SpecError
 from trainer_core.spec.overrides import build_spec
 from trainer_core.spec.run_spec import RunSpec
@@ -51,11 +51,11 @@ def loop_validation_ids(spec: RunSpec, world_size: int) -> list[int]:
     """The rows the loop validates on: every rank's share, as the loop's stream gives it."""
     assert spec.data is not None
     data = spec.data.resolved()
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     found: list[int] = []
     for rank in range(world_size):
-        rank_stream = stream.RankStream(layout, data, spec.run.seed, world_size, rank)
-        found += [i for part in rank_stream.validation() for i in row_ids(part.features)]
+        ranks = rank_stream.RankStream(layout, data, spec.run.seed, world_size, rank)
+        found += [i for part in ranks.validation() for i in row_ids(part.features)]
     return sorted(found)
 
 
@@ -63,8 +63,8 @@ def loop_training_ids(spec: RunSpec) -> set[int]:
     """The rows one epoch of the loop trains on (batches of one: every training row)."""
     assert spec.data is not None
     data = spec.data.resolved()
-    rank_stream = stream.RankStream(stream.scan(data), data, spec.run.seed, 1, 0)
-    epoch = rank_stream.epoch(0)
+    ranks = rank_stream.RankStream(footers.scan(data), data, spec.run.seed, 1, 0)
+    epoch = ranks.epoch(0)
     try:
         return {i for _, _, rows in epoch for i in row_ids(rows.features)}
     finally:

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import row_slices, sample_order, stream
+from trainer_core.data import footers, rank_stream, row_slices, sample_order, stream
 from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
 
@@ -42,7 +42,7 @@ def dataset(tmp_path) -> Path:
 
 
 def test_scan_reads_the_layout_from_footers(dataset):
-    layout = stream.scan(section(dataset))
+    layout = footers.scan(section(dataset))
     assert layout.num_rows == 430
     assert [g.rows for g in layout.row_groups] == [64, 64, 64, 64, 44, 50, 50, 30]
     assert [g.first_row for g in layout.row_groups][:6] == [0, 64, 128, 192, 256, 300]
@@ -50,7 +50,7 @@ def test_scan_reads_the_layout_from_footers(dataset):
 
 def test_every_epoch_sample_is_the_row_its_position_names(dataset):
     data = section(dataset, validation_fraction=0.25)
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     readers = [stream.Reader(layout, data, seed=4, cache_rows=4 * 64) for _ in range(3)]
     reader = readers[0]
     counts = reader.train_counts()
@@ -83,11 +83,11 @@ def test_bad_datasets_are_refused_from_metadata(tmp_path, dataset):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SpecError, match="is an empty directory"):
-        stream.scan(section(empty))
+        footers.scan(section(empty))
     with pytest.raises(SpecError, match="does not exist"):
-        stream.scan(section(tmp_path / "nowhere"))
+        footers.scan(section(tmp_path / "nowhere"))
     with pytest.raises(SpecError, match=r"no column\(s\) \['label'\]") as error:
-        stream.scan(section(dataset, label="label"))
+        footers.scan(section(dataset, label="label"))
     assert error.value.field == "data.label"
     mixed = tmp_path / "mixed"
     write(mixed / "a.parquet", 0, 10, 5)
@@ -97,16 +97,16 @@ def test_bad_datasets_are_refused_from_metadata(tmp_path, dataset):
         mixed / "b.parquet",
     )
     with pytest.raises(SpecError, match="have different schemas") as error:
-        stream.scan(section(mixed))
+        footers.scan(section(mixed))
     assert "a.parquet" in str(error.value) and "b.parquet" in str(error.value)
     (dataset / "part-2.parquet").write_text("x,y\n1,2\n")
     with pytest.raises(SpecError, match=r"part-2\.parquet' is not Parquet"):
-        stream.scan(section(dataset))
+        footers.scan(section(dataset))
 
 
 def test_the_synthetic_set_is_read_like_parquet():
     data = DataSection(dataset="synthetic", synthetic={"num_samples": 2500, "num_features": 6})
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     assert [g.rows for g in layout.row_groups] == [1024, 1024, 452]
     reader = stream.Reader(layout, data, seed=1)
     whole = data_mod.synthetic_arrays(2500, 6, 0.1)
@@ -118,12 +118,12 @@ def test_the_synthetic_set_is_read_like_parquet():
 
 def test_the_prefetcher_yields_what_direct_reads_give_and_stops_cleanly(dataset):
     data = section(dataset, validation_fraction=0.1)
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     direct = stream.Reader(layout, data, seed=2)
     order = sample_order.epoch_order(
         direct.train_counts(), seed=2, epoch=0, batch_size=16, partitions=4, window=40
     )
-    ahead = stream.Prefetcher(stream.Reader(layout, data, seed=2), order, 2, 1, first=3)
+    ahead = rank_stream.Prefetcher(stream.Reader(layout, data, seed=2), order, 2, 1, first=3)
     seen = []
     for index, ids, rows in ahead:
         groups, positions = order.locate(order.rank_positions(index, 2, 1))
@@ -132,7 +132,7 @@ def test_the_prefetcher_yields_what_direct_reads_give_and_stops_cleanly(dataset)
         assert np.array_equal(rows.features, expected.features)
         seen.append(index)
     assert seen == list(range(3, order.steps))  # resumed at batch 3
-    early = stream.Prefetcher(stream.Reader(layout, data, seed=2), order, 2, 0, depth=1)
+    early = rank_stream.Prefetcher(stream.Reader(layout, data, seed=2), order, 2, 0, depth=1)
     next(iter(early))
     early.close()  # mid-epoch: the thread ends although the queue is full
     assert not early._thread.is_alive()
@@ -140,14 +140,14 @@ def test_the_prefetcher_yields_what_direct_reads_give_and_stops_cleanly(dataset)
 
 def test_a_read_error_reaches_the_consumer(dataset):
     data = section(dataset)
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     reader = stream.Reader(layout, data, seed=0)
     order = sample_order.epoch_order(
         reader.train_counts(), seed=0, epoch=0, batch_size=8, partitions=2, window=8
     )
     (dataset / "part-1.parquet").unlink()  # gone after the scan: a storage failure mid-epoch
     with pytest.raises(FileNotFoundError, match=r"part-1\.parquet"):
-        for _ in stream.Prefetcher(reader, order, 1, 0):
+        for _ in rank_stream.Prefetcher(reader, order, 1, 0):
             pass
 
 
@@ -156,9 +156,9 @@ def test_ranks_train_the_global_batches_and_share_validation(dataset, world_size
     """Whatever the worker count, the ranks' slices joined are the one-worker global batches;
     each rank validates on every world_size-th row group, and together on each row once."""
     data = section(dataset, validation_fraction=0.2, batch_size=24, partitions=4)
-    layout = stream.scan(data)
-    ranks = [stream.RankStream(layout, data, 7, world_size, r) for r in range(world_size)]
-    one = stream.RankStream(layout, data, 7, 1, 0)
+    layout = footers.scan(data)
+    ranks = [rank_stream.RankStream(layout, data, 7, world_size, r) for r in range(world_size)]
+    one = rank_stream.RankStream(layout, data, 7, 1, 0)
     assert ranks[0].batches_per_epoch == one.batches_per_epoch == one.train_rows // 24
     readers = [r.epoch(1, first=2) for r in ranks]
     ahead = one.epoch(1, first=2)
@@ -179,8 +179,8 @@ def test_ranks_train_the_global_batches_and_share_validation(dataset, world_size
 
 def test_a_rank_holds_the_row_groups_of_its_windows_not_the_dataset(dataset):
     data = section(dataset, validation_fraction=0, batch_size=16, partitions=4, shuffle_window=32)
-    layout = stream.scan(data)
-    rank = stream.RankStream(layout, data, 3, 2, 1)
+    layout = footers.scan(data)
+    rank = rank_stream.RankStream(layout, data, 3, 2, 1)
     ahead = rank.epoch(0)
     for _ in ahead:
         held = sum(len(a) for a in rank.reader._decoded.values())
@@ -188,7 +188,7 @@ def test_a_rank_holds_the_row_groups_of_its_windows_not_the_dataset(dataset):
     assert rank.reader.row_groups_read <= len(layout.row_groups)
 
 
-def _epoch(rank: stream.RankStream, epoch: int = 0, first: int = 0) -> list:
+def _epoch(rank: rank_stream.RankStream, epoch: int = 0, first: int = 0) -> list:
     ahead = rank.epoch(epoch, first)
     try:
         return [(index, ids.tolist(), rows.features.tolist()) for index, ids, rows in ahead]
@@ -205,12 +205,12 @@ def test_big_row_groups_are_read_in_slices_with_the_same_rows(tmp_path, monkeypa
     write(tmp_path / "big" / "part-0.parquet", 0, 3000, 1_000_000)
     write(tmp_path / "big" / "part-1.parquet", 3000, 3000, 1_000_000)
     data = section(tmp_path / "big", batch_size=30, partitions=2, shuffle_window=128)
-    layout = stream.scan(data)
+    layout = footers.scan(data)
     assert [g.rows for g in layout.row_groups] == [3000, 3000]
-    whole = stream.RankStream(layout, data, 5, 2, 1)
+    whole = rank_stream.RankStream(layout, data, 5, 2, 1)
     whole.reader.slices.slice_rows = 3000  # the oracle: whole row groups
     whole.reader.cache_rows = 6000
-    sliced = stream.RankStream(layout, data, 5, 2, 1)
+    sliced = rank_stream.RankStream(layout, data, 5, 2, 1)
     sliced.reader.slices.slice_rows = 256
     sliced.reader.cache_rows = 2 * (128 + 2 * 256)
     held = []
@@ -228,7 +228,7 @@ def test_big_row_groups_are_read_in_slices_with_the_same_rows(tmp_path, monkeypa
     spilled = list((tmp_path / "spill").glob("relaytrain-spill-*/*-features.npy"))
     assert spilled and all(np.load(p).shape[0] <= 256 for p in spilled)
 
-    def validated(rank: stream.RankStream) -> list:
+    def validated(rank: rank_stream.RankStream) -> list:
         return sorted(row for part in rank.validation() for row in part.features[:, 0].tolist())
 
     assert validated(sliced) == validated(whole) and validated(whole)

@@ -1,7 +1,7 @@
 """A run's pinned snapshot of its dataset.
 
 A scheduled retraining job writes into a growing table; a run must not notice. The first
-attempt takes the snapshot (``stream.scan``: each file's path, size, modification time and
+attempt takes the snapshot (``footers.scan``: each file's path, size, modification time and
 footer digest, with its row groups' row counts) and the run directory records it
 (``dataset.json``); the driver hands it to every rank, so no rank lists the dataset again. Every
 later attempt reads exactly those files: files added since are ignored (and counted), a file
@@ -21,14 +21,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from trainer_core.data import stream
+from trainer_core.data import footers
 from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
 
 SCHEMA_VERSION = 1
 
 
-def to_json(layout: stream.Layout) -> dict[str, Any]:
+def to_json(layout: footers.Layout) -> dict[str, Any]:
     """A scanned layout as the run directory records it (and the driver hands the workers)."""
     return {
         "schema": SCHEMA_VERSION,
@@ -40,14 +40,14 @@ def to_json(layout: stream.Layout) -> dict[str, Any]:
     }
 
 
-def from_json(record: dict[str, Any], data: DataSection) -> stream.Layout:
+def from_json(record: dict[str, Any], data: DataSection) -> footers.Layout:
     """The layout a snapshot records, read from the files it names (nothing listed), through
     ``data.dataset``'s filesystem (its URI carries the endpoint and options; the record only
     the location)."""
-    location = stream.dataset_location(data.resolved())
+    location = footers.dataset_location(data.resolved())
     schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(record["arrow_schema"])))
     row_groups = tuple(
-        stream.RowGroup(
+        footers.RowGroup(
             **{
                 **g,
                 "label_range": tuple(g["label_range"]) if g["label_range"] else None,
@@ -55,11 +55,11 @@ def from_json(record: dict[str, Any], data: DataSection) -> stream.Layout:
         )
         for g in record["row_groups"]
     )
-    files = tuple(stream.DataFile(**f) for f in record["files"])
-    return stream.Layout(location.uri, location, row_groups, schema, files=files)
+    files = tuple(footers.DataFile(**f) for f in record["files"])
+    return footers.Layout(location.uri, location, row_groups, schema, files=files)
 
 
-def fingerprint(layout: stream.Layout) -> str:
+def fingerprint(layout: footers.Layout) -> str:
     """sha256 of what the snapshot pins: every file's path, size and footer, in order."""
     pinned = [[f.path, f.size, f.footer] for f in layout.files]
     return hashlib.sha256(json.dumps(pinned).encode()).hexdigest()
@@ -72,7 +72,7 @@ class Check:
     added: list[str]
 
 
-def verify(layout: stream.Layout, data: DataSection) -> Check:
+def verify(layout: footers.Layout, data: DataSection) -> Check:
     """Check the files of ``layout`` are still those the snapshot pinned: SpecError naming the
     first file that vanished or changed (its size, or its footer when its modification time
     moved), with the fix. Lists the dataset once to count the files added since."""
@@ -94,7 +94,7 @@ def verify(layout: stream.Layout, data: DataSection) -> Check:
             )
         changed = info.size != pinned.size
         if not changed and info.mtime_ns != pinned.mtime_ns:  # touched, copied, or rewritten
-            changed = stream.footer_digest(stream.read_footer(location, pinned.path, field)) != (
+            changed = footers.footer_digest(footers.read_footer(location, pinned.path, field)) != (
                 pinned.footer
             )
         if changed:
@@ -106,5 +106,5 @@ def verify(layout: stream.Layout, data: DataSection) -> Check:
     if len(layout.files) == 1 and location.info().type == pafs.FileType.File:
         return Check(added=[])
     pinned_paths = {f.path for f in layout.files}
-    now = stream.parquet_files(location, field)
+    now = footers.parquet_files(location, field)
     return Check(added=[f.path for f in now if f.path not in pinned_paths])

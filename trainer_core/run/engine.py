@@ -26,7 +26,7 @@ from trainer_core import __version__, storage
 from trainer_core.checkpoint.files import Scan
 from trainer_core.checkpoint.run_directory import RunDirectory, open_checkpoint
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import dataset_snapshot, stream
+from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
 from trainer_core.errors import IncompatibleRunError, LeaseLostError, SpecError
 from trainer_core.execution import classify, cluster, trainer
 from trainer_core.execution.trainer import EventHandler
@@ -82,7 +82,7 @@ class PinnedDataset:
     else read from the run directory and verified), what it holds, and the files added to
     the dataset since the snapshot (ignored)."""
 
-    layout: stream.Layout
+    layout: footers.Layout
     info: data_mod.DatasetInfo
     record: dict[str, Any] | None
     added: list[str]
@@ -103,13 +103,13 @@ def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDat
     assert spec.data is not None
     data = spec.data.resolved()
     stored = run_dir.read_dataset_snapshot() if run_dir is not None else None
-    location = None if data.dataset == "synthetic" else stream.dataset_location(data)
+    location = None if data.dataset == "synthetic" else footers.dataset_location(data)
     added: list[str] = []
     if stored is not None and location is not None and stored["uri"] == location.uri:
         layout = dataset_snapshot.from_json(stored, data)
         added = dataset_snapshot.verify(layout, data).added
     else:
-        layout = stream.scan(data)  # footers only
+        layout = footers.scan(data)  # footers only
     record = dataset_snapshot.to_json(layout) if layout.files else None
     return PinnedDataset(layout, stream.describe(layout, data), record, added)
 
@@ -121,7 +121,7 @@ def validate_workload(spec: RunSpec) -> int | None:
     if spec.train_loop is not None:
         workloads.resolve_train_loop(spec.train_loop)
         for name, uri in spec.datasets.items():  # footers only: the files are Parquet
-            stream.scan_files(storage.resolve(uri), None, None, f"datasets.{name}")
+            footers.scan_files(storage.resolve(uri), None, None, f"datasets.{name}")
         return None
     assert spec.model is not None and spec.data is not None and spec.schedule is not None
     data = spec.data.resolved()
@@ -129,7 +129,7 @@ def validate_workload(spec: RunSpec) -> int | None:
     assert pinned is not None
     layout, info = pinned.layout, pinned.info
     _check_reader_memory(data, layout)
-    one = stream.RankStream(layout, data, spec.run.seed, 1, 0)  # row ids only: no rows read
+    one = rank_stream.RankStream(layout, data, spec.run.seed, 1, 0)  # row ids only: no rows read
     if one.batches_per_epoch == 0:
         raise SpecError(
             f"dataset {layout.uri} has {one.train_rows} training rows, fewer than one global batch "
@@ -157,16 +157,16 @@ def validate_workload(spec: RunSpec) -> int | None:
     )
 
 
-def _check_reader_memory(data: Any, layout: stream.Layout) -> None:
+def _check_reader_memory(data: Any, layout: footers.Layout) -> None:
     """The live and next shuffle windows of every partition must fit in half of
     data.memory_mb (the row group slices around them take the rest): SpecError naming the
     settings otherwise."""
-    windows_mb = 2 * data.partitions * data.shuffle_window * stream.row_bytes(layout) / 2**20
+    windows_mb = 2 * data.partitions * data.shuffle_window * footers.row_bytes(layout) / 2**20
     if windows_mb > data.memory_mb / 2:
         raise SpecError(
             f"data.partitions ({data.partitions}) x 2 x data.shuffle_window "
             f"({data.shuffle_window}) rows (the live window and the next, read ahead) of "
-            f"{stream.row_bytes(layout):.0f} bytes hold {windows_mb:.0f} MB, more than "
+            f"{footers.row_bytes(layout):.0f} bytes hold {windows_mb:.0f} MB, more than "
             f"half of data.memory_mb ({data.memory_mb}): lower data.shuffle_window or "
             "data.partitions, or raise data.memory_mb",
             field="data.shuffle_window",

@@ -12,7 +12,7 @@ from torch import nn
 
 from trainer_core.checkpoint.exports import read_model_weights
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import stream
+from trainer_core.data import footers, rank_stream, stream
 from trainer_core.errors import SpecError
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import workloads
@@ -38,8 +38,8 @@ def holdout(spec: RunSpec) -> data_mod.Arrays:
     assert spec.data is not None
     check_holdout(spec)
     data = spec.data.resolved()
-    layout = stream.scan(data)
-    parts = list(stream.RankStream(layout, data, spec.run.seed, 1, 0).validation())
+    layout = footers.scan(data)
+    parts = list(rank_stream.RankStream(layout, data, spec.run.seed, 1, 0).validation())
     if not parts:
         raise SpecError(
             f"data.validation_fraction {data.validation_fraction} holds out none of the "
@@ -54,7 +54,7 @@ def holdout(spec: RunSpec) -> data_mod.Arrays:
 
 def describe(spec: RunSpec) -> data_mod.DatasetInfo:
     assert spec.data is not None
-    return stream.describe(stream.scan(spec.data), spec.data)
+    return stream.describe(footers.scan(spec.data), spec.data)
 
 
 def load_model(spec: RunSpec, checkpoint_uri: str, num_inputs: int, num_outputs: int) -> nn.Module:

@@ -28,7 +28,7 @@ from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import dataset_snapshot, stream
+from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
 from trainer_core.errors import InfrastructureError, RelaytrainError, TrainingCodeError
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_config import WorkerConfig
@@ -86,10 +86,10 @@ class BuiltinLoop:
             layout = dataset_snapshot.from_json(config.dataset["snapshot"], self.data_spec)
             info = data_mod.DatasetInfo(**config.dataset["info"])
         else:  # generated data
-            layout = stream.scan(self.data_spec)
+            layout = footers.scan(self.data_spec)
             info = stream.describe(layout, self.data_spec)
         #: This rank's slice of every global batch, and its share of the validation rows.
-        self.data = stream.RankStream(
+        self.data = rank_stream.RankStream(
             layout, self.data_spec, self.spec.run.seed, self.world_size, self.rank
         )
         #: Micro-batches (global batches) per optimizer step; steps and checkpoints count

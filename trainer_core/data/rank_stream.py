@@ -1,0 +1,156 @@
+"""What one rank reads of a dataset: the batches of each epoch in the worker-count-independent
+order, read ahead in a thread (``Prefetcher``), and the validation rows."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from trainer_core.data import arrays as data_mod
+from trainer_core.data import row_slices, sample_order
+from trainer_core.data.footers import Layout, row_bytes
+from trainer_core.data.stream import Reader
+from trainer_core.spec.sections import DataSection
+
+
+class RankStream:
+    """What rank ``rank`` of ``world_size`` trains and validates on: its slice of each global
+    batch of ``data.batch_size`` samples, in the order of ``trainer_core.data.sample_order``, and
+    the validation rows of every ``world_size``-th row group from ``rank`` on."""
+
+    def __init__(self, layout: Layout, data: DataSection, seed: int, world_size: int, rank: int):
+        self.data = data.resolved()
+        self.seed, self.world_size, self.rank = seed, world_size, rank
+        self.reader = Reader(layout, self.data, seed)
+        self.train_counts = self.reader.train_counts()
+        # Every partition this rank reads has a window live, spanning its rows and, at most,
+        # a slice beyond each end; slices are sized so that stays under data.memory_mb.
+        largest = max(g.rows for g in layout.row_groups)
+        partitions = len(self.order(0).partitions_of(world_size, rank))
+        slice_rows = row_slices.slice_rows_for(
+            self.data.memory_mb, row_bytes(layout), partitions, self.data.shuffle_window, largest
+        )
+        self.reader.slices.slice_rows = slice_rows
+        self.reader.cache_rows = partitions * (self.data.shuffle_window + 2 * slice_rows)
+        self.train_rows = sum(self.train_counts)
+        #: Global batches in every epoch (the last ``train_rows % batch_size`` positions of an
+        #: epoch's stream are left out; each epoch leaves out others).
+        self.batches_per_epoch = self.train_rows // self.data.batch_size
+        self.slice = sample_order.rank_slice(self.data.batch_size, world_size, rank)
+        #: This rank's mean loss times this: DDP's average is then the global batch's mean.
+        self.weight = sample_order.rank_weight(self.data.batch_size, world_size, rank)
+
+    def order(self, epoch: int) -> sample_order.EpochOrder:
+        return sample_order.epoch_order(
+            self.train_counts,
+            seed=self.seed,
+            epoch=epoch,
+            batch_size=self.data.batch_size,
+            partitions=self.data.partitions,
+            window=self.data.shuffle_window,
+        )
+
+    def epoch(self, epoch: int, first: int = 0) -> Prefetcher:
+        """Global batches ``first..`` of ``epoch``, this rank's slice of each, read ahead."""
+        return Prefetcher(
+            self.reader,
+            self.order(epoch),
+            self.world_size,
+            self.rank,
+            first=first,
+            depth=self.data.prefetch,
+        )
+
+    def validation(self, chunk: int = 256) -> Iterator[data_mod.Arrays]:
+        """This rank's validation rows in chunks of at most ``chunk``, a row group at a time
+        (not cached: the training windows keep theirs)."""
+        groups = self.reader.layout.row_groups
+        for group in range(self.rank, len(groups), self.world_size):
+            for arrays in self.reader.validation_parts(group):
+                for start in range(0, len(arrays), chunk):
+                    yield arrays.take(np.arange(start, min(start + chunk, len(arrays))))
+
+
+_END = object()
+
+
+class Prefetcher:
+    """One rank's rows for global batches ``first..order.steps-1`` of an epoch, read ahead by a
+    background thread: at most ``depth`` batches wait in memory. Iterate for
+    ``(batch index, row ids, rows)``; a read error is raised where the batch would have been.
+    The reader is the thread's alone while it runs."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        order: sample_order.EpochOrder,
+        world_size: int,
+        rank: int,
+        first: int = 0,
+        depth: int = 2,
+    ):
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._reader = reader
+        self._thread = threading.Thread(
+            target=self._read,
+            args=(reader, order, world_size, rank, first),
+            name="relaytrain-prefetch",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _read(
+        self,
+        reader: Reader,
+        order: sample_order.EpochOrder,
+        world_size: int,
+        rank: int,
+        first: int,
+    ) -> None:
+        partitions = order.partitions_of(world_size, rank)
+        asked: set[tuple[int, int]] = set()
+        try:
+            for index in range(first, order.steps):
+                # The row groups of each partition's current and next window, read ahead.
+                for partition in partitions:
+                    window = index * int(order.shares[partition]) // order.window
+                    for ahead in (window, window + 1):
+                        if (partition, ahead) not in asked:
+                            asked.add((partition, ahead))
+                            reader.prefetch(reader.slice_keys(*order.window_rows(partition, ahead)))
+                groups, rows = order.locate(order.rank_positions(index, world_size, rank))
+                if not self._put((index, *reader.take(groups, rows))):
+                    return
+        except BaseException as error:  # handed to the consumer
+            self._put(error)
+            return
+        self._put(_END)
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray, data_mod.Arrays]]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        """Stop reading ahead and let the thread end (also mid-epoch)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._reader.close()
