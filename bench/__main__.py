@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench import common
+from bench import common, tables
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     parser.add_argument("--readme", type=Path, default=common.README)
     args = parser.parse_args(argv)
-    results = common.newest_results(args.results_dir)
-    common.update_readme(common.render_tables(results, common.BENCHMARKS), args.readme)
+    results = tables.newest_results(args.results_dir)
+    tables.update_readme(tables.render_tables(results, common.BENCHMARKS), args.readme)
     shown = ", ".join(f"{name} ({data['_file']})" for name, data in sorted(results.items()))
     print(f"[bench] {args.readme}: tables from {shown or 'no results yet'}")
     return 0

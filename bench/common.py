@@ -1,11 +1,12 @@
-"""What every benchmark shares: machine and version facts, alternating repetitions, targets, the
-result JSON, and the markdown tables of ``bench/README.md``.
+"""What every benchmark shares: alternating repetitions of its variants, targets, the result
+JSON and the command line.
 
 A benchmark module builds a list of ``Variant`` s, runs them with ``alternate`` (A, B, C, A, B,
 C, ...) so slow drift of a shared machine hits every variant alike, checks its ``Target`` s
 against ratios of medians from the same run, and writes a ``Result`` to
-``<results dir>/<YYYY-MM-DD>-<name>.json``. ``python -m bench`` rebuilds the README's tables
-from the newest full (not ``--quick``) result of each benchmark.
+``<results dir>/<YYYY-MM-DD>-<name>.json``, with the machine, versions and commit it measured
+(``bench.provenance``). ``python -m bench`` rebuilds the README's tables from the newest full
+(not ``--quick``) result of each benchmark (``bench.tables``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import datetime as dt
 import fnmatch
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -25,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from bench.provenance import git_state, machine_info, versions
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / "bench"
@@ -34,6 +35,7 @@ QUICK_RESULTS_DIR = RESULTS_DIR / "tmp"
 README = BENCH_DIR / "README.md"
 RESULTS_ENV = "RELAYTRAIN_BENCH_RESULTS"
 SCHEMA_VERSION = 1
+MB = 2**20
 #: Every benchmark module, in the order ``make bench`` runs them and the README shows them.
 BENCHMARKS = (
     "overhead",
@@ -49,78 +51,8 @@ BENCHMARKS = (
     "elastic",
     "chaos",
 )
-TABLES_START = "<!-- bench:tables:start -->"
-TABLES_END = "<!-- bench:tables:end -->"
 
 Sample = dict[str, float]
-
-
-# -- facts about the run -------------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model, cores, RAM, OS and load: enough to tell a quiet machine from a busy one."""
-    import psutil
-
-    return {
-        "cpu_model": _cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "physical_cores": psutil.cpu_count(logical=False),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "os": platform.platform(),
-        "hostname": platform.node(),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def versions() -> dict[str, str]:
-    """Versions of everything a figure depends on."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"python": platform.python_version()}
-    for package in ("relaytrain", "torch", "ray", "prefect", "pyarrow", "numpy", "moto"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = "not installed"
-    return found
-
-
-def git_state() -> dict[str, Any]:
-    """The commit measured, and whether the tree had local changes (read-only git calls).
-    Results written by earlier benchmarks of the same ``make bench`` are not changes to what is
-    measured."""
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(
-                ["git", "--no-optional-locks", *args],
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=20,
-                check=True,
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip()
-
-    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(status) if status is not None else None,
-    }
 
 
 # -- variants and repetitions --------------------------------------------------------------------
@@ -202,9 +134,14 @@ def alternate(
                 log(f"[bench] {variant.name}: FAILED: {type(e).__name__}: {e}")
                 continue
             record.samples.append(sample)
-            shown = ", ".join(f"{k}={_fmt(v)}" for k, v in sample.items())
+            shown = ", ".join(f"{k}={format_figure(v)}" for k, v in sample.items())
             log(f"[bench] {variant.name}: {shown} ({time.perf_counter() - started:.1f} s)")
     return records
+
+
+def measure(variants: list[Variant], args: argparse.Namespace) -> dict[str, VariantRecord]:
+    """``alternate`` the variants as the command line asks: its repetitions and ``--only``."""
+    return alternate(variants, repetitions_of(args), only=args.only)
 
 
 def summarize(samples: Iterable[Sample]) -> dict[str, dict[str, float]]:
@@ -309,7 +246,7 @@ class Result:
                 "load_average_at_end": machine_info()["load_average"],
             },
             "versions": versions(),
-            "git": git_state(),
+            "git": git_state(REPO),
             "settings": self.settings,
             "columns": self.columns,
             "variants": {name: record.to_json() for name, record in self.variants.items()},
@@ -375,6 +312,11 @@ def results_dir_of(args: argparse.Namespace) -> Path:
     return QUICK_RESULTS_DIR if args.quick or args.only else RESULTS_DIR
 
 
+def floats(text: str) -> list[float]:
+    """A comma-separated list of numbers, as options such as ``--sizes 10,100`` take it."""
+    return [float(item) for item in text.split(",")]
+
+
 def unmatched(only: list[str] | None, names: list[str]) -> list[str]:
     """The ``--only`` patterns that match none of ``names``."""
     return [p for p in only or [] if not any(fnmatch.fnmatch(name, p) for name in names)]
@@ -397,7 +339,7 @@ def finish(result: Result, args: argparse.Namespace) -> int:
     for target in result.targets:
         verdict = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
         print(
-            f"[bench]   {target['name']}: {_fmt(target['value'])} {target['op']} "
+            f"[bench]   {target['name']}: {format_figure(target['value'])} {target['op']} "
             f"{target['threshold']:g}: {verdict}"
         )
     if result.failed:
@@ -405,114 +347,7 @@ def finish(result: Result, args: argparse.Namespace) -> int:
     return 1 if result.failed else 0
 
 
-# -- the README tables ----------------------------------------------------------------------------
-
-
-def newest_results(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, Any]]:
-    """The newest full (not quick) result of each benchmark in ``results_dir`` (not below it)."""
-    newest: dict[str, dict[str, Any]] = {}
-    for path in sorted(results_dir.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if data.get("schema") != SCHEMA_VERSION or data.get("quick"):
-            continue
-        name = data["benchmark"]
-        if name not in newest or data["started_at"] > newest[name]["started_at"]:
-            newest[name] = {**data, "_file": path.name}
-    return newest
-
-
-def render_tables(results: dict[str, dict[str, Any]], order: Iterable[str] = ()) -> str:
-    """Markdown for every benchmark's newest result: variants x columns, then its targets."""
-    if not results:
-        return "_No full benchmark results yet: run `make bench`._\n"
-    names = [n for n in order if n in results] + sorted(set(results) - set(order))
-    return "\n".join(_render_one(results[name]) for name in names)
-
-
-def _render_one(data: dict[str, Any]) -> str:
-    machine = data["machine"]
-    commit = (data["git"].get("commit") or "unknown")[:10]
-    dirty = " (with local changes)" if data["git"].get("dirty") else ""
-    lines = [
-        f"### {data['benchmark']}",
-        "",
-        f"{data['date']}, commit `{commit}`{dirty}, {machine['cpu_model']}, "
-        f"{machine['logical_cores']} cores, {machine['ram_gb']} GB, load "
-        f"{machine['load_average'][0]} -> {machine.get('load_average_at_end', ['?'])[0]}; "
-        f"`{data['_file']}`. Median [min-max] of n repetitions.",
-        "",
-    ]
-    columns = data.get("columns") or []
-    rows = (data.get("figures") or {}).get("rows")
-    if rows and not data["variants"]:  # one run's figures by row (the chaos campaign's kinds)
-        lines[-2] = lines[-2].replace(" Median [min-max] of n repetitions.", "")
-        lines.append(f"| {data['figures'].get('row_name', 'row')} | " + " | ".join(columns) + " |")
-        lines.append("|---" * (len(columns) + 1) + "|")
-        for name, values in rows.items():
-            lines.append(f"| {name} | " + " | ".join(_fmt(values.get(c)) for c in columns) + " |")
-        return _render_targets(data, lines)
-    lines.append("| variant | " + " | ".join(columns) + " | n |")
-    lines.append("|---" * (len(columns) + 2) + "|")
-    for name, variant in data["variants"].items():
-        if not variant["available"]:
-            lines.append(f"| {name} | not available yet: {variant['unavailable']} |")
-            continue
-        summary = variant["summary"]
-        cells = [_cell(summary.get(c)) for c in columns]
-        n = max((s["n"] for s in summary.values()), default=0)
-        failed = f" ({len(variant['errors'])} failed)" if variant["errors"] else ""
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {n}{failed} |")
-    return _render_targets(data, lines)
-
-
-def _render_targets(data: dict[str, Any], lines: list[str]) -> str:
-    """``lines`` with the result's targets and notes after them."""
-    if data.get("targets"):
-        lines += ["", "| target | value | threshold | result |", "|---|---|---|---|"]
-        for t in data["targets"]:
-            verdict = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
-            note = f" ({t['note']})" if t.get("note") else ""
-            lines.append(
-                f"| {t['name']}: {t['description']} | {_fmt(t['value'])} | {t['op']} "
-                f"{t['threshold']:g} | {verdict}{note} |"
-            )
-    for note in data.get("notes") or []:
-        lines += ["", f"- {note}"]
-    return "\n".join(lines) + "\n"
-
-
-def _cell(stats: dict[str, float] | None) -> str:
-    if not stats:
-        return "-"
-    if stats["n"] == 1 or stats["min"] == stats["max"]:
-        return _fmt(stats["median"])
-    return f"{_fmt(stats['median'])} [{_fmt(stats['min'])}-{_fmt(stats['max'])}]"
-
-
-def _fmt(value: Any) -> str:
-    if not _is_number(value):
-        return "-" if value is None else str(value)
-    magnitude = abs(value)
-    if magnitude >= 100:
-        return f"{value:.0f}"
-    if magnitude >= 10:
-        return f"{value:.1f}"
-    if magnitude >= 0.01 or magnitude == 0:
-        return f"{value:.3g}" if magnitude < 1 else f"{value:.2f}"
-    return f"{value:.2e}"
-
-
-def update_readme(tables: str, readme: Path = README) -> None:
-    """Replace the text between the README's table markers with ``tables``."""
-    text = readme.read_text()
-    start, end = text.find(TABLES_START), text.find(TABLES_END)
-    if start < 0 or end < start:
-        raise ValueError(f"{readme} lacks the markers {TABLES_START} ... {TABLES_END}")
-    head = text[: start + len(TABLES_START)]
-    readme.write_text(f"{head}\n\n{tables.rstrip()}\n\n{text[end:]}")
+# -- figures -------------------------------------------------------------------------------------
 
 
 def recovery_phases(
@@ -534,3 +369,17 @@ def recovery_phases(
         "start_s": resumed_at - restarted_at,
         "first_step_s": first_step_at - resumed_at,
     }
+
+
+def format_figure(value: Any) -> str:
+    """A figure as the logs and the README tables show it: about three significant digits."""
+    if not _is_number(value):
+        return "-" if value is None else str(value)
+    magnitude = abs(value)
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    if magnitude >= 0.01 or magnitude == 0:
+        return f"{value:.3g}" if magnitude < 1 else f"{value:.2f}"
+    return f"{value:.2e}"

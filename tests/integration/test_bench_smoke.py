@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import common
+from bench import common, tables
 
 pytestmark = pytest.mark.integration
 
@@ -81,10 +81,10 @@ def test_quick_checkpoints_benchmark_writes_its_result(tmp_path):
     full.mkdir()
     (full / path.name).write_text(json.dumps({**data, "quick": False}))
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{common.TABLES_START}\nstale tables\n{common.TABLES_END}\n")
-    common.update_readme(common.render_tables(common.newest_results(tmp_path)), readme)
+    readme.write_text(f"# x\n\n{tables.TABLES_START}\nstale tables\n{tables.TABLES_END}\n")
+    tables.update_readme(tables.render_tables(tables.newest_results(tmp_path)), readme)
     assert "No full benchmark results yet" in readme.read_text()
-    common.update_readme(common.render_tables(common.newest_results(full)), readme)
+    tables.update_readme(tables.render_tables(tables.newest_results(full)), readme)
     text = readme.read_text()
     assert "### checkpoints" in text and "| local/1MB/relaytrain |" in text
     assert "local: loop blocked/sync" in text and "stale tables" not in text
