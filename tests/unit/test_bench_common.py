@@ -40,7 +40,8 @@ def test_a_chaos_outage_armed_for_the_next_upload_counts_from_when_it_cut():
     """An outage armed for the next checkpoint upload can begin long after it was armed (the
     flow killed meanwhile): the failure it causes is charged to it from the cut, not left with
     "no fault before it" (a CI run of the short campaign failed so, 34 s after the arming)."""
-    from bench.chaos import EFFECT_S, Fault, attribute, in_effect
+    from bench.chaos_analysis import EFFECT_S, attribute, in_effect
+    from bench.chaos_faults import Fault
 
     armed = Fault("s3_outage", 100.0, {"outage_s": 6.8, "when": "the next checkpoint upload"})
     now = Fault("s3_outage", 300.0, {"outage_s": 4.0, "when": "now"})
@@ -57,3 +58,73 @@ def test_a_chaos_outage_armed_for_the_next_upload_counts_from_when_it_cut():
     assert [f.kind for f in attribute(placed, failure)] == ["s3_outage"]
     # never cut (the run ended first): it stays where it was armed
     assert in_effect([armed], [(90.0, "up")])[0].at == 100.0
+
+
+def test_the_readme_tables_show_variants_by_repetition_and_one_run_by_rows():
+    from bench import tables
+
+    head = {
+        "schema": common.SCHEMA_VERSION,
+        "date": "2026-11-25",
+        "machine": {"cpu_model": "cpu", "logical_cores": 2, "ram_gb": 8.0, "load_average": [1]},
+        "git": {"commit": "0123456789abcdef", "dirty": True},
+        "targets": [
+            {"name": "t", "description": "d", "value": 0.5, "op": "<=", "threshold": 1, "met": True}
+        ],
+        "notes": ["a note"],
+    }
+    summary = {"wall_s": {"median": 2.0, "min": 1.0, "max": 3.0, "n": 2}}
+    variants = {
+        **head,
+        "benchmark": "overhead",
+        "_file": "o.json",
+        "columns": ["wall_s"],
+        "variants": {
+            "flow": {"available": True, "summary": summary, "errors": ["x"]},
+            "gone": {"available": False, "unavailable": "no GPU"},
+        },
+    }
+    rows = {
+        **head,
+        "benchmark": "chaos",
+        "_file": "c.json",
+        "columns": ["count"],
+        "variants": {},
+        "figures": {"row_name": "fault kind", "rows": {"drain": {"count": 3}}},
+    }
+    text = tables.render_tables({"chaos": rows, "overhead": variants}, ["overhead", "chaos"])
+    assert text.index("### overhead") < text.index("### chaos")
+    overhead, chaos = text.split("### chaos")
+    assert "commit `0123456789` (with local changes)" in overhead
+    assert "Median [min-max] of n repetitions." in overhead
+    assert "| flow | 2.00 [1.00-3.00] | 2 (1 failed) |" in overhead
+    assert "| gone | not available yet: no GPU |" in overhead
+    assert "Median" not in chaos and "`c.json`." in chaos
+    assert "| fault kind | count |" in chaos and "| drain | 3.00 |" in chaos
+    assert "| t: d | 0.5 | <= 1 | met |" in chaos and "- a note" in chaos
+
+
+def test_a_chaos_failure_is_judged_by_the_faults_before_it():
+    """A failure on a budget none of its causes calls for, one with no cause, and a resume from
+    a damaged checkpoint are each a problem; the recovery counts for the newest cause."""
+    from bench.chaos_analysis import EFFECT_S, judge_failures
+    from bench.chaos_faults import Fault
+
+    kill = Fault("worker_kill", 100.0)
+    corrupt = Fault("corrupt", 101.0, {"step": 40, "file": "model.pt"})
+    drain = Fault("drain", 200.0)
+    found = [
+        {"at": 105.0, "budget": "infrastructure", "error_class": "E", "resumed_at": 112.0,
+         "resumed_from_step": 40},
+        {"at": 205.0, "budget": "code", "error_class": "TrainingCodeError", "resumed_at": None,
+         "resumed_from_step": None},
+        {"at": 200.0 + EFFECT_S + 10, "budget": "infrastructure", "error_class": "E",
+         "resumed_at": None, "resumed_from_step": None},
+    ]  # fmt: skip
+    faults = [kill, corrupt, drain]
+    problems, per_kind = judge_failures(faults, faults, found)
+    assert per_kind["worker_kill"] == [12.0] and per_kind["drain"] == []
+    assert len(problems) == 3
+    assert "damaged checkpoint of step 40" in problems[0]
+    assert "['drain'] at 200.0 was followed by a failure on the code budget" in problems[1]
+    assert f"no fault in the {EFFECT_S:g} s before it" in problems[2]

@@ -1,0 +1,225 @@
+"""The chaos campaign's analysis: what the run left, judged against the uninterrupted run and
+against the faults that were injected, and the campaign's figures.
+
+``verdict`` reads the run directory (attempt records, checkpoints, metrics history) and the
+campaign's record of its faults; each worker group that failed is charged to the faults in the
+``EFFECT_S`` before it, and must have drawn on a budget that one of them calls for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from bench.chaos_faults import KEEP_LAST, KINDS, Campaign, Fault
+from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.run import attempts
+from trainer_core.run.attempts import AttemptRecord
+from trainer_core.run.summary import attempt_summaries, steps_computed
+
+#: The budgets a failure that ``kind`` causes may draw on. A drain whose notice the loop does
+#: not see in time fails like a node loss; an outage the storage retries ride out fails nothing.
+EXPECTED_BUDGETS: dict[str, set[str]] = {
+    "worker_kill": {"infrastructure"},
+    "node_kill": {"infrastructure"},
+    "drain": {"preemption", "infrastructure"},
+    "flow_kill": {"infrastructure"},  # DriverLost: killed between two attempts
+    "second_flow": set(),
+    "s3_outage": {"infrastructure"},
+    "corrupt": set(),
+}
+
+
+def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
+    """Every worker group that ended by failing: when, on which budget, and when the next group
+    resumed (None if none did)."""
+    found = []
+    for index, record in enumerate(records):
+        for restart in record.restarts:
+            if restart.get("reason") in ("capacity", None) or "failed_at" not in restart:
+                continue
+            found.append(
+                {
+                    "at": restart["failed_at"],
+                    "budget": restart["reason"],
+                    "error_class": restart.get("error_class"),
+                    "resumed_at": restart.get("resumed_at"),
+                    "resumed_from_step": restart.get("resumed_from_step"),
+                }
+            )
+        if record.status == "failed":
+            following = records[index + 1] if index + 1 < len(records) else None
+            found.append(
+                {
+                    "at": record.ended_at or record.started_at,
+                    "budget": record.error_budget,
+                    "error_class": record.error_class,
+                    "resumed_at": following.resumed_at if following else None,
+                    "resumed_from_step": following.resumed_from_step if following else None,
+                }
+            )
+    return sorted(found, key=lambda f: f["at"])
+
+
+#: How long after a fault a failure may still be its doing: a drain's deadline (10 s), an
+#: outage's length and the storage retries after it, the detection of a death.
+EFFECT_S = 30.0
+
+
+def attribute(faults: list[Fault], failure: dict[str, Any]) -> list[Fault]:
+    """The faults a failure may answer, newest first: those in the ``EFFECT_S`` before it (a
+    second of clock slack). Overlapping faults blur the cause: a worker killed while a node
+    drains is charged to the preemption, by design (the survivors of a preemption fail first)."""
+    return [
+        f
+        for f in reversed(faults)
+        if failure["at"] - EFFECT_S <= f.at <= failure["at"] + 1.0 and f.kind != "corrupt"
+    ]
+
+
+def in_effect(faults: list[Fault], proxy_events: list[tuple[float, str]]) -> list[Fault]:
+    """The faults at the time each took effect, oldest first. An outage armed for the next
+    checkpoint upload begins when that upload is cut, which can be long after it was armed (the
+    group was down, or the flow killed and run again); one never cut stays where it was armed.
+    One outage is armed at a time, so the first cut after its arming is its own."""
+    cuts = sorted(t for t, what in proxy_events if what.startswith("cut on"))
+    placed = []
+    for fault in faults:
+        if fault.kind == "s3_outage" and fault.detail.get("when") == "the next checkpoint upload":
+            cut = next((t for t in cuts if t >= fault.at), None)
+            if cut is not None:
+                fault = dataclasses.replace(fault, at=cut)
+        placed.append(fault)
+    return sorted(placed, key=lambda f: f.at)
+
+
+def verdict(
+    campaign: Campaign, run_dir: RunDirectory, reference_dir: RunDirectory
+) -> dict[str, Any]:
+    """The checks (``problems``: empty when everything held) and the figures."""
+    records = attempts.read(run_dir)
+    found = failures(records)
+    effective = in_effect(campaign.faults, campaign.proxy.events)
+    causes_problems, per_kind = judge_failures(campaign.faults, effective, found)
+    problems = [
+        *outcome_problems(campaign, records, run_dir, reference_dir),
+        *causes_problems,
+        *flow_problems(campaign),
+    ]
+    return {"problems": problems, "figures": figures(campaign, records, found, effective, per_kind)}
+
+
+def outcome_problems(
+    campaign: Campaign,
+    records: list[AttemptRecord],
+    run_dir: RunDirectory,
+    reference_dir: RunDirectory,
+) -> list[str]:
+    """The run against what it must end as: completed without failing on its own, the
+    uninterrupted run's final state and metrics history, and every commit that retention did
+    not drop still there."""
+    from tests.recovery import assert_same_tensors, final_state, losses
+
+    problems: list[str] = []
+    if not records or records[-1].status != "completed":
+        problems.append(f"the run did not complete: {[r.status for r in records]}")
+    if campaign.unexpected_exits:
+        problems.append(f"the flow failed without a fault's kill: {campaign.unexpected_exits}")
+    try:
+        assert_same_tensors(final_state(run_dir), final_state(reference_dir))
+    except AssertionError as e:
+        problems.append(f"final state differs from the uninterrupted run's: {e}")
+    history, expected = losses(run_dir), losses(reference_dir)
+    steps = [step for step, _ in history]
+    if steps != list(range(1, campaign.steps + 1)):
+        problems.append(f"metrics history steps are not 1..{campaign.steps} once each")
+    elif history != expected:
+        problems.append("metrics history losses differ from the uninterrupted run's")
+    kept = {c.step for c in run_dir.scan().committed}
+    must_keep = set(sorted(campaign.committed_seen | kept)[-KEEP_LAST:])
+    if not must_keep <= kept:
+        problems.append(f"committed checkpoints lost: kept {sorted(kept)}, newest {must_keep}")
+    return problems
+
+
+def judge_failures(
+    faults: list[Fault], effective: list[Fault], found: list[dict[str, Any]]
+) -> tuple[list[str], dict[str, list[float]]]:
+    """Each failure against the faults that may have caused it (``effective``: placed when they
+    took effect): one came before it, one of them calls for its budget, and its resume did not
+    read a damaged checkpoint. The problems, and the recovery seconds by the kind of each
+    failure's newest cause."""
+    corrupted = {(f.detail["step"], f.at) for f in faults if f.kind == "corrupt"}
+    problems: list[str] = []
+    per_kind: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for failure in found:
+        causes = attribute(effective, failure)
+        if not causes:
+            problems.append(f"a failure with no fault in the {EFFECT_S:g} s before it: {failure}")
+            continue
+        if not any(failure["budget"] in EXPECTED_BUDGETS[f.kind] for f in causes):
+            problems.append(
+                f"{[f.kind for f in causes]} at {causes[0].at:.1f} was followed by a failure on "
+                f"the {failure['budget']} budget ({failure['error_class']})"
+            )
+        fault = causes[0]
+        if failure["resumed_at"] is not None:
+            per_kind[fault.kind].append(failure["resumed_at"] - fault.at)
+        for step, at in corrupted:
+            if failure["at"] > at and failure["resumed_from_step"] == step:
+                problems.append(f"a resume read the damaged checkpoint of step {step}")
+    return problems, per_kind
+
+
+def flow_problems(campaign: Campaign) -> list[str]:
+    """Every second flow refused by the lease, and every fault injected before the run ended."""
+    problems = []
+    for _, process, log in campaign.second_flows:
+        code = process.poll()
+        text = log.read_text()
+        if code != 2 or ("LeaseHeldError" not in text and "is held by" not in text):
+            problems.append(f"a second flow was not refused by the lease: exit {code}, {log}")
+    if campaign.pending:
+        problems.append(f"the run ended before these faults came: {campaign.pending}")
+    return problems
+
+
+def figures(
+    campaign: Campaign,
+    records: list[AttemptRecord],
+    found: list[dict[str, Any]],
+    effective: list[Fault],
+    per_kind: dict[str, list[float]],
+) -> dict[str, Any]:
+    """Goodput, what the faults did to the worker groups, and per kind the recoveries."""
+    computed = steps_computed(attempt_summaries(records))
+    return {
+        "faults": len(campaign.faults),
+        "faults_by_kind": {k: sum(f.kind == k for f in campaign.faults) for k in KINDS},
+        "steps": campaign.steps,
+        "steps_computed": computed,
+        "goodput": round(campaign.steps / computed, 4) if computed else None,
+        "attempts": len(records),
+        "restarts_in_place": sum(len(r.restarts) for r in records),
+        "failures": len(found),
+        "faults_during_recovery": _during_recovery(effective, found),
+        "checkpoint_uploads_cut": sum(
+            1 for _, what in campaign.proxy.events if what.startswith("cut on")
+        ),
+        "flow_launches": campaign.launches,
+        "recovery_s_by_kind": {
+            kind: {
+                "count": sum(f.kind == kind for f in campaign.faults),
+                "restarts_caused": len(values),
+                "median_recovery_s": round(statistics.median(values), 1) if values else None,
+            }
+            for kind, values in per_kind.items()
+        },
+    }
+
+
+def _during_recovery(faults: list[Fault], found: list[dict[str, Any]]) -> int:
+    """Faults that arrived while a worker group was failing over (failure to resume)."""
+    windows = [(f["at"], f["resumed_at"]) for f in found if f["resumed_at"]]
+    return sum(1 for fault in faults if any(a < fault.at < b for a, b in windows))

@@ -1,0 +1,351 @@
+"""The chaos campaign's injection: the run it drives (an uninterrupted reference, then the same
+spec under faults) and the faults it injects into it, on a seeded schedule.
+
+``Campaign`` starts the flow as its own process (``python -m flows.training --config ...``),
+injects the next fault of a seeded rotation of ``KINDS`` at seeded exponential gaps, runs the
+command again after a kill or a failure, and records what it did (``faults``, the flow's
+launches and exits, the second flows, the commits it saw) for ``bench.chaos_analysis`` to judge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench import common
+from trainer_core import storage
+from trainer_core.checkpoint.run_directory import MANIFEST_FILE, MARKER_FILE, RunDirectory
+
+#: The fault kinds, as the module docstring of ``bench.chaos`` describes them.
+KINDS = (
+    "worker_kill",
+    "node_kill",
+    "drain",
+    "flow_kill",
+    "second_flow",
+    "s3_outage",
+    "corrupt",
+)
+NODES = 3
+NOTICE_S = 10.0
+#: The newest commits that retention keeps (``checkpoint.keep_last`` of the campaign's spec).
+KEEP_LAST = 2
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The campaign's schedule of faults and its workload."""
+
+    seed: int = 0
+    faults: int = 21
+    mean_gap_s: float = 15.0
+    #: 64 steps each: 100 make about 9 minutes of uninterrupted training here.
+    epochs: int = 100
+    delay_s: float = 0.06
+    #: The reference run's forward delay: the same as ``delay_s`` to measure wall-time
+    #: efficiency; 0 when only its parameters matter (SlowMLP's delay changes no number).
+    reference_delay_s: float | None = None
+    #: No fault once the newest commit passed this fraction of the run (the last checkpoints
+    #: are the ones the final checks read).
+    window: float = 0.85
+
+
+#: The test suite's: one fault of each kind at 8 s gaps, about 3 minutes under faults.
+QUICK = Settings(faults=7, mean_gap_s=8.0, epochs=16, delay_s=0.06, reference_delay_s=0.0)
+
+
+@dataclass
+class Fault:
+    """One injected fault: its kind, when (``time.time()``), and what it hit."""
+
+    kind: str
+    at: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def chaos_raw(storage_uri: str, name: str, job_address: str, epochs: int, delay_s: float) -> dict:
+    """2 workers of a small MLP (dropout, Adam, a cosine schedule: an exact resume must restore
+    RNG, optimizer and schedule), 64 steps an epoch, a checkpoint every 20 steps."""
+    return {
+        "run": {"name": name, "storage": storage_uri, "seed": 5},
+        "model": {
+            "name": "tests.helpers:slow_mlp",
+            "kwargs": {"hidden": [64, 64], "dropout": 0.1, "delay_s": delay_s},
+        },
+        "data": {
+            "dataset": "synthetic",
+            "batch_size": 32,
+            "validation_fraction": 0,
+            "synthetic": {"num_samples": 2048, "num_features": 16},
+        },
+        "optimizer": {"name": "adam", "lr": 1e-3},
+        "schedule": {"epochs": epochs, "lr_schedule": "cosine", "warmup_steps": 10},
+        "scaling": {"num_workers": 2, "placement_strategy": "SPREAD", "job_address": job_address},
+        "checkpoint": {"every": 20, "keep_last": KEEP_LAST, "keep_best": 0, "best_metric": "loss"},
+        "report": {"every": 5},
+        "retries": {"infrastructure": 100, "code": 0, "delay_s": 0, "jitter": 0, "in_place": 1},
+    }
+
+
+def total_steps(raw: dict) -> int:
+    data = raw["data"]
+    return data["synthetic"]["num_samples"] // data["batch_size"] * raw["schedule"]["epochs"]
+
+
+class Campaign:
+    """Drives one run through its faults. ``cluster`` is a ``tests.multinode.MultiNodeCluster``,
+    ``s3`` a ``tests.s3.S3Server``, ``proxy`` an ``OutageProxy`` in front of it."""
+
+    def __init__(
+        self,
+        cluster: Any,
+        s3: Any,
+        proxy: Any,
+        workdir: Path,
+        settings: Settings,
+        env: dict[str, str],
+    ) -> None:
+        self.cluster, self.s3, self.proxy = cluster, s3, proxy
+        self.workdir, self.settings, self.env = workdir, settings, env
+        self.rng = random.Random(settings.seed)
+        rotation = list(KINDS)
+        self.rng.shuffle(rotation)
+        self.pending = [rotation[i % len(rotation)] for i in range(settings.faults)]
+        self.faults: list[Fault] = []
+        self.timers: list[tuple[float, Callable[[], None]]] = []
+        self.flow: subprocess.Popen | None = None
+        self.flow_started_at = 0.0
+        self.launches = 0
+        self.unexpected_exits: list[dict[str, Any]] = []
+        self.second_flows: list[tuple[Fault, subprocess.Popen, Path]] = []
+        self.committed_seen: set[int] = set()
+        self.nodes_down = 0
+
+    # -- the runs ------------------------------------------------------------------------------
+
+    def spec_file(self, name: str, delay_s: float) -> Path:
+        raw = chaos_raw(
+            self.s3.uri("chaos", port=self.proxy.port),
+            name,
+            self.cluster.job_address,
+            self.settings.epochs,
+            delay_s,
+        )
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        return path
+
+    def direct(self, name: str) -> RunDirectory:
+        """The run directory through the S3 server itself, not the proxy (the checks must see
+        storage while an outage is played)."""
+        return RunDirectory(storage.resolve(self.s3.uri("chaos")).child(name))
+
+    def command(self, spec_file: Path) -> list[str]:
+        return [sys.executable, "-m", "flows.training", "--config", str(spec_file)]
+
+    def popen(self, spec_file: Path, log_name: str) -> tuple[subprocess.Popen, Path]:
+        log = self.workdir / log_name
+        with open(log, "w") as out:
+            process = subprocess.Popen(
+                self.command(spec_file),
+                cwd=common.REPO,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return process, log
+
+    def reference(self, name: str) -> float:
+        """Run the spec uninterrupted; its wall time."""
+        delay = self.settings.reference_delay_s
+        spec_file = self.spec_file(name, self.settings.delay_s if delay is None else delay)
+        started = time.time()
+        process, log = self.popen(spec_file, f"{name}.log")
+        if process.wait(timeout=3600) != 0:
+            raise RuntimeError(f"the uninterrupted run failed: {log.read_text()[-3000:]}")
+        return time.time() - started
+
+    def run(self, name: str) -> float:
+        """Run the spec under the schedule of faults; its wall time, first launch to exit 0."""
+        self.name = name
+        self.spec = self.spec_file(name, self.settings.delay_s)
+        self.steps = total_steps(yaml.safe_load(self.spec.read_text()))
+        self.run_dir = self.direct(name)
+        started = time.time()
+        self._launch()
+        next_at = time.time() + self._gap()
+        while True:
+            self._watch_commits()
+            self._fire_timers()
+            assert self.flow is not None
+            code = self.flow.poll()
+            if code == 0:
+                break
+            if code is not None:  # failed on its own: what a user would do is run it again
+                self.unexpected_exits.append({"at": time.time(), "exit_code": code})
+                if len(self.unexpected_exits) > 3:
+                    raise RuntimeError(f"the flow keeps failing: {self._log_tail()}")
+                self._launch()
+            ready = self.pending and time.time() >= next_at and self._in_window()
+            if ready and self._inject():
+                next_at = time.time() + self._gap()
+            time.sleep(0.2)
+        wall = time.time() - started
+        self._settle()
+        return wall
+
+    def _gap(self) -> float:
+        return self.rng.expovariate(1.0 / self.settings.mean_gap_s)
+
+    def _launch(self) -> None:
+        self.launches += 1
+        self.flow, self.flow_log = self.popen(self.spec, f"{self.name}-{self.launches}.log")
+        self.flow_started_at = time.time()
+
+    def _log_tail(self) -> str:
+        return self.flow_log.read_text()[-4000:]
+
+    def _watch_commits(self) -> None:
+        with contextlib.suppress(Exception):  # storage being written: look again next time
+            self.committed_seen.update(c.step for c in self.run_dir.scan().committed)
+
+    def _in_window(self) -> bool:
+        return max(self.committed_seen, default=0) < self.settings.window * self.steps and bool(
+            self.committed_seen
+        )
+
+    def _later(self, delay_s: float, action: Callable[[], None]) -> None:
+        self.timers.append((time.time() + delay_s, action))
+
+    def _fire_timers(self) -> None:
+        now = time.time()
+        due = [t for t in self.timers if t[0] <= now]
+        self.timers = [t for t in self.timers if t[0] > now]
+        for _, action in sorted(due, key=lambda t: t[0]):
+            action()
+
+    def _settle(self) -> None:
+        """Every timer run (nodes back, the proxy up), every second flow ended."""
+        while self.timers:
+            time.sleep(0.2)
+            self._fire_timers()
+        for _, process, _ in self.second_flows:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=120)
+
+    # -- faults --------------------------------------------------------------------------------
+
+    def _inject(self) -> bool:
+        """Inject the first pending kind that can happen now; False if none can."""
+        for index, kind in enumerate(self.pending):
+            detail = getattr(self, f"_{kind}")()
+            if detail is not None:
+                del self.pending[index]
+                self.faults.append(Fault(kind, time.time(), detail))
+                print(f"[chaos] {time.strftime('%H:%M:%S')} {kind} {detail}", flush=True)
+                return True
+        return False
+
+    def _add_node(self) -> None:
+        self.cluster.command("add")
+        self.nodes_down -= 1
+
+    def _worker_node(self) -> str | None:
+        """A node that hosts a Ray Train worker, when all nodes are up."""
+        if self.nodes_down:
+            return None
+        nodes = [n["node_id"] for n in self.cluster.nodes() if n["train_worker_pids"]]
+        return self.rng.choice(nodes) if nodes else None
+
+    def _worker_kill(self) -> dict[str, Any] | None:
+        pids = [p for n in self.cluster.nodes() for p in n["train_worker_pids"]]
+        if not pids:
+            return None
+        pid = self.rng.choice(pids)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return {"pid": pid}
+
+    def _node_kill(self) -> dict[str, Any] | None:
+        node = self._worker_node()
+        if node is None:
+            return None
+        self.cluster.command("kill", node)
+        self.nodes_down += 1
+        back = self.rng.uniform(5, 15)
+        self._later(back, self._add_node)
+        return {"node": node[:8], "replaced_after_s": round(back, 1)}
+
+    def _drain(self) -> dict[str, Any] | None:
+        node = self._worker_node()
+        if node is None:
+            return None
+        answer = self.cluster.command("drain", node, str(NOTICE_S))
+        if not answer.get("accepted"):
+            return None
+        self.nodes_down += 1
+        self._later(NOTICE_S - 1, lambda: self.cluster.command("kill", node))
+        self._later(NOTICE_S + 2, self._add_node)
+        return {"node": node[:8], "deadline_s": NOTICE_S}
+
+    def _flow_ready(self) -> bool:
+        """The flow lives and has held the lease a while, and no second flow is starting."""
+        live_second = any(p.poll() is None for _, p, _ in self.second_flows)
+        return (
+            self.flow is not None
+            and self.flow.poll() is None
+            and time.time() - self.flow_started_at > 20
+            and not live_second
+        )
+
+    def _flow_kill(self) -> dict[str, Any] | None:
+        if not self._flow_ready():
+            return None
+        assert self.flow is not None
+        os.killpg(self.flow.pid, signal.SIGKILL)
+        self.flow.wait(timeout=30)
+        self._launch()  # the command run again
+        return {"launch": self.launches}
+
+    def _second_flow(self) -> dict[str, Any] | None:
+        if not self._flow_ready():
+            return None
+        process, log = self.popen(self.spec, f"{self.name}-second-{len(self.second_flows)}.log")
+        fault = Fault("second_flow", time.time())
+        self.second_flows.append((fault, process, log))
+        return {"log": log.name}
+
+    def _s3_outage(self) -> dict[str, Any] | None:
+        if self.proxy.armed or self.proxy._listener is None:
+            return None
+        outage = round(self.rng.uniform(3, 8), 1)
+        if self.rng.random() < 0.5:
+            self.proxy.down()
+            self._later(outage, self.proxy.up)
+            return {"outage_s": outage, "when": "now"}
+        self.proxy.arm(rb"PUT /[^ ]*/checkpoint-\d+/", outage)
+        return {"outage_s": outage, "when": "the next checkpoint upload"}
+
+    def _corrupt(self) -> dict[str, Any] | None:
+        newest = self.run_dir.scan().newest
+        if newest is None:
+            return None
+        names = [n for n in newest.files if n not in (MARKER_FILE, MANIFEST_FILE)]
+        name = max(names, key=lambda n: newest.files[n]["size"])
+        location = self.run_dir.checkpoint_location(newest.step).child(name)
+        data = bytearray(location.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        location.write_bytes(bytes(data))
+        return {"step": newest.step, "file": name}
