@@ -165,7 +165,7 @@ def test_history_keeps_every_report_once(faulted):
     the resumed attempt's rows replace the failed one's after the checkpoint it resumed from."""
     from trainer_core.checkpoint.history import read_metrics_history
     from trainer_core.checkpoint.run_directory import RunDirectory
-    from trainer_core.storage.locations import resolve
+    from trainer_core.storage.uris import resolve
 
     _, log, run_path = faulted
     kept = final_timeline(log)

@@ -17,7 +17,7 @@ from trainer_core.errors import IncompatibleRunError, SpecError
 from trainer_core.spec.overrides import build_spec
 from trainer_core.spec.run_spec import identity_changes
 from trainer_core.spec.sections import DataSection, ModelSection
-from trainer_core.storage.locations import resolve
+from trainer_core.storage.uris import resolve
 from trainer_core.train.workloads import build_model, import_object
 
 

@@ -12,7 +12,7 @@ from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.files import file_digest
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.checkpoint.staging import Background, Stager
-from trainer_core.storage.locations import resolve
+from trainer_core.storage.uris import resolve
 
 
 def test_staged_state_is_a_copy_that_reuses_its_buffers():

@@ -12,7 +12,7 @@ from tests.net import free_port
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import SpecError
 from trainer_core.spec.overrides import build_spec
-from trainer_core.storage.locations import resolve
+from trainer_core.storage.uris import resolve
 from trainer_core.tracking import mlflow_log, tensorboard_log
 
 

@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from trainer_core.checkpoint.files import FileEntry, HashingWriter, matches
 from trainer_core.errors import CheckpointCorruptError
-from trainer_core.storage.locations import Location, storage_error
+from trainer_core.storage.failures import storage_error
+from trainer_core.storage.locations import Location
 
 #: What a file being written to an object store is held in memory before it spills to disk.
 SPOOL_BYTES = 64 * 1024 * 1024

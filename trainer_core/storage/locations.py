@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import json
 import logging
 import os
@@ -36,32 +35,18 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlsplit
 
 import pyarrow.fs as pafs
 
 from trainer_core.errors import (
-    SpecError,
-    StorageAccessError,
     StorageError,
-    StorageFullError,
     StorageUnavailableError,
 )
+from trainer_core.storage.failures import storage_error
 
 logger = logging.getLogger("relaytrain.storage")
 T = TypeVar("T")
 
-PYARROW_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs")
-CREDENTIAL_KEYS = (
-    "access_key",
-    "secret_key",
-    "session_token",
-    "aws_secret_access_key",
-    "key",
-    "secret",
-    "token",
-    "password",
-)
 #: Environment variables that carry storage credentials or say where and how to reach storage.
 #: ``credential_env`` hands those set in this process to Ray's controller and workers.
 CREDENTIAL_ENV_VARS = (
@@ -98,58 +83,15 @@ CREDENTIAL_ENV_VARS = (
     "HADOOP_USER_NAME",
     "KRB5CCNAME",
 )
-#: Query options of ``s3://`` URIs, passed to ``pyarrow.fs.S3FileSystem``.
-S3_OPTIONS = (
-    "region",
-    "scheme",
-    "endpoint_override",
-    "allow_bucket_creation",
-    "allow_bucket_deletion",
-    "tls_ca_file_path",
-)
 #: Seconds a remote call keeps retrying a connection failure before it gives up (env override).
 PATIENCE_ENV_VAR = "RELAYTRAIN_STORAGE_PATIENCE_S"
 DEFAULT_PATIENCE_S = 5.0
-#: S3 client settings: ordinary calls, and setup's probe (fail within seconds, not minutes).
-S3_CONNECT_TIMEOUT_S = 5.0
-S3_MAX_ATTEMPTS = 3
-PROBE_CONNECT_TIMEOUT_S = 2.0
-PROBE_MAX_ATTEMPTS = 2
-PROBE_GCS_RETRY_LIMIT_S = 1
-#: What access refusals look like in pyarrow's (AWS SDK) and s3fs's (botocore) messages.
-ACCESS_SIGNS = (
-    "ACCESS_DENIED",
-    "AccessDenied",
-    "INVALID_ACCESS_KEY_ID",
-    "InvalidAccessKeyId",
-    "SIGNATURE_DOES_NOT_MATCH",
-    "SignatureDoesNotMatch",
-    "EXPIRED_TOKEN",
-    "ExpiredToken",
-    "InvalidToken",
-    "HTTP status 401",
-    "HTTP status 403",
-    "Forbidden",
-    "Unauthorized",
-    "Unable to locate credentials",
-    "NoCredentialsError",
-    "AllAccessDisabled",
-)
-MISSING_BUCKET_SIGNS = ("NO_SUCH_BUCKET", "NoSuchBucket", "specified bucket does not exist")
-#: pyarrow's GCS client creates a missing bucket; with no project to create it in, it says so.
-GCS_CREATE_BUCKET_SIGNS = ("CreateBucket", "missing project id")
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-#: A path that can never hold the run (a file where a directory should be, a name too long).
-BAD_PATH_ERRNOS = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP)
-FULL_SIGNS = ("No space left on device", "Disk quota exceeded")
 #: Some stores answer a request without credentials with an error that looks like an outage.
 NO_CREDENTIALS_HINT = (
     " No storage credentials are set in this process: if the store needs them, set "
     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the provider's variables) or name a Prefect "
     "block in run.credentials."
 )
-#: Packages whose own exception types mean "the connection failed" (not OSError subclasses).
-TRANSPORT_PACKAGES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests")
 
 
 def credential_env() -> dict[str, str]:
@@ -306,222 +248,7 @@ def _call(location: Location, verb: str, fn: Callable[[], T]) -> T:
             delay = min(2 * delay, 2.0)
 
 
-def storage_error(uri: str, verb: str, error: BaseException) -> StorageError | None:
-    """What a filesystem failure means for the run (None: not a storage failure).
-
-    Refused credentials or permissions, a read-only store and a missing bucket are not retried
-    (a retry cannot fix them); a full disk neither; anything else, such as a connection that
-    failed, is a transient StorageUnavailableError.
-    """
-    text = f"{type(error).__name__}: {error}"
-    if all(sign in text for sign in GCS_CREATE_BUCKET_SIGNS):
-        return StorageAccessError(
-            f"could not {verb} {uri}: its bucket does not exist (pyarrow's GCS client tried to "
-            f"create it: {error}). Create the bucket, or fix run.storage.",
-            field="run.storage",
-        )
-    transport = type(error).__module__.split(".")[0] in TRANSPORT_PACKAGES
-    if not isinstance(error, OSError) and not transport:
-        return None
-    code = getattr(error, "errno", None)
-    if code in FULL_ERRNOS or any(sign in text for sign in FULL_SIGNS):
-        return StorageFullError(
-            f"storage is full: could not {verb} {uri} ({error}). Free space (or raise the quota) "
-            "there and run again to resume, or choose another run.storage.",
-            field="run.storage",
-        )
-    if code in BAD_PATH_ERRNOS:
-        return StorageAccessError(
-            f"could not {verb} {uri}: {error}. Fix run.storage: it must name a directory (or a "
-            "place one can be created).",
-            field="run.storage",
-        )
-    if code == errno.EROFS:
-        return StorageAccessError(
-            f"storage is read-only: could not {verb} {uri} ({error}). Choose a writable "
-            "run.storage.",
-            field="run.storage",
-        )
-    if any(sign in text for sign in MISSING_BUCKET_SIGNS):
-        return StorageAccessError(
-            f"could not {verb} {uri}: its bucket does not exist ({error}). Create the bucket, or "
-            "fix run.storage.",
-            field="run.storage",
-        )
-    if isinstance(error, PermissionError) or any(sign in text for sign in ACCESS_SIGNS):
-        return StorageAccessError(
-            f"access denied to {verb} {uri} ({error}). Fix the credentials (AWS_ACCESS_KEY_ID / "
-            "AWS_SECRET_ACCESS_KEY or the provider's variables in the environment, or the Prefect "
-            "block named by run.credentials), grant them read and write access to that location, "
-            "or choose another run.storage.",
-            field="run.credentials",
-        )
-    return StorageUnavailableError(f"could not {verb} {uri}: {error}")
-
-
 # -- URIs -----------------------------------------------------------------------------------------
-
-
-def _parse_query(query: str) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for key, value in parse_qsl(query, keep_blank_values=True):
-        if key.lower() in CREDENTIAL_KEYS:
-            raise _credentials_in_uri(f"{key}=...")
-        lowered = value.lower()
-        if lowered in ("true", "false"):
-            options[key] = lowered == "true"
-        else:
-            try:
-                options[key] = int(value)
-            except ValueError:
-                try:
-                    options[key] = float(value)
-                except ValueError:
-                    options[key] = value
-    return options
-
-
-def _credentials_in_uri(what: str) -> SpecError:
-    return SpecError(
-        f"run.storage carries a credential ({what}): never put secrets in a URI; "
-        "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the provider's variables) in "
-        "the environment or name a Prefect credentials block in run.credentials",
-        field="run.storage",
-    )
-
-
-def resolve(uri: str, *, fail_fast: bool = False) -> Location:
-    """Turn a path or URI into a Location. Raises SpecError for what cannot be a location.
-
-    ``fail_fast``: one quick connection attempt and no patience (setup's probe: an unreachable
-    store is reported within seconds).
-    """
-    if not uri or not uri.strip():
-        raise SpecError("storage location is empty: give a path or URI", field="run.storage")
-    parts = urlsplit(uri)
-    scheme = parts.scheme.lower()
-    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
-        local = parts.path if scheme == "file" else uri
-        path = os.path.abspath(os.path.expanduser(local))
-        return Location(pafs.LocalFileSystem(), path, path)
-    if parts.username is not None or parts.password is not None:
-        raise _credentials_in_uri("user:password@ before the bucket or host")
-    display = f"{scheme}://{parts.netloc}{parts.path}".rstrip("/")
-    options = _parse_query(parts.query)
-    patience = 0.0 if fail_fast else None
-    if scheme == "s3":
-        filesystem = _s3_filesystem(parts.netloc, options, display, fail_fast)
-        path = f"{parts.netloc}{parts.path}".rstrip("/")
-        return Location(filesystem, path, display, patience)
-    if scheme in PYARROW_SCHEMES:
-        if fail_fast and scheme in ("gs", "gcs") and "retry_limit_seconds" not in options:
-            # google-cloud-cpp retries a dead endpoint for minutes by default
-            uri += f"{'&' if parts.query else '?'}retry_limit_seconds={PROBE_GCS_RETRY_LIMIT_S}"
-        try:
-            filesystem, path = pafs.FileSystem.from_uri(uri)
-        except (ValueError, OSError) as e:
-            raise SpecError(
-                f"storage URI {display!r} could not be opened with pyarrow: {e}",
-                field="run.storage",
-            ) from e
-        return Location(filesystem, path.rstrip("/"), display, patience)
-    protocol = scheme.removeprefix("fsspec+")
-    location = _fsspec_location(protocol, parts.netloc + parts.path, options, display, fail_fast)
-    return Location(location.filesystem, location.path, location.uri, patience)
-
-
-def _s3_filesystem(
-    bucket: str, options: dict[str, Any], display: str, fail_fast: bool
-) -> pafs.S3FileSystem:
-    """pyarrow's S3 client for ``bucket`` with bounded timeouts and retries.
-
-    Credentials are never passed here: the AWS SDK reads them from the environment in whichever
-    process uses the filesystem (so a pickled filesystem carries none).
-    """
-    unknown = sorted(set(options) - set(S3_OPTIONS))
-    if unknown:
-        raise SpecError(
-            f"storage URI {display!r} has unknown option(s) {unknown}: s3:// accepts "
-            f"{', '.join(S3_OPTIONS)}",
-            field="run.storage",
-        )
-    kwargs = {
-        k: str(v) if k in ("region", "scheme", "endpoint_override") else v
-        for k, v in options.items()
-    }
-    if "region" not in kwargs and "endpoint_override" not in kwargs:
-        try:
-            kwargs["region"] = pafs.resolve_s3_region(bucket)
-        except (ValueError, OSError) as e:
-            error = storage_error(display, "find the region of", e)
-            raise (error or SpecError(f"{display}: {e}", field="run.storage")) from e
-    return pafs.S3FileSystem(
-        connect_timeout=PROBE_CONNECT_TIMEOUT_S if fail_fast else S3_CONNECT_TIMEOUT_S,
-        retry_strategy=pafs.AwsStandardS3RetryStrategy(
-            max_attempts=PROBE_MAX_ATTEMPTS if fail_fast else S3_MAX_ATTEMPTS
-        ),
-        **kwargs,
-    )
-
-
-def _fsspec_location(
-    protocol: str, path: str, options: dict[str, Any], display: str, fail_fast: bool = False
-) -> Location:
-    import fsspec
-
-    if protocol == "s3":
-        if "endpoint_override" in options:
-            endpoint = options.pop("endpoint_override")
-            if "://" not in str(endpoint):
-                endpoint = f"{options.pop('scheme', 'https')}://{endpoint}"
-            options["endpoint_url"] = endpoint
-        if fail_fast:
-            options["config_kwargs"] = {
-                "connect_timeout": PROBE_CONNECT_TIMEOUT_S,
-                "retries": {"max_attempts": PROBE_MAX_ATTEMPTS, "mode": "standard"},
-            }
-    if protocol != "memory":
-        # An instance resolves its credentials once: a cached one would outlive a change of
-        # credentials in the environment (another run, another block).
-        options.setdefault("skip_instance_cache", True)
-    try:
-        fs = fsspec.filesystem(protocol, **options)
-    except (ValueError, ImportError) as e:
-        raise SpecError(
-            f"storage protocol {protocol!r} of {display!r} is not available: {e} "
-            "(install the fsspec implementation for it, or use a local path, s3://, gs://)",
-            field="run.storage",
-        ) from e
-    if fail_fast and hasattr(fs, "retries"):
-        fs.retries = 1  # s3fs's own retry loop, on top of botocore's
-    stripped = fs._strip_protocol(path)
-    display = (
-        f"{protocol}://{stripped.lstrip('/')}" if protocol != "memory" else f"memory://{stripped}"
-    )
-    filesystem = pafs.PyFileSystem(pafs.FSSpecHandler(fs))
-    return Location(filesystem, stripped.rstrip("/") or "/", display.rstrip("/"))
-
-
-def join_uri(uri: str, *parts: str) -> str:
-    """``uri`` with ``parts`` appended to its path, keeping any query (e.g. endpoint_override)."""
-    base, sep, query = uri.partition("?")
-    joined = posixpath.join(base.rstrip("/") or "/", *parts)
-    return f"{joined}{sep}{query}"
-
-
-def parent(location: Location) -> tuple[Location, str]:
-    """The location one level up, and the last path component."""
-    path = location.path.rstrip("/")
-    uri = location.uri.split("?", 1)[0].rstrip("/")
-    return (
-        Location(
-            location.filesystem,
-            posixpath.dirname(path),
-            posixpath.dirname(uri),
-            location.patience_s,
-        ),
-        posixpath.basename(path),
-    )
 
 
 def probe_writable(location: Location) -> None:
