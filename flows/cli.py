@@ -24,7 +24,7 @@ from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import stored_spec
 from trainer_core.errors import RelaytrainError, SpecError
 from trainer_core.run import catalog
-from trainer_core.run.summary import epoch_table
+from trainer_core.run.report import epoch_table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,13 +19,8 @@ from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import LeaseHeldError, StorageError
 from trainer_core.run import lease
-from trainer_core.run.summary import (
-    TrainingResult,
-    build_result,
-    epoch_table,
-    finalize_run,
-    render_markdown,
-)
+from trainer_core.run.report import epoch_table, render_markdown
+from trainer_core.run.summary import TrainingResult, build_result, finalize_run
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.tracking import plots
 

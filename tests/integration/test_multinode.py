@@ -32,7 +32,7 @@ from tests.prefect_api import task_runs
 from tests.recovery import REPO, assert_recovered, record_matrix_row, run_dir_of
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.run import jobs
-from trainer_core.run.summary import render_markdown
+from trainer_core.run.report import render_markdown
 from trainer_core.spec.overrides import build_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]

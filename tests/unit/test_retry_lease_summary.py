@@ -11,8 +11,9 @@ from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.run import lease
 from trainer_core.run.attempts import AttemptRecord
+from trainer_core.run.report import epoch_table, render_markdown
 from trainer_core.run.retry import decide_retry
-from trainer_core.run.summary import attempt_summaries, epoch_table, render_markdown, steps_computed
+from trainer_core.run.summary import attempt_summaries, steps_computed
 from trainer_core.spec.operations import RetriesSection
 
 BUDGETS = RetriesSection(infrastructure=2, code=1)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from trainer_core.checkpoint.files import (
     CHECKPOINT_PATTERN,
     CheckpointInfo,
 )
+from trainer_core.numbers import is_finite_number
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ def rank_by_metric(
     """The checkpoints that recorded ``metric``, best first (the newer one on a tie). A
     checkpoint's manifest holds only what was measured on its own weights: one committed
     between two validations has no ``val_*`` metric and is not ranked by one."""
-    scored = [c for c in committed if _finite(c.metrics.get(metric))]
+    scored = [c for c in committed if is_finite_number(c.metrics.get(metric))]
     sign = 1.0 if mode == "min" else -1.0
     return sorted(scored, key=lambda c: (sign * float(c.metrics[metric]), -c.step))
 
@@ -75,7 +76,3 @@ def plan_retention(
             continue
         delete.append(name)
     return RetentionPlan(keep=keep, delete=delete, reasons=reasons)
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and value == value and abs(value) != float("inf")

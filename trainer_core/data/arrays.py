@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from trainer_core.errors import SpecError
+from trainer_core.numbers import is_finite_number
 from trainer_core.spec.sections import DataSection
 
 #: The synthetic regression set does not depend on the run's seed: one dataset for every run.
@@ -132,7 +132,7 @@ def feature_scaling(schema: pa.Schema) -> tuple[float, float]:
         value = None
     if isinstance(value, dict) and value.get("schema") == 1 and set(value) <= _SCALING_FIELDS:
         offset, scale = value.get("offset", 0.0), value.get("scale", 1.0)
-        if _is_finite(offset) and _is_finite(scale) and scale != 0:
+        if is_finite_number(offset) and is_finite_number(scale) and scale != 0:
             return float(offset), float(scale)
     raise SpecError(
         f"the Parquet metadata {FEATURE_SCALING_KEY!r} of data.dataset is "
@@ -144,10 +144,6 @@ def feature_scaling(schema: pa.Schema) -> tuple[float, float]:
 
 
 _SCALING_FIELDS = {"schema", "scale", "offset"}
-
-
-def _is_finite(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _features_matrix(table: pa.Table, features: str | list[str]) -> np.ndarray:

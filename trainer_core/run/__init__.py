@@ -6,7 +6,8 @@ retry decision, the result, and what a storage holds.
 - ``attempts``: the attempt records (``attempts.jsonl``).
 - ``lease``: one live flow drives a run at a time (``lock.json``).
 - ``retry``: retry or stop, from the error and the records.
-- ``summary``: the typed result, the per-epoch table, finalize.
+- ``summary``: the typed result, finalize.
+- ``report``: what a person reads: the per-epoch table and the markdown summary.
 - ``catalog``: the runs a storage holds, read from their directories alone.
 
 May import: every other package of ``trainer_core``.

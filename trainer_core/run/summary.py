@@ -7,7 +7,6 @@ from them and publishes them as artifacts.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -21,6 +20,7 @@ from trainer_core.checkpoint.ray_checkpoints import ray_checkpoints
 from trainer_core.checkpoint.retention import rank_by_metric
 from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory
 from trainer_core.errors import CheckpointCorruptError, SpecError
+from trainer_core.numbers import is_finite_number
 from trainer_core.run.attempts import AttemptRecord
 from trainer_core.run.attempts import read as read_attempts
 from trainer_core.spec.run_spec import RunSpec
@@ -195,29 +195,6 @@ def best_checkpoint(
     return committed[-1] if committed else None
 
 
-def epoch_table(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per epoch: mean training loss, the epoch-end validation metrics, last lr."""
-    epochs: dict[int, list[dict[str, Any]]] = {}
-    for row in history:
-        epochs.setdefault(int(row.get("epoch", 0)), []).append(row)
-    table = []
-    for epoch in sorted(epochs):
-        rows = epochs[epoch]
-        losses = [r["loss"] for r in rows if _finite(r.get("loss"))]
-        entry: dict[str, Any] = {
-            "epoch": epoch,
-            "last_step": rows[-1]["step"],
-            "train_loss": round(sum(losses) / len(losses), 6) if losses else None,
-        }
-        for key, value in rows[-1].items():
-            if key.startswith("val_") and _finite(value):
-                entry[key] = round(float(value), 6)
-        if _finite(rows[-1].get("lr")):
-            entry["lr"] = float(rows[-1]["lr"])
-        table.append(entry)
-    return table
-
-
 def storage_bytes(run_dir: RunDirectory) -> int:
     return sum(info.size or 0 for info in walk_files(run_dir.location))
 
@@ -243,7 +220,7 @@ def user_loop_progress(
         final = newest.metrics if newest else {}
     step = final.get("step")
     epoch = final.get("epoch")
-    done = int(step) if isinstance(step, int | float) and _finite(step) else 0
+    done = int(step) if isinstance(step, int | float) and is_finite_number(step) else 0
     epochs = int(epoch) + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
     return done, epochs, final
 
@@ -359,134 +336,5 @@ def read_stored_result(run_dir: RunDirectory) -> TrainingResult | None:
     return TrainingResult.model_validate(data)
 
 
-def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | None = None) -> str:
-    """The run summary a person reads in the UI."""
-    workload = spec.train_loop or (
-        f"{spec.model.name} on {spec.data.dataset}" if spec.model and spec.data else "?"
-    )
-    lines = [
-        f"# Run `{result.run_name}`: {result.status}",
-        "",
-        f"- workload: `{workload}`, {_workers(spec)} DDP worker(s)"
-        + (f", {spec.schedule.epochs} epochs" if spec.schedule else ""),
-    ]
-    if spec.data and spec.schedule:
-        optimizer = spec.optimizer
-        accumulation = optimizer.grad_accumulation
-        lines.append(
-            f"- global batch {spec.data.batch_size}"
-            + (f" x {accumulation} per optimizer step" if accumulation > 1 else "")
-            + f", {optimizer.name} lr {optimizer.lr}, schedule {spec.schedule.lr_schedule}"
-            + (
-                f", gradients clipped to norm {optimizer.clip_grad_norm}"
-                if optimizer.clip_grad_norm
-                else ""
-            )
-            + (f", {spec.precision}" if spec.precision != "fp32" else "")
-        )
-        if spec.loss or spec.metrics:
-            lines.append(f"- loss `{spec.loss or 'built-in'}`; metrics {spec.metrics}")
-    lines += [
-        f"- checkpoints every {spec.checkpoint.every} steps; keep last "
-        f"{spec.checkpoint.keep_last}, best {spec.checkpoint.keep_best} by "
-        f"`{spec.checkpoint.best_metric}` ({spec.checkpoint.best_mode})",
-        f"- steps completed: {result.steps_completed}; epochs: {result.epochs_completed}",
-        *(
-            [
-                f"- goodput: {result.goodput:.3f} ({result.steps_completed} steps kept of "
-                f"{result.steps_computed} computed)"
-            ]
-            if result.goodput is not None
-            else []
-        ),
-        *([f"- stopped early: {result.stop_reason}"] if result.stop_reason else []),
-        f"- run directory: `{result.run_uri}` ({result.storage_bytes / 1e6:.2f} MB)",
-        f"- wall time: {result.wall_time_s:.1f} s",
-    ]
-    if plan_reason:
-        lines.append(f"- plan: {plan_reason}")
-    lines += [
-        "",
-        "## Attempts",
-        "",
-        "| # | status | resumed from | last step | steps lost | seconds | error: decision |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for a in result.attempts:
-        error = ""
-        if a.error_class:
-            error = f"{a.error_class}: {_one_line(a.error_message, 70)}"
-            if a.retry_decision:
-                error += f": {_one_line(a.retry_decision, 60)}"
-        seconds = "" if a.duration_s is None else f"{a.duration_s:.1f}"
-        lines.append(
-            f"| {a.attempt} | {a.status} | {_dash(a.resumed_from_step)} | {_dash(a.last_step)} | "
-            f"{_dash(a.steps_lost)} | {seconds} | {error} |"
-        )
-        for number, r in enumerate(a.restarts, 1):
-            back = "" if r.recovery_s is None else f"{r.recovery_s:.1f} s to resume"
-            what = "restarted in place"
-            if r.world_size_before and r.world_size_after:
-                what = f"{r.world_size_before} → {r.world_size_after} workers"
-            why = f"{r.error_class}: {_one_line(r.error_message, 70)}" if r.error_class else ""
-            if r.reason:
-                why = f"{r.reason}: {why}" if why else r.reason
-            lines.append(
-                f"| {a.attempt}.{number} | {what} | {_dash(r.resumed_from_step)} | "
-                f"{_dash(r.last_step)} | {_dash(r.steps_lost)} | {back} | {why} |"
-            )
-    lines += [
-        "",
-        "## Checkpoints",
-        "",
-        f"- best: `{result.best_checkpoint_uri}` {_metrics(result.best_metrics)}",
-        f"- latest: `{result.latest_checkpoint_uri}` {_metrics(result.final_metrics)}",
-    ]
-    lines += [
-        "",
-        "## Tracking",
-        "",
-        f"- TensorBoard: `tensorboard --logdir {result.run_uri}` (event files in the run "
-        "directory, one value per step across attempts)",
-    ]
-    if result.mlflow is not None:
-        lines.append(f"- {result.mlflow.describe()}")
-    if result.best_model_uri or result.latest_model_uri:
-        lines += [
-            "",
-            "Whole model, one `torch.load(path, weights_only=True)` file:",
-            f"- best: `{result.best_model_uri}`",
-            f"- latest: `{result.latest_model_uri}`",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def _workers(spec: RunSpec) -> str:
-    scaling = spec.scaling
-    if scaling.elastic:
-        return f"{scaling.min_workers} to {scaling.max_workers} (elastic)"
-    return str(scaling.num_workers)
-
-
-def _metrics(metrics: dict[str, Any]) -> str:
-    shown = {
-        k: round(v, 4) for k, v in metrics.items() if k in ("step", "loss") or k.startswith("val_")
-    }
-    return ", ".join(f"{k}={v}" for k, v in shown.items())
-
-
-def _one_line(text: str | None, limit: int = 160) -> str:
-    flat = " ".join((text or "").split()).replace("|", "/")
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
-
-
 def _clean(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if isinstance(v, int | float | str) and k != "time"}
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -38,6 +38,7 @@ from trainer_core.checkpoint.files import checkpoint_step
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, stored_spec
 from trainer_core.errors import SpecError
+from trainer_core.numbers import is_finite_number
 from trainer_core.spec.run_spec import RunSpec
 
 logger = logging.getLogger("relaytrain.mlflow")
@@ -264,7 +265,7 @@ class Tracker:
             Metric(key, float(value), int(float(row.get("time", time.time())) * 1000), row["step"])
             for row in fresh
             for key, value in row.items()
-            if key not in NOT_METRICS and _finite(value)
+            if key not in NOT_METRICS and is_finite_number(value)
         ]
         client = self._mlflow_client()
         for start in range(0, len(metrics), METRICS_PER_BATCH):
@@ -488,9 +489,3 @@ def _first_line(error: BaseException) -> str:
 
 def _flat(text: Any) -> str:
     return " ".join(str(text or "").split())
-
-
-def _finite(value: Any) -> bool:
-    import math
-
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.numbers import is_finite_number
 from trainer_core.storage.locations import Location
 
 logger = logging.getLogger("relaytrain.tensorboard")
@@ -55,7 +55,7 @@ def event_bytes(history: Sequence[dict[str, Any]]) -> bytes:
         values = [
             Summary.Value(tag=tag(key), simple_value=float(value))
             for key, value in row.items()
-            if key not in NOT_SCALARS and _finite(value)
+            if key not in NOT_SCALARS and is_finite_number(value)
         ]
         if values:
             event = Event(wall_time=_wall_time(row, start), step=int(row["step"]))
@@ -98,10 +98,6 @@ def _ours(name: str) -> bool:
 
 def _wall_time(row: dict[str, Any], default: float | None = None) -> float:
     value: Any = row.get("time")
-    if _finite(value):
+    if is_finite_number(value):
         return float(value)
     return default if default is not None else time.time()
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
