@@ -179,7 +179,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _sync(args: argparse.Namespace) -> int:
     from trainer_core.run.summary import sync_tracking
-    from trainer_core.tracking.mlflow_log import read_state
+    from trainer_core.tracking.mlflow_state import read_state
 
     run_dir = resolve_run(args.run)
     sync_tracking(stored_spec(run_dir), run_dir)

@@ -21,7 +21,7 @@ from tests.prefect_api import artifacts
 from tests.recovery import losses, run_dir_of
 from trainer_core.checkpoint.exports import read_model_weights
 from trainer_core.spec.overrides import build_spec
-from trainer_core.tracking import mlflow_log, tensorboard_log
+from trainer_core.tracking import mlflow_state, tensorboard_log
 
 pytestmark = pytest.mark.integration
 RELAYTRAIN = str(Path(sys.executable).with_name("relaytrain"))
@@ -120,7 +120,7 @@ def test_mlflow_continues_one_run_across_the_retry(retried, mlflow_server, unint
     # and the run's summary says where
     summary = artifacts(state.state_details.flow_run_id)["tracked-summary"].data
     assert f"MLflow run {result.mlflow.run_id} at {mlflow_server.uri}" in summary
-    assert mlflow_log.read_state(run_dir).run_id == result.mlflow.run_id
+    assert mlflow_state.read_state(run_dir).run_id == result.mlflow.run_id
 
 
 def test_a_stopped_tracking_server_never_fails_training_and_is_backfilled(
@@ -143,7 +143,7 @@ def test_a_stopped_tracking_server_never_fails_training_and_is_backfilled(
     def stop_after_attempt_1() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            state = mlflow_log._read_state_quietly(run_dir)
+            state = mlflow_state.read_state_quietly(run_dir)
             if state and state.run_id:
                 tags = client.get_run(state.run_id).data.tags
                 if tags.get("relaytrain.attempt.1", "").startswith("failed"):
@@ -181,7 +181,7 @@ def test_a_stopped_tracking_server_never_fails_training_and_is_backfilled(
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == uninterrupted["losses"]
     assert run.data.tags["relaytrain.attempt.2"] == "completed (resumed from step 20)"
-    stored = mlflow_log.read_state(run_dir)
+    stored = mlflow_state.read_state(run_dir)
     assert stored.pending is None and stored.finished and stored.model_uri
     assert losses(run_dir) == uninterrupted["losses"]
 

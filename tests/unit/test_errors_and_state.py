@@ -159,7 +159,7 @@ def test_user_model_import_path():
 
 
 def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_first():
-    from trainer_core.run.engine import LiveState
+    from trainer_core.run.live_state import LiveState
 
     rows = {"kind": "metrics", "rows": [{"step": 20, "loss": 1.0}]}
     lost = {"kind": "peer_lost", "rank": 1, "last_step": 22, "group": 0}
@@ -188,7 +188,7 @@ def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_fi
 
 
 def test_every_restart_of_a_group_records_its_world_sizes_and_why():
-    from trainer_core.run.engine import LiveState
+    from trainer_core.run.live_state import LiveState
 
     live = LiveState()
     events = [

@@ -13,7 +13,7 @@ from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import SpecError
 from trainer_core.spec.overrides import build_spec
 from trainer_core.storage.uris import resolve
-from trainer_core.tracking import mlflow_log, tensorboard_log
+from trainer_core.tracking import mlflow_log, mlflow_server, mlflow_state, tensorboard_log
 
 
 def _history() -> list[dict]:
@@ -71,12 +71,12 @@ def test_spec_as_mlflow_params(tmp_path):
     spec = build_spec(
         tiny_spec_dict(tmp_path, "p", tracking={"mlflow_uri": "http://127.0.0.1:5000"})
     )
-    params = mlflow_log.spec_params(spec)
+    params = mlflow_server.spec_params(spec)
     assert params["scaling.num_workers"] == "2"
     assert params["model.kwargs.hidden"] == "[16, 16]"
     assert params["run.name"] == "p" and params["schedule.lr_schedule"] == "cosine"
     assert not any(key.startswith("tracking") for key in params)
-    assert all(len(value) <= mlflow_log.PARAM_CHARS for value in params.values())
+    assert all(len(value) <= mlflow_server.PARAM_CHARS for value in params.values())
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def test_an_unreachable_server_is_recorded_never_raised(tmp_path):
     tracker.on_event({"kind": "metrics", "rows": [{"step": 1, "loss": 1.0, "time": 1e9}]})
     tracker.on_event({"kind": "checkpoint", "step": 1})
     tracker.attempt_ended()
-    state = mlflow_log.read_state(run_dir)
+    state = mlflow_state.read_state(run_dir)
     assert state is not None and state.tracking_uri == uri
     assert state.run_id is None and state.logged_through_step == -1
     assert "connection refused" in (state.pending or "")
@@ -117,4 +117,4 @@ def test_no_tracking_uri_no_tracker(tmp_path, monkeypatch):
     spec = build_spec(tiny_spec_dict(tmp_path, "none"))
     assert mlflow_log.for_run(spec, RunDirectory(resolve(str(tmp_path)))) is None
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
-    assert mlflow_log.tracking_uri(spec) == "http://127.0.0.1:1"
+    assert mlflow_state.tracking_uri(spec) == "http://127.0.0.1:1"

@@ -2,6 +2,7 @@
 retry decision, the result, and what a storage holds.
 
 - ``engine``: one attempt: preflight, the plan, the Ray Train fit, the attempt's record.
+- ``live_state``: what the driver knows of a running attempt, from its workers' events.
 - ``jobs``: attempts as Ray jobs on a remote cluster.
 - ``attempts``: the attempt records (``attempts.jsonl``).
 - ``lease``: one live flow drives a run at a time (``lock.json``).

@@ -36,7 +36,7 @@ class AttemptRecord:
     restore: dict[str, Any] | None = None
     last_step: int | None = None
     #: In-place restarts of the worker group within the attempt (resizes of an elastic run):
-    #: reason, world sizes, steps and seconds, as ``engine.LiveState`` recorded them.
+    #: reason, world sizes, steps and seconds, as ``live_state.LiveState`` recorded them.
     restarts: list[dict[str, Any]] = field(default_factory=list)
     world_size: int | None = None
     peak_worker_rss_mb: float | None = None

@@ -31,6 +31,7 @@ from trainer_core.errors import IncompatibleRunError, LeaseLostError, SpecError
 from trainer_core.execution import classify, cluster, trainer
 from trainer_core.execution.trainer import EventHandler
 from trainer_core.run import attempts
+from trainer_core.run.live_state import LiveState
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import workloads
 from trainer_core.train.loop import builtin_train_loop
@@ -250,120 +251,6 @@ class AttemptResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class LiveState:
-    """What the driver knows of a running attempt, folded from the relayed events."""
-
-    step: int = 0
-    resumed_from: int | None = None
-    #: When the workers had loaded their start point (worker clock): training resumes here.
-    resumed_at: float | None = None
-    #: What loading it cost: bytes the group read from storage, the slowest rank's seconds.
-    restore: dict[str, Any] | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    checkpoint_uri: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    #: In-place restarts of the worker group: when, after what, and where each resumed.
-    restarts: list[dict[str, Any]] = field(default_factory=list)
-    #: Workers in the group, and the largest peak resident memory any of them reported (MB).
-    world_size: int | None = None
-    peak_worker_rss_mb: float | None = None
-    #: The just-in-time checkpoint of a drain's notice, until the preemption's restart.
-    notice: dict[str, Any] | None = None
-    #: Nodes whose preemption an in-place restart already answered: not the cause of a later
-    #: failure.
-    preempted_nodes: set[str] = field(default_factory=set)
-
-    def outcome(self) -> dict[str, Any]:
-        """What an ended attempt's record says of its workers, failed or completed."""
-        return {
-            "resumed_from_step": self.resumed_from,
-            "resumed_at": self.resumed_at,
-            "restore": self.restore,
-            "restarts": self.restarts,
-            "world_size": self.world_size,
-            "peak_worker_rss_mb": self.peak_worker_rss_mb,
-        }
-
-    def apply(self, event: dict[str, Any]) -> bool:
-        """Fold ``event`` in; True when it ended or began a worker group of the attempt (a
-        restart to record)."""
-        kind = event["kind"]
-        self._fold(event, kind)
-        return kind in ("restarting", "resizing") or (
-            kind in ("resumed", "fresh_start") and bool(event.get("group"))
-        )
-
-    def _fold(self, event: dict[str, Any], kind: str) -> None:
-        if event.get("world_size"):
-            self.world_size = event["world_size"]
-        if kind == "memory":
-            self.peak_worker_rss_mb = max(
-                self.peak_worker_rss_mb or 0.0, event["peak_worker_rss_mb"]
-            )
-        if kind == "metrics" and event["rows"]:
-            self.step = max(self.step, event["rows"][-1]["step"])
-            self.metrics = {**self.metrics, **event["rows"][-1]}
-        elif kind == "preemption_notice":
-            self.notice = {
-                "just_in_time_step": event["step"],
-                "seconds_to_deadline": event["seconds_left"],
-            }
-        elif kind == "restarting":
-            reason = event["error_budget"]  # the budget the restart drew on
-            self.preempted_nodes |= set(event.get("preempted_nodes") or ())
-            notice = None
-            if reason == "preemption":  # the just-in-time checkpoint answered this one
-                notice, self.notice = self.notice, None
-            self.restarts.append(
-                {
-                    **(notice or {}),
-                    "restart": len(self.restarts) + 1,
-                    "reason": reason,
-                    "failed_at": event["time"],
-                    "last_step": self.step,
-                    "world_size_before": self.world_size,
-                    "error_class": event["error_class"],
-                    "error_message": event["error_message"],
-                }
-            )
-        elif kind == "resizing":  # the elastic policy found capacity for another size
-            self.restarts.append(
-                {
-                    "restart": len(self.restarts) + 1,
-                    "reason": "capacity",
-                    "failed_at": event["time"],
-                    "last_step": self.step,
-                    "world_size_before": event["world_size"],
-                }
-            )
-        elif kind in ("resumed", "fresh_start") and event.get("group"):
-            if not self.restarts or "resumed_at" in self.restarts[-1]:
-                self.restarts.append({"restart": len(self.restarts) + 1, "reason": "unknown"})
-            self.restarts[-1]["resumed_from_step"] = event.get("step", 0)
-            self.restarts[-1]["resumed_at"] = event.get("time")
-            self.restarts[-1]["world_size_after"] = event.get("world_size")
-        elif kind == "peer_lost":
-            # A surviving rank's last completed step, when rank 0 (whose rows say it) died.
-            group = event.get("group", 0)
-            if group < len(self.restarts):  # that group's restart was heard of first
-                last = self.restarts[group].get("last_step") or 0
-                self.restarts[group]["last_step"] = max(last, event["last_step"])
-            else:
-                self.step = max(self.step, event["last_step"])
-        elif kind == "resumed":
-            self.resumed_from = event.get("step")
-            self.resumed_at = event.get("time")
-            self.restore = {k: event[k] for k in ("bytes_read", "restore_s") if k in event}
-        elif kind == "fresh_start":
-            self.resumed_from = 0  # known: from the beginning (None means unknown)
-            self.resumed_at = event.get("time")
-        elif kind == "checkpoint":
-            self.checkpoint_uri = event.get("checkpoint_uri")
-        elif kind == "finished":
-            self.timings = dict(event.get("timings") or {})
 
 
 def run_attempt(

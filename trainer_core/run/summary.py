@@ -25,7 +25,7 @@ from trainer_core.run.attempts import AttemptRecord
 from trainer_core.run.attempts import read as read_attempts
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.storage.locations import walk_files
-from trainer_core.tracking import mlflow_log, tensorboard_log
+from trainer_core.tracking import mlflow_log, mlflow_state, tensorboard_log
 
 logger = logging.getLogger("relaytrain.summary")
 
@@ -104,7 +104,7 @@ class TrainingResult(_Frozen):
     steps_computed: int | None = None
     goodput: float | None = None
     #: Where the run is in MLflow and whether everything reached it (None: no MLflow).
-    mlflow: mlflow_log.MlflowState | None = None
+    mlflow: mlflow_state.MlflowState | None = None
     #: A user's own loop's ``train_loop_config`` as the run had it: a finished run is finished
     #: for this config (``tasks.setup.is_finished``). None for the built-in loop.
     train_loop_config: dict[str, Any] | None = None

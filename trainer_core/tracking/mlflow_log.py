@@ -21,18 +21,12 @@ summary says so, and the next attempt end, finalize, a rerun of the finished flo
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
-
-from pydantic import BaseModel
 
 from trainer_core.checkpoint.files import checkpoint_step
 from trainer_core.checkpoint.history import read_metrics_history
@@ -40,71 +34,24 @@ from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, 
 from trainer_core.errors import SpecError
 from trainer_core.numbers import is_finite_number
 from trainer_core.spec.run_spec import RunSpec
+from trainer_core.tracking.mlflow_server import _bounded_http, _get_run, _probe, spec_params
+from trainer_core.tracking.mlflow_state import (
+    STATE_FILE,
+    MlflowState,
+    read_state_quietly,
+    tracking_uri,
+)
 
 logger = logging.getLogger("relaytrain.mlflow")
 
-STATE_FILE = "mlflow.json"
 #: Row keys that are not metrics.
 NOT_METRICS = ("step", "batch", "attempt", "time", "schema")
 #: MLflow's limits: params per batch, metrics per batch, characters of a param / tag value.
 PARAMS_PER_BATCH = 100
 METRICS_PER_BATCH = 1000
-PARAM_CHARS = 6000
 TAG_CHARS = 5000
-#: What one unreachable server may cost a call: a short probe, few retries, a short timeout.
-#: A value the user set in the environment wins.
-PROBE_TIMEOUT_S = 3.0
-BOUNDED_HTTP = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
-}
 
 T = TypeVar("T")
-
-
-class MlflowState(BaseModel):
-    """``{run}/mlflow.json``; also the result's ``mlflow`` field."""
-
-    tracking_uri: str
-    experiment_id: str | None = None
-    run_id: str | None = None
-    #: Every metric row with a step at or below this one is logged (-1: none yet).
-    logged_through_step: int = -1
-    params_logged: bool = False
-    #: The logged model (``models:/...``) and the checkpoint step it holds.
-    model_uri: str | None = None
-    model_step: int | None = None
-    #: Set at finalize: the run's terminal status was sent.
-    finished: bool = False
-    #: Why the last call did not reach the server; None when everything asked was logged.
-    pending: str | None = None
-
-    def describe(self) -> str:
-        where = f"MLflow run {self.run_id or '(not created)'} at {self.tracking_uri}"
-        if self.pending:
-            return (
-                f"{where}: logged through step {self.logged_through_step}; not reached "
-                f"({self.pending}). What is missing is logged from the run's history by the "
-                "next attempt, a rerun of the flow, or `relaytrain sync RUN`."
-            )
-        return f"{where}: logged through step {self.logged_through_step}"
-
-
-def tracking_uri(spec: RunSpec | None) -> str | None:
-    """The MLflow tracking URI a run logs to: ``tracking.mlflow_uri``, else the environment's
-    ``MLFLOW_TRACKING_URI``; None: no MLflow."""
-    configured = spec.tracking.mlflow_uri if spec is not None else None
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or None
-
-
-def read_state(run_dir: RunDirectory) -> MlflowState | None:
-    path = run_dir.location.child(STATE_FILE)
-    if not path.exists():
-        return None
-    data = path.read_json()
-    data.pop("schema", None)
-    return MlflowState.model_validate(data)
 
 
 def for_run(spec: RunSpec, run_dir: RunDirectory) -> Tracker | None:
@@ -121,7 +68,7 @@ class Tracker:
         self.spec = spec
         self.run_dir = run_dir
         self.uri = uri
-        stored = _read_state_quietly(run_dir)
+        stored = read_state_quietly(run_dir)
         # another server: start over there (the history has everything)
         self.state = (
             stored if stored and stored.tracking_uri == uri else MlflowState(tracking_uri=uri)
@@ -388,7 +335,7 @@ def sync_run(
     its ``result`` (summary.json's; None before). SpecError when the run names no tracking
     URI."""
     spec = spec or stored_spec(run_dir)
-    state = _read_state_quietly(run_dir)
+    state = read_state_quietly(run_dir)
     uri = uri or (state.tracking_uri if state else None) or tracking_uri(spec)
     if spec is None or not uri:
         raise SpecError(
@@ -404,70 +351,7 @@ def sync_run(
     return tracker.state
 
 
-def spec_params(spec: RunSpec) -> dict[str, str]:
-    """The spec as MLflow params: dotted keys, JSON for lists, values cut to MLflow's limit."""
-    flat: dict[str, str] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict) and value:
-            for key, inner in value.items():
-                walk(f"{prefix}.{key}" if prefix else str(key), inner)
-        elif value is not None:
-            text = value if isinstance(value, str) else json.dumps(value)
-            flat[prefix] = text[:PARAM_CHARS]
-
-    walk("", spec.model_dump(mode="json", exclude={"tracking"}))
-    return flat
-
-
 # -- helpers ----------------------------------------------------------------------------------
-
-
-@contextmanager
-def _bounded_http() -> Iterator[None]:
-    """MLflow's HTTP retries (7, with backoff up to minutes) cut to a few seconds, unless the
-    user set them."""
-    ours = [key for key in BOUNDED_HTTP if key not in os.environ]
-    os.environ.update({key: BOUNDED_HTTP[key] for key in ours})
-    try:
-        yield
-    finally:
-        for key in ours:
-            os.environ.pop(key, None)
-
-
-def _probe(uri: str) -> None:
-    """Fail within seconds when an http(s) tracking server does not answer."""
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https"):
-        return
-    import requests
-
-    requests.get(uri.rstrip("/") + "/health", timeout=PROBE_TIMEOUT_S).raise_for_status()
-
-
-def _get_run(client: Any, run_id: str | None) -> Any:
-    from mlflow.exceptions import MlflowException
-
-    if run_id is None:
-        return None
-    try:
-        run = client.get_run(run_id)
-    except MlflowException as e:
-        if "RESOURCE_DOES_NOT_EXIST" in str(getattr(e, "error_code", "")) or "not found" in str(e):
-            return None
-        raise
-    return None if run.info.lifecycle_stage == "deleted" else run
-
-
-def _read_state_quietly(run_dir: RunDirectory) -> MlflowState | None:
-    try:
-        return read_state(run_dir)
-    except Exception as e:
-        logger.warning(
-            "%s of %s unreadable (%s): starting from the history", STATE_FILE, run_dir.uri, e
-        )
-        return None
 
 
 def _quoted(text: str) -> str:
