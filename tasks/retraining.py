@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -67,22 +68,9 @@ def compare_and_promote(
 ) -> Comparison:
     """Evaluate both on the same holdout; promote the challenger only if better by ``margin``."""
     logger = get_run_logger()
-    metric = (
-        spec.checkpoint.best_metric
-        if spec.checkpoint.best_metric.startswith("val_")
-        else "val_loss"
-    )
-    mode = spec.checkpoint.best_mode if metric == spec.checkpoint.best_metric else "min"
+    metric, mode = _comparison_metric(spec)
     rows = evaluate.holdout(spec)
-    challenger_uri = (
-        storage.join_uri(
-            challenger.storage_uri,
-            challenger.run_name,
-            challenger.best_checkpoint_uri.rsplit("/", 1)[-1],
-        )
-        if challenger.best_checkpoint_uri
-        else None
-    )
+    challenger_uri = _best_checkpoint_uri(challenger)
     challenger_metrics = evaluate.evaluate(spec, challenger_uri, rows) if challenger_uri else {}
     champion_metrics: dict[str, float] = {}
     if champion is not None and evaluate.compatible(spec, champion.checkpoint_uri)[0]:
@@ -123,6 +111,22 @@ def compare_and_promote(
         description=f"Challenger vs champion for {model_name}",
     )
     return comparison
+
+
+def _comparison_metric(spec: RunSpec) -> tuple[str, Literal["min", "max"]]:
+    """The holdout metric both models are compared on, and whether lower or higher wins: the
+    spec's best_metric when it is a validation metric, else val_loss."""
+    best = spec.checkpoint.best_metric
+    metric = best if best.startswith("val_") else "val_loss"
+    return metric, spec.checkpoint.best_mode if metric == best else "min"
+
+
+def _best_checkpoint_uri(result: TrainingResult) -> str | None:
+    """The best checkpoint of a finished run, as a URI on its storage."""
+    if not result.best_checkpoint_uri:
+        return None
+    name = result.best_checkpoint_uri.rsplit("/", 1)[-1]
+    return storage.join_uri(result.storage_uri, result.run_name, name)
 
 
 def _markdown(c: Comparison, num_rows: int) -> str:

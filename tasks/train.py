@@ -58,6 +58,36 @@ class ProgressRelay:
         kind = event["kind"]
         if self.tracker is not None:  # metric rows, logged once their checkpoint commits
             self.tracker.on_event(event)
+        self._log_notice(kind, event)
+        if kind == "resumed":
+            skipped = event.get("skipped") or []
+            note = f" (skipped unusable {[s['step'] for s in skipped]})" if skipped else ""
+            self.logger.info(
+                "%s workers resumed from step %s%s",
+                event.get("world_size", "?"),
+                event.get("step", "?"),
+                note,
+            )
+        elif kind == "fresh_start":
+            self.logger.info("workers started from scratch")
+        elif kind == "checkpoint":
+            self.logger.info(
+                "checkpoint committed at step %s: %s", event["step"], event.get("checkpoint_uri")
+            )
+        elif kind == "metrics":
+            for row in event["rows"]:
+                self.step = max(self.step, row["step"])
+                if any(k.startswith("val_") for k in row):
+                    self._log_epoch(row)
+        elif kind == "finished":
+            self.step = self.total_steps or self.step
+            if event.get("stopped"):
+                self.logger.info("training stopped at step %s: %s", event["step"], event["stopped"])
+        if time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S or kind == "finished":
+            self.publish()
+
+    def _log_notice(self, kind: str, event: dict[str, Any]) -> None:
+        """Say what the run should know of: a restart or resize, a drain, slow writes, new files."""
         if kind == "restarting":
             limit = "no limit" if event["limit"] is None else f"at most {event['limit']}"
             self.logger.warning(
@@ -100,32 +130,6 @@ class ProgressRelay:
                 event["uri"],
                 ", ".join(event["files"][:5]) + (" ..." if len(event["files"]) > 5 else ""),
             )
-        if kind == "resumed":
-            skipped = event.get("skipped") or []
-            note = f" (skipped unusable {[s['step'] for s in skipped]})" if skipped else ""
-            self.logger.info(
-                "%s workers resumed from step %s%s",
-                event.get("world_size", "?"),
-                event.get("step", "?"),
-                note,
-            )
-        elif kind == "fresh_start":
-            self.logger.info("workers started from scratch")
-        elif kind == "checkpoint":
-            self.logger.info(
-                "checkpoint committed at step %s: %s", event["step"], event.get("checkpoint_uri")
-            )
-        elif kind == "metrics":
-            for row in event["rows"]:
-                self.step = max(self.step, row["step"])
-                if any(k.startswith("val_") for k in row):
-                    self._log_epoch(row)
-        elif kind == "finished":
-            self.step = self.total_steps or self.step
-            if event.get("stopped"):
-                self.logger.info("training stopped at step %s: %s", event["step"], event["stopped"])
-        if time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S or kind == "finished":
-            self.publish()
 
     def publish(self) -> None:
         """Push the progress known now (also when an attempt ends early: where it got to)."""

@@ -89,63 +89,13 @@ def classify(error: BaseException) -> BaseException:
     Non-Exception BaseExceptions (cancellation, KeyboardInterrupt) pass through unchanged.
     """
     from ray.train import ControllerError, PreemptionError, WorkerGroupError
-    from ray.train.v2._internal.exceptions import (
-        WorkerGroupStartupTimeoutError,
-        WorkerHealthCheckFailedError,
-        WorkerHealthCheckTimeoutError,
-    )
-
-    # Ray Train's own verdicts on a worker's health: the worker, not the code, failed.
-    unhealthy = (
-        WorkerHealthCheckFailedError,
-        WorkerHealthCheckTimeoutError,
-        WorkerGroupStartupTimeoutError,
-    )
 
     if isinstance(error, RelaytrainError) or not isinstance(error, Exception):
         return error
     if isinstance(error, PreemptionError):
         return PreemptedError(f"preempted: {error}")
     if isinstance(error, WorkerGroupError):
-        raw = dict(sorted(error.worker_failures.items()))
-        # A rank lost to a preempted node explains its peers' collateral errors too (Ray's own
-        # failure policy makes the same call).
-        preempted = [r for r, e in raw.items() if _was_preempted(e)]
-        if preempted:
-            return PreemptedError(
-                f"preempted: the node of rank(s) {preempted} was reclaimed ({raw[preempted[0]]})"[
-                    :4000
-                ]
-            )
-        if any(isinstance(e, unhealthy) for e in raw.values()) and not any(
-            isinstance(_unwrap(e), SpecError | TrainingCodeError) for e in raw.values()
-        ):
-            detail = "; ".join(f"rank {r}: {e}" for r, e in raw.items())
-            return InfrastructureError(f"a training worker died or hung: {detail}"[:4000])
-        failures = {rank: _unwrap(e) for rank, e in raw.items()}
-        # Precedence: a spec error anywhere (never retry), then a genuine training-code error,
-        # then storage; peers that only saw a dead rank's collective fail as infrastructure.
-        for kind in (SpecError, TrainingCodeError, StorageError, InfrastructureError):
-            for failure in failures.values():
-                if isinstance(failure, kind):
-                    return failure
-        detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
-        died = (
-            ray.exceptions.RayActorError,
-            ray.exceptions.NodeDiedError,
-            ray.exceptions.WorkerCrashedError,
-        )
-        if any(isinstance(e, died) for e in failures.values()):
-            return InfrastructureError(f"a training worker died: {detail}"[:4000])
-        # A rank's own error explains its peers' lost collectives; lost collectives alone are
-        # the infrastructure's.
-        own = [e for e in failures.values() if not is_peer_failure(e)]
-        if failures and not own:
-            return InfrastructureError(f"a collective lost its peers: {detail}"[:4000])
-        first = next(iter(own), error)
-        return TrainingCodeError(
-            f"{type(first).__name__}: {first}"[:4000], error_type=type(first).__name__
-        )
+        return _worker_group_failure(error, dict(sorted(error.worker_failures.items())))
     if isinstance(error, ControllerError):
         cause = _unwrap(error.controller_failure)
         if isinstance(cause, ray.exceptions.ActorDiedError):
@@ -162,6 +112,58 @@ def classify(error: BaseException) -> BaseException:
     if is_peer_failure(error):
         return InfrastructureError(f"a collective lost its peers: {type(error).__name__}: {error}")
     return TrainingCodeError(f"{type(error).__name__}: {error}", error_type=type(error).__name__)
+
+
+def _worker_group_failure(error: Exception, raw: dict[int, BaseException]) -> Exception:
+    """What the failures of a worker group's ranks (rank -> error) mean, taken together."""
+    from ray.train.v2._internal.exceptions import (
+        WorkerGroupStartupTimeoutError,
+        WorkerHealthCheckFailedError,
+        WorkerHealthCheckTimeoutError,
+    )
+
+    # Ray Train's own verdicts on a worker's health: the worker, not the code, failed.
+    unhealthy = (
+        WorkerHealthCheckFailedError,
+        WorkerHealthCheckTimeoutError,
+        WorkerGroupStartupTimeoutError,
+    )
+    # A rank lost to a preempted node explains its peers' collateral errors too (Ray's own
+    # failure policy makes the same call).
+    preempted = [r for r, e in raw.items() if _was_preempted(e)]
+    if preempted:
+        return PreemptedError(
+            f"preempted: the node of rank(s) {preempted} was reclaimed ({raw[preempted[0]]})"[:4000]
+        )
+    if any(isinstance(e, unhealthy) for e in raw.values()) and not any(
+        isinstance(_unwrap(e), SpecError | TrainingCodeError) for e in raw.values()
+    ):
+        detail = "; ".join(f"rank {r}: {e}" for r, e in raw.items())
+        return InfrastructureError(f"a training worker died or hung: {detail}"[:4000])
+    failures = {rank: _unwrap(e) for rank, e in raw.items()}
+    # Precedence: a spec error anywhere (never retry), then a genuine training-code error,
+    # then storage; peers that only saw a dead rank's collective fail as infrastructure.
+    for kind in (SpecError, TrainingCodeError, StorageError, InfrastructureError):
+        for failure in failures.values():
+            if isinstance(failure, kind):
+                return failure
+    detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
+    died = (
+        ray.exceptions.RayActorError,
+        ray.exceptions.NodeDiedError,
+        ray.exceptions.WorkerCrashedError,
+    )
+    if any(isinstance(e, died) for e in failures.values()):
+        return InfrastructureError(f"a training worker died: {detail}"[:4000])
+    # A rank's own error explains its peers' lost collectives; lost collectives alone are
+    # the infrastructure's.
+    own = [e for e in failures.values() if not is_peer_failure(e)]
+    if failures and not own:
+        return InfrastructureError(f"a collective lost its peers: {detail}"[:4000])
+    first = next(iter(own), error)
+    return TrainingCodeError(
+        f"{type(first).__name__}: {first}"[:4000], error_type=type(first).__name__
+    )
 
 
 def name_preemption(
