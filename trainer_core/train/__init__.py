@@ -6,6 +6,7 @@
 - ``user_loop``: a user's own Ray Train loop, run unchanged with relaytrain's bookkeeping.
 - ``preemption``: answering a drain's notice with a checkpoint.
 - ``workloads``: the built-in models, losses and metrics; the import-path contract for users'.
+- ``validate``: the validation metrics, one definition for the loop and for ``evaluate``.
 - ``evaluate``: committed checkpoints evaluated on the holdout, on the driver.
 
 May import: ``errors``, ``storage``, ``spec``, ``data``, ``execution``, ``checkpoint``.

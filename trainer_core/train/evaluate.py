@@ -15,7 +15,7 @@ from trainer_core.data import arrays as data_mod
 from trainer_core.data import footers, rank_stream, stream
 from trainer_core.errors import SpecError
 from trainer_core.spec.run_spec import RunSpec
-from trainer_core.train import workloads
+from trainer_core.train import validate, workloads
 
 
 def check_holdout(spec: RunSpec) -> None:
@@ -96,9 +96,7 @@ def evaluate(spec: RunSpec, checkpoint_uri: str, rows: data_mod.Arrays) -> dict[
     features = torch.from_numpy(rows.features)
     labels = torch.from_numpy(rows.labels)
     output = model(features)
-    metrics = {"val_loss": float(workloads.loss_function(task, spec.loss)(output, labels))}
-    if task == "classification":
-        metrics["val_accuracy"] = float((output.argmax(dim=1) == labels).float().mean())
-    for name, fn in workloads.metric_functions(list(spec.metrics)).items():
-        metrics[name] = float(fn(output, labels))
-    return metrics
+    loss = workloads.loss_function(task, spec.loss)(output, labels)
+    metric_fns = workloads.metric_functions(list(spec.metrics))
+    sums = validate.part_sums(output, labels, loss, task == "classification", metric_fns)
+    return {name: total / len(labels) for name, total in sums.items()}

@@ -40,7 +40,7 @@ from trainer_core.execution.worker_group import (
     peak_rss_mb,
 )
 from trainer_core.spec.run_spec import RunSpec
-from trainer_core.train import workloads
+from trainer_core.train import validate, workloads
 from trainer_core.train.preemption import DrainWatch
 from trainer_core.train.steps import (
     NonFiniteLosses,
@@ -373,7 +373,7 @@ class BuiltinLoop:
         self._broadcast_buffers()
         self.model.eval()
         classification = self.data_spec.task == "classification"
-        names = ["val_loss", *(["val_accuracy"] if classification else []), *self.metric_fns]
+        names = validate.metric_names(classification, self.metric_fns)
         # Per-sample means, as sums over this rank's rows: all-reduced once, then divided.
         sums = dict.fromkeys(names, 0.0)
         seen = 0
@@ -386,11 +386,10 @@ class BuiltinLoop:
             labels = self._to_device(part.labels)
             with self._autocast():
                 output = self.model(features)
-                sums["val_loss"] += float(self.loss_fn(output, labels)) * len(part)
-            if classification:
-                sums["val_accuracy"] += float((output.argmax(dim=1) == labels).sum())
-            for name, fn in self.metric_fns.items():
-                sums[name] += float(fn(output, labels)) * len(part)
+                loss = self.loss_fn(output, labels)
+            part_sums = validate.part_sums(output, labels, loss, classification, self.metric_fns)
+            for name, value in part_sums.items():
+                sums[name] += value
             seen += len(part)
         *totals, count = all_reduce([*sums.values(), float(seen)])
         if count == 0:
