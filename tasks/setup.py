@@ -67,9 +67,13 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     names = credentials.apply(spec.run.credentials)
     if names:
         logger.info("storage credentials from block %s: %s", spec.run.credentials, names)
-    total_steps = engine.validate_workload(spec)  # bad input first, as it names itself
-    plan, run_dir = engine.plan_attempt(spec)
-    pinned = engine.pin_dataset(spec, run_dir)
+    checked = engine.preflight(spec)  # bad input first, as it names itself
+    plan, run_dir, pinned, total_steps = (
+        checked.plan,
+        checked.run_dir,
+        checked.pinned,
+        checked.total_steps,
+    )
     if pinned is not None and pinned.added:
         logger.info(
             "%s file(s) added to %s since this run took its dataset snapshot are ignored",

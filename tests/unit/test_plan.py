@@ -86,3 +86,56 @@ def test_the_resume_plan_is_a_function_of_the_listing():
     empty = resume_plan("r", "s3://b", "s3://b/r", 1, Scan([], [], []), init_from="s3://b/x/c")
     assert empty.resume_step is None and empty.candidates == []
     assert empty.reason.startswith("fresh start") and "warm start from s3://b/x/c" in empty.reason
+
+
+def test_an_attempt_describes_its_dataset_once(tmp_path, monkeypatch):
+    """preflight reads and describes the dataset once per attempt, first and resumed (its scan
+    is the snapshot then), and again only for a snapshot whose files changed since; the workers
+    get what it described (PinnedDataset.for_workers), so no rank describes it."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainer_core.data import stream
+    from trainer_core.run import engine
+
+    directory = tmp_path / "table"
+    directory.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        pq.write_table(
+            pa.table({"x": rng.random(64, dtype=np.float32), "y": rng.integers(0, 3, 64)}),
+            directory / f"part-{i}.parquet",
+        )
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "described",
+            data={
+                "dataset": str(directory),
+                "features": ["x"],
+                "label": "y",
+                "task": "classification",
+                "batch_size": 8,
+            },
+        )
+    )
+    calls = []
+    describe = stream.describe
+    monkeypatch.setattr(stream, "describe", lambda *a, **k: calls.append(1) or describe(*a, **k))
+
+    first = engine.preflight(spec)
+    assert len(calls) == 1 and first.pinned is not None and first.pinned.record is not None
+    first.run_dir.write_dataset_snapshot(first.pinned.record)  # as the first attempt does
+    resumed = engine.preflight(spec, attempt=2)
+    assert len(calls) == 2 and resumed.pinned == first.pinned
+    assert resumed.pinned.for_workers() == first.pinned.for_workers()
+
+    pq.write_table(
+        pa.table({"x": rng.random(8, dtype=np.float32), "y": rng.integers(0, 3, 8)}),
+        directory / "part-2.parquet",
+    )
+    grown = engine.preflight(spec, attempt=3)
+    assert len(calls) == 4  # this attempt's scan, then the snapshot's own description
+    assert grown.pinned is not None and grown.pinned.added == [str(directory / "part-2.parquet")]
+    assert grown.pinned.layout == first.pinned.layout

@@ -11,6 +11,7 @@ A second call on the same run resumes from the newest committed checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import platform
 import time
@@ -95,10 +96,15 @@ class PinnedDataset:
         return {"snapshot": self.record, "info": asdict(self.info)}
 
 
-def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDataset | None:
+def pin_dataset(
+    spec: RunSpec, run_dir: RunDirectory | None = None, fresh: PinnedDataset | None = None
+) -> PinnedDataset | None:
     """The built-in loop's dataset as this attempt must read it: the snapshot ``run_dir``
     records, checked against the files (SpecError naming a file that changed or vanished), or
-    a new scan when the run has none (its first attempt). None for a user's own loop."""
+    a new scan when the run has none (its first attempt). None for a user's own loop.
+
+    ``fresh``: this attempt's own scan (``pin_dataset(spec)``), reused when it is the snapshot
+    (the files as they were pinned) or there is none: the dataset is described once."""
     if spec.train_loop is not None:
         return None
     assert spec.data is not None
@@ -107,18 +113,22 @@ def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDat
     location = None if data.dataset == "synthetic" else footers.dataset_location(data)
     added: list[str] = []
     if stored is not None and location is not None and stored["uri"] == location.uri:
+        if fresh is not None and json.loads(json.dumps(fresh.record)) == stored:
+            return fresh
         layout = dataset_snapshot.from_json(stored, data)
         added = dataset_snapshot.verify(layout, data).added
+    elif fresh is not None:
+        return fresh
     else:
         layout = footers.scan(data)  # footers only
     record = dataset_snapshot.to_json(layout) if layout.files else None
     return PinnedDataset(layout, stream.describe(layout, data), record, added)
 
 
-def validate_workload(spec: RunSpec) -> int | None:
-    """Import what the spec names, read the dataset (footers) and build the model: SpecError
-    before any worker starts. Returns the run's total optimizer steps (None for a user's own
-    loop)."""
+def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int | None:
+    """Import what the spec names, read the dataset (footers; ``pinned``: already read) and
+    build the model: SpecError before any worker starts. Returns the run's total optimizer
+    steps (None for a user's own loop)."""
     if spec.train_loop is not None:
         workloads.resolve_train_loop(spec.train_loop)
         for name, uri in spec.datasets.items():  # footers only: the files are Parquet
@@ -126,7 +136,7 @@ def validate_workload(spec: RunSpec) -> int | None:
         return None
     assert spec.model is not None and spec.data is not None and spec.schedule is not None
     data = spec.data.resolved()
-    pinned = pin_dataset(spec)
+    pinned = pinned or pin_dataset(spec)
     assert pinned is not None
     layout, info = pinned.layout, pinned.info
     _check_reader_memory(data, layout)
@@ -172,6 +182,28 @@ def _check_reader_memory(data: Any, layout: footers.Layout) -> None:
             "data.partitions, or raise data.memory_mb",
             field="data.shuffle_window",
         )
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the driver settled before an attempt: its plan, the run directory, the dataset it
+    trains on (None for a user's own loop) and the run's total optimizer steps."""
+
+    plan: Plan
+    run_dir: RunDirectory
+    pinned: PinnedDataset | None
+    total_steps: int | None
+
+
+def preflight(spec: RunSpec, attempt: int | None = None) -> Preflight:
+    """Everything the driver checks before an attempt, in the order errors name themselves:
+    the workload (what the spec imports, the dataset's footers, the model, the loss), then
+    storage and the run directory, then the run's dataset snapshot. The dataset is read and
+    described once (twice only when its files differ from the snapshot's)."""
+    fresh = pin_dataset(spec)
+    total_steps = validate_workload(spec, fresh)
+    plan, run_dir = plan_attempt(spec, attempt)
+    return Preflight(plan, run_dir, pin_dataset(spec, run_dir, fresh), total_steps)
 
 
 def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDirectory]:
@@ -266,10 +298,9 @@ def run_attempt(
     ``lease_owner``: the lease the workers' commits are fenced by; ``lost()``: an error once
     the lease is lost (the attempt is stopped and raises it)."""
     started = time.time()
-    validate_workload(spec)  # bad input names itself before anything about the run directory
-    plan, run_dir = plan_attempt(spec, attempt)
-    plan = dataclasses.replace(plan, lease_owner=lease_owner)
-    pinned = pin_dataset(spec, run_dir)
+    checked = preflight(spec, attempt)  # bad input names itself before the run directory
+    run_dir, pinned = checked.run_dir, checked.pinned
+    plan = dataclasses.replace(checked.plan, lease_owner=lease_owner)
     if pinned is not None:
         plan = dataclasses.replace(plan, dataset=pinned.for_workers())
         if pinned.added and on_event is not None:
