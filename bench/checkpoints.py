@@ -30,10 +30,9 @@ from __future__ import annotations
 import functools
 import math
 import os
-import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,16 +41,17 @@ import pyarrow.fs as pafs
 import torch
 
 from bench import common, harness
-from bench.common import Result, Sample, Target, Variant
+from bench.common import MB, Result, Sample, Target, Variant
 from bench.workload import mlp_spec, random_state
 from trainer_core import storage
 from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint.history import write_metrics_segment
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.checkpoint.staging import Stager
-from trainer_core.spec.run_spec import CheckpointSection, RunSpec
+from trainer_core.spec.operations import CheckpointSection
+from trainer_core.spec.run_spec import RunSpec
 
 NAME = "checkpoints"
-MB = 2**20
 COLUMNS = [
     "blocked_s",
     "background_s",
@@ -105,7 +105,7 @@ def relaytrain_checkpoint(
             step, "rng-rank0.pt", functools.partial(training_state.save, rng)
         ),
     ]
-    run_dir.write_metrics_segment(1, [{"step": step, "epoch": 0, "loss": 0.0}])
+    write_metrics_segment(run_dir, 1, [{"step": step, "epoch": 0, "loss": 0.0}])
     run_dir.commit_checkpoint(
         step, entries, {"epoch": 0, "cursor": {"epoch": 0, "batch": step}, "metrics": {}}
     )
@@ -200,12 +200,7 @@ def loop_spec(store: Store, name: str, megabytes: float) -> RunSpec:
 
 
 def relaytrain_loop(store: Store, name: str, megabytes: float) -> Sample:
-    spec = loop_spec(store, name, megabytes)
-    _, events = harness.run_engine(spec)
-    timings = harness.finished_timings(events)
-    count = timings.get("num_checkpoints") or 0
-    if not count:
-        raise RuntimeError(f"{name}: the loop reported no checkpoint timings")
+    timings, count = harness.checkpoint_timings(loop_spec(store, name, megabytes))
     _delete_run(store, name)
     return {
         "blocked_s": timings["checkpoint_s"] / count,
@@ -268,20 +263,8 @@ def group(store: Store, megabytes: float) -> list[Variant]:
 @contextmanager
 def stores(names: list[str], scratch: Path) -> Iterator[list[Store]]:
     """The stores asked for: ``local`` (a directory) and ``s3`` (a moto server)."""
-    with ExitStack() as stack:
-        found = []
-        for name in names:
-            if name == "local":
-                found.append(Store("local", str(scratch / "local-store"), scratch))
-            elif name == "s3":
-                from tests.s3 import moto_s3
-
-                server = stack.enter_context(moto_s3(scratch))
-                stack.enter_context(harness.env(**server.credential_env()))
-                found.append(Store("s3", server.uri("bench"), scratch))
-            else:
-                raise SystemExit(f"unknown store {name!r}: use local and/or s3")
-        yield found
+    with harness.stores(names, scratch, local_dir="local-store", s3_prefix="bench") as uris:
+        yield [Store(name, uri, scratch) for name, uri in uris.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,27 +272,23 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--sizes", default=None, help="state sizes in MB (default 10,100,500)")
     cli.add_argument("--stores", default="local,s3", help="local and/or s3")
     args = cli.parse_args(argv)
-    sizes = [float(s) for s in (args.sizes or ("2" if args.quick else "10,100,500")).split(",")]
+    sizes = common.floats(args.sizes or ("2" if args.quick else "10,100,500"))
     result = Result(NAME, args.quick, columns=COLUMNS)
-    repetitions = common.repetitions_of(args)
     with (
-        harness.local_ray() as ray_info,
-        tempfile.TemporaryDirectory(prefix="relaytrain-bench-ckpt-") as tmp,
-        stores(args.stores.split(","), Path(tmp)) as chosen,
+        harness.session(prefix="relaytrain-bench-ckpt-") as (scratch, session),
+        stores(args.stores.split(","), scratch) as chosen,
     ):
         result.settings.update(
-            ray_info,
+            session,
             sizes_mb=sizes,
             stores={s.name: s.uri.split("?")[0] for s in chosen},
-            scratch=tmp,
+            scratch=str(scratch),
             torch_threads=torch.get_num_threads(),
             cpu_count=os.cpu_count(),
         )
         for store in chosen:
             for megabytes in sizes:
-                result.variants.update(
-                    common.alternate(group(store, megabytes), repetitions, only=args.only)
-                )
+                result.variants.update(common.measure(group(store, megabytes), args))
         summarize(result, [s.name for s in chosen], sizes)
     return common.finish(result, args)
 

@@ -5,9 +5,9 @@ Datasets are generated once per run: Parquet files of ``x`` (64 float32 features
 fixed-size list) and ``y`` (int64), 65,536-row row groups, 4 files per dataset.
 
 Variants, per store (``local``: a directory; ``s3``: a moto server on loopback):
-- ``<store>/reader``: ``trainer_core.data.stream.RankStream``, what feeds the built-in loop, reading
-  one epoch of every global batch (batch 1024, 8 partitions, one rank of one; row groups read
-  ahead a window at a time), rows as numpy arrays;
+- ``<store>/reader``: ``trainer_core.data.rank_stream.RankStream``, what feeds the built-in loop,
+  reading one epoch of every global batch (batch 1024, 8 partitions, one rank of one; row groups
+  read ahead a window at a time), rows as numpy arrays;
 - ``<store>/reader_rank0of2``: rank 0 of 2: what one worker of two reads;
 - ``<store>/raw_scan``: ``pyarrow.dataset(...).to_batches()`` over the same columns, each
   batch turned into the same arrays (``data.table_arrays``): the storage and decode ceiling.
@@ -30,8 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +42,8 @@ from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
 from trainer_core import storage
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import stream
-from trainer_core.spec.run_spec import DataSection
+from trainer_core.data import footers, rank_stream
+from trainer_core.spec.sections import DataSection
 
 NAME = "data"
 FEATURES = 64
@@ -110,11 +108,11 @@ def section(uri: str) -> DataSection:
 
 
 def read_epoch(uri: str, world_size: int = 1, rank: int = 0) -> Sample:
-    """One rank's epoch as the built-in loop reads it: ``stream.RankStream`` (which sizes its
+    """One rank's epoch as the built-in loop reads it: ``rank_stream.RankStream`` (which sizes its
     row group cache to the windows it reads), read ahead."""
     data = section(uri)
     started = time.perf_counter()
-    ranks = stream.RankStream(stream.scan(data), data, 0, world_size, rank)
+    ranks = rank_stream.RankStream(footers.scan(data), data, 0, world_size, rank)
     samples = 0
     ahead = ranks.epoch(0)
     try:
@@ -176,23 +174,49 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-@contextmanager
-def stores(names: list[str], scratch: Path) -> Iterator[dict[str, str]]:
-    """Where each store keeps its datasets: a URI prefix."""
-    with ExitStack() as stack:
-        found = {}
-        for name in names:
-            if name == "local":
-                found[name] = str(scratch / "local")
-            elif name == "s3":
-                from tests.s3 import moto_s3
+def throughput_variants(
+    stores: dict[str, str], megabytes: float
+) -> tuple[list[Variant], dict[str, Any]]:
+    """Per store, a dataset of ``megabytes`` and the variants that read it; the rows written."""
+    variants: list[Variant] = []
+    rows: dict[str, Any] = {}
+    for name, prefix in stores.items():
+        uri = storage.join_uri(prefix, "throughput")
+        rows[name] = write_dataset(uri, megabytes)
+        variants += [
+            Variant(f"{name}/reader", "RankStream, rank 0 of 1", lambda r, u=uri: read_epoch(u)),
+            Variant(
+                f"{name}/reader_rank0of2",
+                "RankStream, rank 0 of 2",
+                lambda r, u=uri: read_epoch(u, 2, 0),
+            ),
+            Variant(f"{name}/raw_scan", "pyarrow.dataset scan", lambda r, u=uri: raw_scan(u)),
+        ]
+    return variants, rows
 
-                server = stack.enter_context(moto_s3(scratch))
-                stack.enter_context(harness.env(**server.credential_env()))
-                found[name] = server.uri("bench-data")
-            else:
-                raise SystemExit(f"unknown store {name!r}: use local and/or s3")
-        yield found
+
+def rss_variants(root: str, small: float, large: float) -> tuple[list[Variant], dict[str, Any]]:
+    """The datasets under ``root`` that a fresh process reads for its peak RSS, and their
+    variants; the rows written."""
+    variants: list[Variant] = []
+    rows: dict[str, Any] = {}
+    for megabytes, groups, suffix in (
+        (1, ROW_GROUP, ""),  # the idle reader: imports and a dataset it hardly holds
+        (small, ROW_GROUP, ""),
+        (large, ROW_GROUP, ""),
+        (large, None, "-big-groups"),
+    ):
+        uri = f"{root}/{megabytes:g}mb{suffix}"
+        rows[f"rss/{megabytes:g}{suffix}"] = write_dataset(uri, megabytes, groups)
+        variants.append(
+            Variant(
+                f"rss/{megabytes:g}MB{suffix}",
+                "a fresh process reading one epoch"
+                + (" (pyarrow's default row groups)" if suffix else ""),
+                lambda r, u=uri: peak_rss(u),
+            )
+        )
+    return variants, rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,51 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--rss-sizes", default=None, help="small,large in MB (200,2048)")
     args = cli.parse_args(argv)
     size = args.megabytes or (8 if args.quick else 256)
-    small, large = (
-        float(s) for s in (args.rss_sizes or ("4,16" if args.quick else "200,2048")).split(",")
-    )
+    small, large = common.floats(args.rss_sizes or ("4,16" if args.quick else "200,2048"))
     result = Result(NAME, args.quick, columns=COLUMNS)
-    repetitions = common.repetitions_of(args)
     with (
         tempfile.TemporaryDirectory(prefix="relaytrain-bench-data-") as tmp,
-        stores(args.stores.split(","), Path(tmp)) as chosen,
+        harness.stores(args.stores.split(","), Path(tmp), s3_prefix="bench-data") as chosen,
     ):
-        variants: list[Variant] = []
-        rows: dict[str, Any] = {}
-        for name, prefix in chosen.items():
-            uri = storage.join_uri(prefix, "throughput")
-            rows[name] = write_dataset(uri, size)
-            variants += [
-                Variant(
-                    f"{name}/reader", "RankStream, rank 0 of 1", lambda r, u=uri: read_epoch(u)
-                ),
-                Variant(
-                    f"{name}/reader_rank0of2",
-                    "RankStream, rank 0 of 2",
-                    lambda r, u=uri: read_epoch(u, 2, 0),
-                ),
-                Variant(f"{name}/raw_scan", "pyarrow.dataset scan", lambda r, u=uri: raw_scan(u)),
-            ]
-        local = str(Path(tmp) / "rss")
-        for megabytes, groups, suffix in (
-            (1, ROW_GROUP, ""),  # the idle reader: imports and a dataset it hardly holds
-            (small, ROW_GROUP, ""),
-            (large, ROW_GROUP, ""),
-            (large, None, "-big-groups"),
-        ):
-            uri = f"{local}/{megabytes:g}mb{suffix}"
-            rows[f"rss/{megabytes:g}{suffix}"] = write_dataset(uri, megabytes, groups)
-            variants.append(
-                Variant(
-                    f"rss/{megabytes:g}MB{suffix}",
-                    "a fresh process reading one epoch"
-                    + (" (pyarrow's default row groups)" if suffix else ""),
-                    lambda r, u=uri: peak_rss(u),
-                )
-            )
+        variants, rows = throughput_variants(chosen, size)
+        rss, rss_rows = rss_variants(str(Path(tmp) / "rss"), small, large)
         result.settings.update(
             dataset_mb=size,
-            rows=rows,
+            rows={**rows, **rss_rows},
             features=FEATURES,
             row_group=ROW_GROUP,
             batch=BATCH,
@@ -257,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             window=WINDOW,
             rss_sizes_mb=[small, large],
         )
-        result.variants = common.alternate(variants, repetitions, only=args.only)
+        result.variants = common.measure(variants + rss, args)
     summarize(result, list(chosen), small, large)
     return common.finish(result, args)
 

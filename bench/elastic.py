@@ -45,7 +45,9 @@ from tests.multinode import wait_until
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.execution.cluster import RAY_ENV_DEFAULTS
 from trainer_core.run import attempts
-from trainer_core.spec.run_spec import RunSpec, build_spec
+from trainer_core.run.attempts import AttemptRecord
+from trainer_core.spec.overrides import build_spec
+from trainer_core.spec.run_spec import RunSpec
 
 NAME = "elastic"
 RATIO_TARGET = Target(
@@ -145,16 +147,7 @@ def run_with_fault(
     run_dir = RunDirectory.of(spec.run.storage, spec.run.name)
     every = spec.checkpoint.every
     wait_until(lambda: _committed_step(run_dir) >= every, what="the first commit")
-    victim = nodes[-1]
-    if fault == "drain":
-        answer = cluster.command("drain", victim, str(after_s + 1))
-        if not answer.get("accepted"):
-            raise RuntimeError(f"the drain was refused: {answer}")
-    time.sleep(after_s)
-    lost_at = time.time()
-    cluster.command("kill", victim)
-    if fixed:
-        cluster.command("add")  # the replacement, at once
+    lost_at = lose_node(cluster, nodes[-1], fault, fixed, after_s)
     thread.join(timeout=900)
     if "error" in box:
         raise box["error"]
@@ -167,37 +160,64 @@ def run_with_fault(
     first_step_at = after[0]["time"]
     sample["recovery_s"] = first_step_at - lost_at
     records = attempts.read(run_dir)
-    restarts = [r for a in records for r in a.restarts]
+    recovered = retried if fixed else continued
+    sample.update(recovered(spec.run.name, records, lost_at, first_step_at))
+    return sample
+
+
+def lose_node(cluster: Any, victim: str, fault: str, fixed: bool, after_s: float) -> float:
+    """Kill ``victim`` ``after_s`` seconds from now (``drain``: drained first, with that much
+    notice), and with ``fixed`` add a node back at once; when it was killed."""
+    if fault == "drain":
+        answer = cluster.command("drain", victim, str(after_s + 1))
+        if not answer.get("accepted"):
+            raise RuntimeError(f"the drain was refused: {answer}")
+    time.sleep(after_s)
+    lost_at = time.time()
+    cluster.command("kill", victim)
     if fixed:
-        failed = [a for a in records if a.status == "failed"]
-        if not failed or len(records) < 2:
-            raise RuntimeError(f"{spec.run.name}: the kill did not end an attempt")
-        following = records[records.index(failed[0]) + 1]
-        sample["steps_lost"] = float(
-            (failed[0].last_step or 0) - (following.resumed_from_step or 0)
-        )
-        sample.update(
-            common.recovery_phases(
-                lost_at,
-                failed[0].ended_at,
-                following.started_at,
-                following.resumed_at,
-                first_step_at,
-            )
-        )
-    else:
-        if len(records) != 1 or not restarts:
-            raise RuntimeError(f"{spec.run.name}: expected one attempt that went on in place")
-        first = restarts[0]
-        sample["steps_lost"] = float(first["last_step"] - first["resumed_from_step"])
-        failed_at = first.get("failed_at")
-        sample.update(
-            common.recovery_phases(
-                lost_at, failed_at, failed_at, first.get("resumed_at"), first_step_at
-            )
-        )
-        if "seconds_to_deadline" in first:
-            sample["seconds_to_deadline"] = float(first["seconds_to_deadline"])
+        cluster.command("add")  # the replacement, at once
+    return lost_at
+
+
+def retried(
+    name: str, records: list[AttemptRecord], lost_at: float, first_step_at: float
+) -> Sample:
+    """Steps lost and recovery phases of a node loss that ended an attempt (Prefect retried)."""
+    failed = [a for a in records if a.status == "failed"]
+    if not failed or len(records) < 2:
+        raise RuntimeError(f"{name}: the kill did not end an attempt")
+    following = records[records.index(failed[0]) + 1]
+    return {
+        "steps_lost": float((failed[0].last_step or 0) - (following.resumed_from_step or 0)),
+        **common.recovery_phases(
+            lost_at,
+            failed[0].ended_at,
+            following.started_at,
+            following.resumed_at,
+            first_step_at,
+        ),
+    }
+
+
+def continued(
+    name: str, records: list[AttemptRecord], lost_at: float, first_step_at: float
+) -> Sample:
+    """Steps lost and recovery phases of a node loss that the attempt went on through (its
+    worker group restarted in place, elastic)."""
+    restarts = [r for a in records for r in a.restarts]
+    if len(records) != 1 or not restarts:
+        raise RuntimeError(f"{name}: expected one attempt that went on in place")
+    first = restarts[0]
+    failed_at = first.get("failed_at")
+    sample: Sample = {
+        "steps_lost": float(first["last_step"] - first["resumed_from_step"]),
+        **common.recovery_phases(
+            lost_at, failed_at, failed_at, first.get("resumed_at"), first_step_at
+        ),
+    }
+    if "seconds_to_deadline" in first:
+        sample["seconds_to_deadline"] = float(first["seconds_to_deadline"])
     return sample
 
 
@@ -259,9 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             notice_s=NOTICE_S,
             prefect_retry_delay_s=0,
         )
-        result.variants = common.alternate(
-            variants(root, args.quick, cluster), common.repetitions_of(args), only=args.only
-        )
+        result.variants = common.measure(variants(root, args.quick, cluster), args)
     summarize(result)
     return common.finish(result, args)
 

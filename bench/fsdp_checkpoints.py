@@ -30,8 +30,7 @@ land in the page cache (no fsync on any side).
 
 from __future__ import annotations
 
-import os
-import pickle
+import functools
 import tempfile
 import time
 from pathlib import Path
@@ -40,68 +39,31 @@ from typing import Any
 import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from bench import common, harness
-from bench.common import Result, Sample, Target, Variant
-from tests.net import free_port
+from bench import common, harness, ranks
+from bench.common import MB, Result, Sample, Target, Variant
+from bench.ranks import LAYERS, WIDTH, linear_stack, run_ranks, slowest, total
 
 NAME = "fsdp_checkpoints"
-MB = 2**20
 COLUMNS = ["blocked_s", "save_s", "copy_wait_s", "background_s", "mb_per_s", "state_mb"]
 BLOCKED_TARGET = 0.10
 THROUGHPUT_TARGET = 0.8
-#: The model: ``LAYERS`` linear layers of ``WIDTH`` x ``WIDTH`` (4 MB each in float32), Adam.
-WIDTH = 1024
-LAYERS = 10
-
-
-def build(world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    """The sharded model, its Adam optimizer after one step (its state exists), a schedule."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    model(torch.randn(4, WIDTH)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return model, optimizer, scheduler
-
-
-def slowest(seconds: float) -> float:
-    """The largest of every rank's ``seconds``."""
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value)
-
-
-def total(amount: float) -> float:
-    value = torch.tensor([amount], dtype=torch.float64)
-    dist.all_reduce(value)
-    return float(value)
 
 
 class Bench:
-    """One rank's side: the model, the store, and the variants."""
+    """One rank's side: the sharded model, the store, and the variants."""
 
     def __init__(self, rank: int, world_size: int, store: str):
         from trainer_core import storage
         from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
         from trainer_core.checkpoint.run_directory import RunDirectory
         from trainer_core.execution.worker_group import Relay, Timings
-        from trainer_core.spec.run_spec import CheckpointSection
+        from trainer_core.spec.operations import CheckpointSection
 
         self.rank = rank
         self.store = Path(store)
-        self.model, self.optimizer, scheduler = build(world_size)
+        self.model, self.optimizer, scheduler = linear_stack(LAYERS, world_size)
         self.timings = Timings()
         self.manager = CheckpointManager(
             RunDirectory(storage.resolve(str(self.store / "relaytrain"))),
@@ -157,6 +119,9 @@ class Bench:
             "mb_per_s": self.state_mb / slowest(background),
             "state_mb": self.state_mb,
         }
+
+    def close(self) -> None:
+        self.manager.close()
 
     def dcp_save(self, rep: int) -> Sample:
         import torch.distributed.checkpoint as dcp
@@ -219,43 +184,21 @@ def local_bytes(value: Any) -> int:
     return 0
 
 
-def _worker(rank: int, world_size: int, port: int, store: str, repetitions: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # two processes on the machine's cores, as two workers would
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    bench = Bench(rank, world_size, store)
-    log = print if rank == 0 else (lambda text: None)
-    records = common.alternate(bench.variants(), repetitions, log=log)
-    if rank == 0:
-        Path(out).write_bytes(pickle.dumps(records))
-    bench.manager.close()
-    dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> int:
     cli = common.parser(NAME, __doc__ or "", repetitions=5)
     args = cli.parse_args(argv)
     result = Result(NAME, args.quick, columns=COLUMNS)
     repetitions = common.repetitions_of(args)
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-fsdp-") as tmp:
-        out = Path(tmp) / "records.pickle"
         store = Path(tmp) / "store"
         store.mkdir()
         result.settings.update(
-            world_size=2,
-            backend="gloo",
+            ranks.settings(),
             model=f"{LAYERS} x Linear({WIDTH}, {WIDTH}), FSDP2 per layer, Adam",
             store="local",
-            torch_threads_per_worker=1,
-            cpu_count=os.cpu_count(),
         )
-        mp.start_processes(
-            _worker,
-            args=(2, free_port(), str(store), repetitions, str(out)),
-            nprocs=2,
-            start_method="spawn",
-        )
-        result.variants.update(pickle.loads(out.read_bytes()))
+        make_bench = functools.partial(Bench, store=str(store))
+        result.variants.update(run_ranks(make_bench, repetitions, Path(tmp)))
         with harness.local_ray() as ray_info:
             result.settings.update(ray_info)
             loop = Variant(
@@ -284,11 +227,7 @@ def relaytrain_loop(store: Path, name: str, quick: bool) -> Sample:
         scaling={"strategy": "fsdp"},
         checkpoint={"keep_last": 1, "keep_best": 0},
     )
-    _, events = harness.run_engine(spec)
-    timings = harness.finished_timings(events)
-    count = timings.get("num_checkpoints") or 0
-    if not count:
-        raise RuntimeError(f"{name}: the loop reported no checkpoint timings")
+    timings, count = harness.checkpoint_timings(spec)
     state_mb = sum(h * w for h, w in zip((64, *hidden), (*hidden, 1), strict=True)) * 12 / MB
     write_s = timings.get("checkpoint_write_s", 0.0) / count
     return {

@@ -1,5 +1,6 @@
 """How a benchmark runs a spec: one shared local Ray cluster and Prefect API per benchmark
-process, and the ways to train (the full flow, one engine attempt, a bare ``TorchTrainer.fit()``).
+process, the stores it writes to (a local directory, a moto S3 server), and the ways to train
+(the full flow, one engine attempt, a bare ``TorchTrainer.fit()``).
 
 Every relaytrain variant runs ``bench.probe.probed_builtin_loop`` (the built-in loop with step
 timestamps): ``probed`` swaps it in for the engine's loop while a flow or attempt runs.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +71,44 @@ def prefect_api() -> Iterator[dict[str, Any]]:
 
 
 @contextlib.contextmanager
+def session(
+    *, prefect: bool = False, prefix: str = "relaytrain-bench-"
+) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """A local Ray cluster (``local_ray``), with ``prefect`` a Prefect API (``prefect_api``),
+    and a scratch directory; yields the directory and what was set up, for the settings."""
+    api = prefect_api() if prefect else contextlib.nullcontext({})
+    with (
+        local_ray() as ray_info,
+        api as api_info,
+        tempfile.TemporaryDirectory(prefix=prefix) as tmp,
+    ):
+        yield Path(tmp), {**ray_info, **api_info}
+
+
+@contextlib.contextmanager
+def stores(
+    names: list[str], scratch: Path, *, s3_prefix: str, local_dir: str = "local"
+) -> Iterator[dict[str, str]]:
+    """The URI under which each store asked for keeps its files: ``local``, ``scratch /
+    local_dir``; ``s3``, ``s3_prefix`` on a moto server started for the benchmark (its
+    credentials in the environment while inside, for this process and those it starts)."""
+    with contextlib.ExitStack() as stack:
+        found = {}
+        for name in names:
+            if name == "local":
+                found[name] = str(scratch / local_dir)
+            elif name == "s3":
+                from tests.s3 import moto_s3
+
+                server = stack.enter_context(moto_s3(scratch))
+                stack.enter_context(env(**server.credential_env()))
+                found[name] = server.uri(s3_prefix)
+            else:
+                raise SystemExit(f"unknown store {name!r}: use local and/or s3")
+        yield found
+
+
+@contextlib.contextmanager
 def probed() -> Iterator[None]:
     """While inside, the engine trains with the probed built-in loop."""
     from trainer_core.run import engine
@@ -104,6 +144,16 @@ def finished_timings(events: list[dict[str, Any]]) -> dict[str, float]:
         if event["kind"] == "finished":
             return dict(event.get("timings") or {})
     return {}
+
+
+def checkpoint_timings(spec: RunSpec) -> tuple[dict[str, float], int]:
+    """One engine attempt of ``spec``: rank 0's timings and how many checkpoints they cover."""
+    _, events = run_engine(spec)
+    timings = finished_timings(events)
+    count = int(timings.get("num_checkpoints") or 0)
+    if not count:
+        raise RuntimeError(f"{spec.run.name}: the loop reported no checkpoint timings")
+    return timings, count
 
 
 def bare_trainer(
@@ -159,9 +209,10 @@ def bare_trainer(
     )
 
 
-def run_dir_path(spec: RunSpec) -> Path:
+def remove_run(spec: RunSpec) -> None:
+    """Delete the run directory of ``spec`` on local storage (keeps /tmp small)."""
     assert spec.run.name is not None
-    return Path(spec.run.storage) / spec.run.name
+    shutil.rmtree(Path(spec.run.storage) / spec.run.name, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -14,9 +14,7 @@ Target: flow growth <= 50 MB.
 
 from __future__ import annotations
 
-import shutil
 import statistics
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any
 
 from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
-from bench.probe import read_probe
+from bench.probe import done_event
 from bench.workload import digits_spec
 from trainer_core.spec.run_spec import RunSpec
 
@@ -97,7 +95,7 @@ def measure(
         else:
             harness.bare_trainer(spec).fit()
     wall = time.time() - started
-    done = [e for e in read_probe(spec.run.name) if e["event"] == "done"][-1]
+    done = done_event(spec.run.name)
     sample = growth(sampler.samples, done["first_time"], done["last_time"], spec.schedule.epochs)
     sample.update(
         wall_s=wall,
@@ -105,7 +103,7 @@ def measure(
         rss_after_mb=sampler.samples[-1][1],
     )
     series[label] = _downsample([(t - started, rss) for t, rss in sampler.samples], 200)
-    shutil.rmtree(harness.run_dir_path(spec), ignore_errors=True)
+    harness.remove_run(spec)
     return sample
 
 
@@ -142,23 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     interval_s = 0.05 if args.quick else SAMPLE_INTERVAL_S
     result = Result(NAME, args.quick, columns=COLUMNS)
     series: dict[str, Any] = {}
-    with (
-        harness.local_ray() as ray_info,
-        harness.prefect_api() as api_info,
-        tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp,
-    ):
+    with harness.session(prefect=True) as (root, session):
         result.settings.update(
-            ray_info,
-            **api_info,
+            session,
             workload="examples/digits_cnn.yaml (small CNN, 2 workers)",
             epochs=epochs,
             sample_interval_s=interval_s,
         )
-        result.variants = common.alternate(
-            variants(Path(tmp), epochs, series, interval_s),
-            common.repetitions_of(args),
-            only=args.only,
-        )
+        result.variants = common.measure(variants(root, epochs, series, interval_s), args)
     result.figures["rss_series_s_mb"] = series
     worst = result.variants["flow"].summary().get("growth_mb", {}).get("max")
     result.targets.append(GROWTH_TARGET.check(worst, "worst repetition"))

@@ -22,8 +22,6 @@ Target: median flow wall / median bare-fit wall <= 1.05.
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +30,7 @@ from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
 from bench.plain_ddp import run_plain_ddp
 from bench.probe import first_step_time, read_probe, span
-from bench.workload import mlp_spec, steps_per_epoch
+from bench.workload import QUICK_MLP, mlp_spec, steps_per_epoch
 from trainer_core.spec.run_spec import RunSpec
 
 NAME = "overhead"
@@ -55,7 +53,7 @@ def spec_maker(root: Path, quick: bool) -> SpecMaker:
     """``make(run_name, epochs)``: the benchmark's workload under ``root``."""
     if quick:
         return lambda name, epochs: mlp_spec(
-            root, name, epochs=epochs, num_samples=2048, hidden=(64, 64), checkpoint_every=10
+            root, name, epochs=epochs, checkpoint_every=10, **QUICK_MLP
         )
     return lambda name, epochs: mlp_spec(root, name, epochs=epochs)
 
@@ -83,7 +81,7 @@ def _timing(spec: RunSpec, started: float, wall: float) -> Sample:
     assert spec.run.name is not None
     events = read_probe(spec.run.name)
     first = first_step_time(events)
-    shutil.rmtree(harness.run_dir_path(spec), ignore_errors=True)  # keep /tmp small
+    harness.remove_run(spec)
     return {
         "wall_s": wall,
         "first_step_s": (first - started) if first is not None else float("nan"),
@@ -136,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     result = Result(NAME, args.quick, columns=COLUMNS)
     settings = result.settings
     settings["workload"] = "synthetic MLP 64-512-512-512-1, batch 128/worker"
-    with (
-        harness.local_ray() as ray_info,
-        harness.prefect_api() as api_info,
-        tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp,
-    ):
-        root = Path(tmp)
+    with harness.session(prefect=True) as (root, session):
         make = spec_maker(root, args.quick)
         figures = result.figures
         if args.quick:
@@ -154,17 +147,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         spec = make("settings", epochs)
         settings.update(
-            ray_info,
-            **api_info,
+            session,
             epochs=epochs,
             steps_per_epoch=steps_per_epoch(spec),
             num_workers=spec.scaling.num_workers,
             checkpoint_every=spec.checkpoint.every,
             report_every=spec.report.every,
         )
-        result.variants = common.alternate(
-            variants(make, epochs, root), common.repetitions_of(args), only=args.only
-        )
+        result.variants = common.measure(variants(make, epochs, root), args)
     summarize(result)
     return common.finish(result, args)
 

@@ -19,7 +19,6 @@ with it). It is not training anyone would run; it measures the machine's compute
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,13 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench.probe import StepProbe
 from bench.workload import Workload
+from tests.net import free_port
 from trainer_core.spec.run_spec import RunSpec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_plain_ddp(spec: RunSpec, checkpoint_dir: Path, sync_gradients: bool = True) -> float:

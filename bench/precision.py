@@ -18,14 +18,13 @@ epoch is enough here. The GPU path is where autocast pays.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from bench import common, harness
 from bench.common import Result, Sample, Variant
 from bench.scaling import measure_plain, measure_relaytrain
-from bench.workload import mlp_spec
+from bench.workload import QUICK_MLP, mlp_label, mlp_spec
 from trainer_core.spec.run_spec import RunSpec
 
 NAME = "precision"
@@ -34,7 +33,7 @@ COLUMNS = ["samples_per_s", "compute_samples_per_s", "steps_per_s", "wall_s"]
 
 
 def precision_spec(root: Path, name: str, precision: str, epochs: int, quick: bool) -> RunSpec:
-    size = {"num_samples": 2048, "hidden": (64, 64)} if quick else {}
+    size = QUICK_MLP if quick else {}
     return mlp_spec(root, name, epochs=epochs, num_workers=1, precision=precision, **size)
 
 
@@ -72,21 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     args = cli.parse_args(argv)
     epochs = args.epochs
     result = Result(NAME, args.quick, columns=COLUMNS)
-    with (
-        harness.local_ray() as ray_info,
-        tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp,
-    ):
-        root = Path(tmp)
+    with harness.session() as (root, session):
         result.settings.update(
-            ray_info,
-            workload="synthetic MLP" + (" 64-64-64-1 (quick)" if args.quick else " 64-512x3-1"),
+            session,
+            workload=mlp_label(args.quick),
             epochs=epochs,
             num_workers=1,
             batch_size=precision_spec(root, "x", "fp32", epochs, args.quick).data.batch_size,  # type: ignore[union-attr]
         )
-        result.variants = common.alternate(
-            variants(root, epochs, args.quick), common.repetitions_of(args), only=args.only
-        )
+        result.variants = common.measure(variants(root, epochs, args.quick), args)
     summarize(result)
     return common.finish(result, args)
 

@@ -86,6 +86,15 @@ class StepProbe:
         )
 
 
+def done_event(run_name: str) -> dict[str, Any]:
+    """Rank 0's last ``done`` event for ``run_name``: the span of steps its loop ran, and the
+    timings it reported."""
+    done = [e for e in read_probe(run_name) if e["event"] == "done"]
+    if not done:
+        raise RuntimeError(f"{run_name}: no step span was recorded (the loop did not end)")
+    return done[-1]
+
+
 def span(events: list[dict[str, Any]]) -> dict[str, float]:
     """Steps/s over the last uninterrupted stretch of steps, from its ``done`` event."""
     done = [e for e in events if e["event"] == "done"]

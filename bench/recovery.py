@@ -30,8 +30,6 @@ checkpoint interval.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +38,7 @@ from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
 from bench.probe import read_probe
 from bench.rayloop import ray_native_loop
-from bench.workload import mlp_spec
+from bench.workload import QUICK_MLP, mlp_spec
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import InfrastructureError
 from trainer_core.spec.run_spec import RunSpec
@@ -78,9 +76,7 @@ def make_spec(root: Path, name: str, quick: bool, kill_at: int, in_place: int = 
         "retries": {"in_place": in_place},
     }
     if quick:
-        return mlp_spec(
-            root, name, epochs=3, num_samples=2048, hidden=(64, 64), checkpoint_every=5, **fault
-        )
+        return mlp_spec(root, name, epochs=3, checkpoint_every=5, **QUICK_MLP, **fault)
     return mlp_spec(root, name, epochs=3, **fault)
 
 
@@ -209,7 +205,7 @@ def measure_in_place(spec: RunSpec) -> Sample:
 
 
 def _clean(spec: RunSpec, sample: Sample) -> Sample:
-    shutil.rmtree(harness.run_dir_path(spec), ignore_errors=True)
+    harness.remove_run(spec)
     return {k: v for k, v in sample.items() if not k.endswith("_time")}
 
 
@@ -252,26 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     cli = common.parser(NAME, __doc__ or "", repetitions=3)
     args = cli.parse_args(argv)
     result = Result(NAME, args.quick, columns=COLUMNS)
-    with (
-        harness.local_ray() as ray_info,
-        harness.prefect_api() as api_info,
-        tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp,
-    ):
-        root = Path(tmp)
+    with harness.session(prefect=True) as (root, session):
         interval = make_spec(root, "settings", args.quick, 1).checkpoint.every
         kill_at = 3 * interval - 1  # the worst case: the last step before a checkpoint
         result.settings.update(
-            ray_info,
-            **api_info,
+            session,
             workload="synthetic MLP, 2 workers, 3 epochs" + (" (quick)" if args.quick else ""),
             checkpoint_every=interval,
             kill_at_step=kill_at,
             killed_rank=0,
             prefect_retry_delay_s=0,
         )
-        result.variants = common.alternate(
-            variants(root, args.quick, kill_at), common.repetitions_of(args), only=args.only
-        )
+        result.variants = common.measure(variants(root, args.quick, kill_at), args)
     summarize(result, interval)
     return common.finish(result, args)
 

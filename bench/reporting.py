@@ -16,15 +16,13 @@ poll interval <= 2 %.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
-from bench.probe import read_probe, span
+from bench.probe import done_event, read_probe, span
 from bench.rayloop import ray_native_loop
 from bench.workload import digits_spec
 from trainer_core.spec.run_spec import RunSpec
@@ -60,7 +58,7 @@ def measure_ray(spec: RunSpec, poll: str) -> Sample:
     with harness.env(**{POLL_ENV: poll}):
         harness.bare_trainer(spec, loop=ray_native_loop, loop_config=config).fit()
     wall = time.time() - started
-    done = [e for e in read_probe(spec.run.name) if e["event"] == "done"][-1]
+    done = done_event(spec.run.name)
     timings = done["timings"]
     sample = _shares(
         timings["report_s"], timings["reports"], {"num_steps": done["num_steps"], **timings}
@@ -81,7 +79,7 @@ def _shares(report_s: float, reports: float, timings: dict) -> Sample:
 def _finish(spec: RunSpec, sample: Sample, wall: float) -> Sample:
     assert spec.run.name is not None
     probe = span(read_probe(spec.run.name))
-    shutil.rmtree(harness.run_dir_path(spec), ignore_errors=True)
+    harness.remove_run(spec)
     return {**sample, "steps_per_s": probe.get("steps_per_s", float("nan")), "wall_s": wall}
 
 
@@ -118,20 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     args = cli.parse_args(argv)
     epochs = args.epochs or (3 if args.quick else 40)
     result = Result(NAME, args.quick, columns=COLUMNS)
-    with (
-        harness.local_ray() as ray_info,
-        tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp,
-    ):
+    with harness.session() as (root, session):
         result.settings.update(
-            ray_info,
+            session,
             workload="examples/digits_cnn.yaml (small CNN, 2 workers)",
             epochs=epochs,
             report_every=10,
             poll_intervals_s=list(POLL_INTERVALS),
         )
-        result.variants = common.alternate(
-            variants(Path(tmp), epochs), common.repetitions_of(args), only=args.only
-        )
+        result.variants = common.measure(variants(root, epochs), args)
     record = result.variants.get(f"relaytrain@{DEFAULT_POLL}s")
     default = record.median("report_share_pct") if record else None
     result.targets.append(SHARE_TARGET.check(default))

@@ -21,77 +21,39 @@ bytes both ranks read from storage.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import pickle
+import functools
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from bench import common
-from bench.common import Result, Sample, Variant
-from tests.net import free_port
+from bench import common, harness, ranks
+from bench.common import MB, Result, Sample, Variant
+from bench.ranks import LAYERS, WIDTH, linear_stack, run_ranks, slowest, total
+from trainer_core import storage
 
 NAME = "restore"
-MB = 2**20
 COLUMNS = ["restore_s", "mb_read", "state_mb"]
-#: The model: ``LAYERS`` linear layers of ``WIDTH`` x ``WIDTH`` (4 MB each in float32), Adam.
-WIDTH = 1024
-LAYERS = 10
-
-
-def build(layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    model(torch.randn(4, WIDTH)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return model, optimizer, scheduler
-
-
-def reduce(value: float, op: Any = None) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
-    return float(tensor)
-
-
-def build_sharded(layers: int, world_size: int) -> tuple[torch.nn.Module, Any, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model, _, _ = build(layers)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    model(torch.randn(4, WIDTH)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
 class Bench:
+    """One rank's side: a checkpoint of the replicated model and one of the sharded model, each
+    restored by a manager that reads alone and by one that reads once for the node."""
+
     def __init__(self, rank: int, world_size: int, stores: tuple[str, str], layers: int):
-        from trainer_core import storage
         from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
         from trainer_core.checkpoint.run_directory import RunDirectory
         from trainer_core.execution.worker_group import Relay, Timings
-        from trainer_core.spec.run_spec import CheckpointSection
+        from trainer_core.spec.operations import CheckpointSection
 
-        model, optimizer, scheduler = build(layers)
+        model, optimizer, scheduler = linear_stack(layers)
         self.state_mb = (
             sum(p.numel() * 4 for p in model.parameters()) * 3 / MB
         )  # weights, exp_avg, exp_avg_sq
 
-        sharded = build_sharded(layers, world_size)
+        sharded = linear_stack(layers, world_size)
 
         def manager(node_rank: int | None, dcp: bool = False) -> Any:
             return CheckpointManager(
@@ -133,40 +95,19 @@ class Bench:
         started = time.perf_counter()
         loaded = manager.load([1])
         assert loaded.checkpoint is not None and loaded.checkpoint.step == 1
-        seconds = reduce(time.perf_counter() - started, dist.ReduceOp.MAX)
+        seconds = slowest(time.perf_counter() - started)
         return {
             "restore_s": seconds,
-            "mb_read": reduce(loaded.bytes_read) / MB,
+            "mb_read": total(loaded.bytes_read) / MB,
             "state_mb": self.state_mb,
         }
 
-
-def _worker(
-    rank: int,
-    world_size: int,
-    port: int,
-    stores: tuple[str, str],
-    repetitions: int,
-    out: str,
-    layers: int,
-) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # two processes on the machine's cores, as two workers would
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    bench = Bench(rank, world_size, stores, layers)
-    log = print if rank == 0 else (lambda text: None)
-    records = common.alternate(bench.variants(), repetitions, log=log)
-    if rank == 0:
-        Path(out).write_bytes(pickle.dumps(records))
-    dist.barrier()
-    for manager in (bench.alone, bench.shared, bench.fsdp_alone, bench.fsdp_shared):
-        manager.close()
-    dist.destroy_process_group()
+    def close(self) -> None:
+        for manager in (self.alone, self.shared, self.fsdp_alone, self.fsdp_shared):
+            manager.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.s3 import moto_s3
-
     cli = common.parser(NAME, __doc__ or "", repetitions=3)
     args = cli.parse_args(argv)
     result = Result(NAME, args.quick, columns=COLUMNS)
@@ -174,30 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     layers = 2 if args.quick else LAYERS  # --quick: a smoke test, not a figure
     with (
         tempfile.TemporaryDirectory(prefix="relaytrain-bench-restore-") as tmp,
-        contextlib.ExitStack() as stack,
+        # the credentials in the environment: the spawned ranks inherit them
+        harness.stores(["s3"], Path(tmp), s3_prefix="restore") as chosen,
     ):
-        server = stack.enter_context(moto_s3(Path(tmp)))
-        before = dict(os.environ)
-        os.environ.update(server.credential_env())  # the spawned workers inherit them
-        stack.callback(lambda: (os.environ.clear(), os.environ.update(before)))
-        out = Path(tmp) / "records.pickle"
-        stores = (server.uri("restore/ddp"), server.uri("restore/fsdp"))
+        stores = (storage.join_uri(chosen["s3"], "ddp"), storage.join_uri(chosen["s3"], "fsdp"))
         result.settings.update(
-            world_size=2,
+            ranks.settings(),
             nodes=1,
-            backend="gloo",
             model=f"{layers} x Linear({WIDTH}, {WIDTH}), replicated (DDP's rank-0 files), Adam",
             store="s3 (moto server on loopback)",
-            torch_threads_per_worker=1,
-            cpu_count=os.cpu_count(),
         )
-        mp.start_processes(
-            _worker,
-            args=(2, free_port(), stores, repetitions, str(out), layers),
-            nprocs=2,
-            start_method="spawn",
-        )
-        result.variants.update(pickle.loads(out.read_bytes()))
+        make_bench = functools.partial(Bench, stores=stores, layers=layers)
+        result.variants.update(run_ranks(make_bench, repetitions, Path(tmp)))
     summarize(result)
     return common.finish(result, args)
 

@@ -22,8 +22,6 @@ seconds against MB.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +31,8 @@ from bench import common, harness
 from bench.checkpoints import relaytrain_checkpoint
 from bench.common import Result, Sample, Target, Variant
 from bench.plain_ddp import ray_train_loop, run_plain_ddp
-from bench.probe import read_probe, span
-from bench.workload import mlp_spec, random_state
+from bench.probe import done_event, read_probe, span
+from bench.workload import QUICK_MLP, mlp_label, mlp_spec, random_state
 from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.checkpoint.staging import Stager
@@ -69,9 +67,7 @@ BATCH_PER_WORKER = 1024
 
 def make_spec(root: Path, name: str, workers: int, epochs: int, quick: bool) -> RunSpec:
     if quick:
-        return mlp_spec(
-            root, name, epochs=epochs, num_workers=workers, num_samples=2048, hidden=(64, 64)
-        )
+        return mlp_spec(root, name, epochs=epochs, num_workers=workers, **QUICK_MLP)
     return mlp_spec(root, name, epochs=epochs, num_workers=workers, batch_size=BATCH_PER_WORKER)
 
 
@@ -88,15 +84,14 @@ def throughput(spec: RunSpec, wall: float, step_s: float | None = None) -> Sampl
     }
     if step_s:
         sample["compute_samples_per_s"] = measured["num_steps"] * per_step / step_s
-    shutil.rmtree(harness.run_dir_path(spec), ignore_errors=True)
+    harness.remove_run(spec)
     return sample
 
 
-def probed_step_s(spec: RunSpec) -> float | None:
+def probed_step_s(spec: RunSpec) -> float:
     """Rank 0's optimizer-step seconds, as plain's loop records them in its ``done`` event."""
     assert spec.run.name is not None
-    done = [e for e in read_probe(spec.run.name) if e["event"] == "done"]
-    return done[-1]["timings"]["step_s"] if done else None
+    return done_event(spec.run.name)["timings"]["step_s"]
 
 
 def measure_relaytrain(spec: RunSpec) -> Sample:
@@ -206,31 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     # 30 epochs: about 30 s of training with 2 workers. At 10 (10 s), identical 2-worker runs
     # varied from 28k to 37k samples/s on this 2-core machine.
     epochs = args.epochs or (2 if args.quick else 30)
-    sizes = [
-        float(s) for s in (args.sizes or ("1,4" if args.quick else "1,10,50,100,200")).split(",")
-    ]
+    sizes = common.floats(args.sizes or ("1,4" if args.quick else "1,10,50,100,200"))
     result = Result(NAME, args.quick, columns=COLUMNS)
-    repetitions = common.repetitions_of(args)
-    with (
-        harness.local_ray() as ray_info,
-        tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp,
-    ):
-        root = Path(tmp)
+    with harness.session() as (root, session):
         result.settings.update(
-            ray_info,
-            workload="synthetic MLP" + (" 64-64-64-1 (quick)" if args.quick else " 64-512x3-1"),
+            session,
+            workload=mlp_label(args.quick),
             epochs=epochs,
             batch_size_per_worker=make_spec(root, "x", 1, epochs, args.quick).data.batch_size,  # type: ignore[union-attr]
             checkpoint_sizes_mb=sizes,
         )
-        result.variants = common.alternate(
-            worker_variants(root, epochs, args.quick), repetitions, only=args.only
-        )
-        result.variants.update(
-            common.alternate(
-                [checkpoint_variant(root, mb) for mb in sizes], repetitions, only=args.only
-            )
-        )
+        result.variants = common.measure(worker_variants(root, epochs, args.quick), args)
+        checkpoints = [checkpoint_variant(root, mb) for mb in sizes]
+        result.variants.update(common.measure(checkpoints, args))
     summarize(result, sizes)
     return common.finish(result, args)
 

@@ -15,13 +15,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench.common import REPO
 from trainer_core.checkpoint import training_state
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import stream
-from trainer_core.spec.run_spec import RunSpec, build_spec
+from trainer_core.data import footers, rank_stream, stream
+from trainer_core.spec.overrides import build_spec
+from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import workloads
 
-REPO = Path(__file__).resolve().parents[1]
+#: ``mlp_spec``'s sizes under ``--quick``: a smoke test of the harness, not a figure.
+QUICK_MLP: dict[str, Any] = {"num_samples": 2048, "hidden": (64, 64)}
 
 
 def mlp_spec(
@@ -57,9 +60,12 @@ def mlp_spec(
         "report": {"every": 10},
         "retries": {"delay_s": 0, "jitter": 0},
     }
-    for key, value in sections.items():
-        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
-    return build_spec(raw)
+    return build_spec(_with_sections(raw, sections))
+
+
+def mlp_label(quick: bool) -> str:
+    """``mlp_spec``'s model at its default size, or at ``QUICK_MLP``'s, as settings name it."""
+    return "synthetic MLP" + (" 64-64-64-1 (quick)" if quick else " 64-512x3-1")
 
 
 def digits_spec(storage: str | Path, name: str, *, epochs: int, **sections: Any) -> RunSpec:
@@ -70,16 +76,21 @@ def digits_spec(storage: str | Path, name: str, *, epochs: int, **sections: Any)
     raw["run"].update({"name": name, "storage": str(storage)})
     raw["schedule"]["epochs"] = epochs
     raw["retries"].update({"delay_s": 0, "jitter": 0})
+    return build_spec(_with_sections(raw, sections))
+
+
+def _with_sections(raw: dict[str, Any], sections: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with each of ``sections`` merged into its section (a dict) or replacing it."""
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
-    return build_spec(raw)
+    return raw
 
 
 def steps_per_epoch(spec: RunSpec) -> int:
     """Optimizer steps per epoch (the same for every worker count)."""
     assert spec.data is not None
     data = spec.data.resolved()
-    one = stream.RankStream(stream.scan(data), data, spec.run.seed, 1, 0)
+    one = rank_stream.RankStream(footers.scan(data), data, spec.run.seed, 1, 0)
     return data_mod.steps_per_epoch(one.batches_per_epoch, spec.optimizer.grad_accumulation)
 
 
@@ -92,9 +103,9 @@ class Workload:
         self.rank = rank
         self.world_size = world_size
         self.data = spec.data.resolved()
-        layout = stream.scan(self.data)
+        layout = footers.scan(self.data)
         info = stream.describe(layout, self.data)
-        self.stream = stream.RankStream(layout, self.data, spec.run.seed, world_size, rank)
+        self.stream = rank_stream.RankStream(layout, self.data, spec.run.seed, world_size, rank)
         self.num_batches = self.stream.batches_per_epoch
         self.total_steps = self.num_batches * spec.schedule.epochs
         training_state.seed_everything(spec.run.seed)  # identical initial weights on every rank
