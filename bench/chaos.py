@@ -58,8 +58,8 @@ from bench.chaos_analysis import verdict
 from bench.chaos_faults import KINDS, NODES, QUICK, Campaign, Settings
 from bench.common import Result, Target
 
-#: The command line, and what the test suite runs: a ``QUICK`` ``campaign`` on its own cluster,
-#: one fault of each of ``KINDS``.
+#: The command line, and what the test suite runs: a ``QUICK`` ``campaign`` on the cluster and
+#: S3 server it brings, one fault of each of ``KINDS``.
 __all__ = ["KINDS", "QUICK", "Settings", "campaign", "chaos_setup", "main"]
 
 NAME = "chaos"
