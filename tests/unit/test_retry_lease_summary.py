@@ -112,6 +112,45 @@ def test_expired_or_dead_leases_are_taken_over(run_location):
     assert os.getpid() == lease.acquire(run_location, owner="c", settle_s=0).pid
 
 
+def test_a_lease_read_mid_write_is_read_again_not_the_readers_error(run_location, monkeypatch):
+    """A store that overwrites lock.json in place (the moto S3 server did, under a full suite's
+    load) can be read mid-write: the workers' fence, renew, acquire and release read it again
+    until it is whole, and call one that stays torn an outage (retried), never a parse error
+    (which the workers would report as the training code's)."""
+    from trainer_core.checkpoint import run_directory
+    from trainer_core.errors import StorageUnavailableError
+    from trainer_core.storage import conditional_write
+
+    held = lease.acquire(run_location, owner="a", settle_s=0)
+    path = run_location.child("lock.json")
+    whole = path.read_bytes()
+    torn = whole[:-20] + b"\xa5" + whole  # a shorter write over a longer one, and a cut byte
+
+    def heal_later() -> None:
+        time.sleep(0.3)
+        path.write_bytes(whole)
+
+    for read in (
+        lambda: RunDirectory(run_location).check_lease("a"),
+        lambda: lease.renew(run_location, held),
+        lambda: conditional_write.read(path),
+        lambda: lease.release(run_location, "b"),  # not b's: nothing is deleted
+    ):
+        path.write_bytes(torn)
+        healer = threading.Thread(target=heal_later)
+        healer.start()
+        read()
+        healer.join()
+    assert path.read_json()["owner"] == "a"
+    monkeypatch.setattr(run_directory, "TORN_READ_PATIENCE_S", 0.2)
+    monkeypatch.setattr(conditional_write, "TORN_READ_PATIENCE_S", 0.2)
+    path.write_bytes(torn)
+    with pytest.raises(StorageUnavailableError, match="stayed unreadable"):
+        RunDirectory(run_location).check_lease("a")
+    with pytest.raises(StorageUnavailableError, match="stayed unreadable"):
+        lease.renew(run_location, held)
+
+
 def test_renew_refuses_a_lease_taken_over(run_location):
     held = lease.acquire(run_location, owner="a", ttl_s=0.01, settle_s=0)
     time.sleep(0.05)

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory
+from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, read_whole_json
 from trainer_core.errors import LeaseHeldError, LeaseLostError
 from trainer_core.storage import conditional_write
 from trainer_core.storage.locations import Location
@@ -82,7 +82,7 @@ def acquire(
     now = time.time()
     conditional = conditional_write.supported(path)
     found = conditional_write.read(path) if conditional else None
-    current = found.value if found else (path.read_json() if path.exists() else None)
+    current = found.value if found else read_whole_json(path)
     if current and current.get("owner") != owner and not holder_is_gone(current, now, host):
         raise LeaseHeldError(
             f"run {run_location.uri} is held by {current.get('owner')} (pid {current.get('pid')} "
@@ -107,7 +107,7 @@ def acquire(
         return lease
     path.write_json(lease.to_json())
     time.sleep(settle_s)
-    if path.read_json().get("owner") != owner:
+    if (read_whole_json(path) or {}).get("owner") != owner:
         raise taken
     return lease
 
@@ -116,7 +116,7 @@ def renew(run_location: Location, lease: Lease, ttl_s: float | None = None) -> L
     """Extend ``lease``; LeaseLostError when another owner holds the run now."""
     path = RunDirectory(run_location).lease_file
     found = conditional_write.read(path) if conditional_write.supported(path) else None
-    current = found.value if found else (path.read_json() if path.exists() else None)
+    current = found.value if found else read_whole_json(path)
     if current is None or current.get("owner") != lease.owner:
         holder = "nobody (it was released)" if current is None else current.get("owner")
         raise LeaseLostError(
@@ -151,7 +151,7 @@ def check_held(run_location: Location, owner: str) -> None:
 def release(run_location: Location, owner: str) -> None:
     """Give the run back, if ``owner`` still holds it."""
     path = RunDirectory(run_location).lease_file
-    if path.exists() and path.read_json().get("owner") == owner:
+    if (read_whole_json(path) or {}).get("owner") == owner:
         path.delete_file()
 
 
