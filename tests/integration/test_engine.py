@@ -204,10 +204,16 @@ def test_bad_model_import_fails_before_any_worker(ray_cluster, tmp_path):
 def test_a_dead_controller_leaves_no_placement_group_behind(reference, tmp_path):
     """Ray Train's controller SIGKILLed mid-run: its workers go with it, and the driver removes
     the placement group it left (Ray would keep its CPUs reserved until the driver exits, and the
-    next attempt could never start). The next attempt resumes, exact."""
+    next attempt could never start). The next attempt resumes, exact.
+
+    Each training forward pass sleeps 0.1 s (the same MLP otherwise), so the run is still
+    training when the driver hears of the first commit: on a loaded machine the tiny run had
+    finished by then, and the kill ended nothing (DID NOT RAISE, in two full-suite runs)."""
     from ray.util.placement_group import placement_group_table
 
-    spec = build_spec(tiny_raw(tmp_path, "controller-killed", retries={"in_place": 0}))
+    slow = {"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16, 16], "dropout": 0.1}}
+    slow["kwargs"]["delay_s"] = 0.1
+    spec = build_spec(tiny_raw(tmp_path, "controller-killed", model=slow, retries={"in_place": 0}))
     before = set(placement_group_table())
     started_ms = time.time() * 1000
     killed: list[int] = []
