@@ -117,9 +117,8 @@ def test_a_lease_read_mid_write_is_read_again_not_the_readers_error(run_location
     load) can be read mid-write: the workers' fence, renew, acquire and release read it again
     until it is whole, and call one that stays torn an outage (retried), never a parse error
     (which the workers would report as the training code's)."""
-    from trainer_core.checkpoint import run_directory
     from trainer_core.errors import StorageUnavailableError
-    from trainer_core.storage import conditional_write
+    from trainer_core.storage import conditional_write, locations
 
     held = lease.acquire(run_location, owner="a", settle_s=0)
     path = run_location.child("lock.json")
@@ -142,13 +141,33 @@ def test_a_lease_read_mid_write_is_read_again_not_the_readers_error(run_location
         read()
         healer.join()
     assert path.read_json()["owner"] == "a"
-    monkeypatch.setattr(run_directory, "TORN_READ_PATIENCE_S", 0.2)
+    monkeypatch.setattr(locations, "TORN_READ_PATIENCE_S", 0.2)
     monkeypatch.setattr(conditional_write, "TORN_READ_PATIENCE_S", 0.2)
     path.write_bytes(torn)
     with pytest.raises(StorageUnavailableError, match="stayed unreadable"):
         RunDirectory(run_location).check_lease("a")
     with pytest.raises(StorageUnavailableError, match="stayed unreadable"):
         lease.renew(run_location, held)
+
+
+def test_attempt_records_read_mid_write_are_read_again(run_location):
+    """attempts.jsonl is rewritten whole at each attempt's end, and read meanwhile by the
+    retry decision, the catalog, and the lease tests' own polling (which saw it torn on the
+    moto server in a full-suite run of d679fd6): a torn read is read again until it parses."""
+    run_dir = RunDirectory(run_location)
+    run_dir.record_attempt({"attempt": 1, "status": "failed"})
+    path = run_location.child("attempts.jsonl")
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-10])
+
+    def heal_later() -> None:
+        time.sleep(0.3)
+        path.write_bytes(whole)
+
+    healer = threading.Thread(target=heal_later)
+    healer.start()
+    assert [r["status"] for r in run_dir.read_attempts()] == ["failed"]
+    healer.join()
 
 
 def test_renew_refuses_a_lease_taken_over(run_location):

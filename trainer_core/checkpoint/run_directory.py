@@ -52,11 +52,10 @@ from trainer_core.errors import (
     IncompatibleRunError,
     LeaseLostError,
     SpecError,
-    StorageUnavailableError,
 )
 from trainer_core.spec.operations import CheckpointSection
 from trainer_core.spec.run_spec import RunSpec, identity_changes
-from trainer_core.storage.locations import Location
+from trainer_core.storage.locations import Location, read_whole, read_whole_json
 
 SCHEMA_VERSION = 1
 RUN_FILE = "run.json"
@@ -96,8 +95,7 @@ class RunDirectory:
                 field="run.name",
             )
 
-    def read_lease(self) -> dict[str, Any] | None:
-        """``lock.json`` as it is now (None: no lease). See ``read_whole_json``."""
+    def read_lease(self) -> dict[str, Any] | None:  # None: no lease; a torn read is read again
         return read_whole_json(self.lease_file)
 
     @property
@@ -178,9 +176,7 @@ class RunDirectory:
 
     def read_attempts(self) -> list[dict[str, Any]]:
         path = self.location.child(ATTEMPTS_FILE)
-        if not path.exists():
-            return []
-        records = [json.loads(line) for line in path.read_bytes().decode().splitlines() if line]
+        records = read_whole(path, lambda b: [json.loads(x) for x in b.splitlines() if x]) or []
         for record in records:
             check_schema(record, path.uri)
         return records
@@ -402,29 +398,3 @@ def open_checkpoint(uri: str) -> tuple[RunDirectory, CheckpointInfo]:
             field="run.init_from",
         )
     return run_dir, info
-
-
-#: How long a reader waits for a small record that does not parse to be whole again.
-TORN_READ_PATIENCE_S = 2.0
-
-
-def read_whole_json(location: Location, patience_s: float | None = None) -> Any:
-    """A small JSON record that another process rewrites in place (the lease, every second),
-    or None when there is none. A store that overwrites an object in place (NFS, S3
-    emulators) can be read mid-write: a record that does not parse is read again, and one that
-    still does not after ``patience_s`` is a StorageUnavailableError (retried), not the
-    reader's own error."""
-    patience_s = TORN_READ_PATIENCE_S if patience_s is None else patience_s
-    deadline = time.monotonic() + patience_s
-    while True:
-        try:
-            return location.read_json() if location.exists() else None
-        except FileNotFoundError:  # released between the two calls
-            return None
-        except ValueError as e:  # torn: JSONDecodeError, or bytes cut inside a character
-            if time.monotonic() >= deadline:
-                raise StorageUnavailableError(
-                    f"{location.uri} stayed unreadable for {patience_s:.0f} s ({e}): a store "
-                    "that overwrites it in place is being written, or it is damaged"
-                ) from e
-            time.sleep(0.05)

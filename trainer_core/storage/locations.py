@@ -300,3 +300,37 @@ def walk_files(location: Location) -> Iterator[pafs.FileInfo]:
     for info in _call(location, "list", lambda: location.filesystem.get_file_info(selector)):
         if info.type == pafs.FileType.File:
             yield info
+
+
+#: How long a reader waits for a small record that does not parse to be whole again.
+TORN_READ_PATIENCE_S = 2.0
+
+
+def read_whole_json(location: Location, patience_s: float | None = None) -> Any:
+    """A small JSON record that another process rewrites in place (the lease, every second),
+    or None when there is none: see ``read_whole``."""
+    return read_whole(location, json.loads, patience_s)
+
+
+def read_whole(
+    location: Location, parse: Callable[[bytes], Any], patience_s: float | None = None
+) -> Any:
+    """``parse`` of a small file that another process rewrites whole (the lease every second,
+    the attempt records at each attempt's end), or None when there is none. A store that
+    overwrites an object in place (NFS, S3 emulators) can be read mid-write: a file that does
+    not parse is read again, and one that still does not after ``patience_s`` is a
+    StorageUnavailableError (retried), not the reader's own error."""
+    patience_s = TORN_READ_PATIENCE_S if patience_s is None else patience_s
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return parse(location.read_bytes()) if location.exists() else None
+        except FileNotFoundError:  # removed between the two calls
+            return None
+        except ValueError as e:  # torn: JSONDecodeError, or bytes cut inside a character
+            if time.monotonic() >= deadline:
+                raise StorageUnavailableError(
+                    f"{location.uri} stayed unreadable for {patience_s:.0f} s ({e}): a store "
+                    "that overwrites it in place is being written, or it is damaged"
+                ) from e
+            time.sleep(0.05)
