@@ -142,7 +142,6 @@ def test_a_lease_read_mid_write_is_read_again_not_the_readers_error(run_location
         healer.join()
     assert path.read_json()["owner"] == "a"
     monkeypatch.setattr(locations, "TORN_READ_PATIENCE_S", 0.2)
-    monkeypatch.setattr(conditional_write, "TORN_READ_PATIENCE_S", 0.2)
     path.write_bytes(torn)
     with pytest.raises(StorageUnavailableError, match="stayed unreadable"):
         RunDirectory(run_location).check_lease("a")

@@ -24,7 +24,6 @@ import functools
 import hashlib
 import json
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,6 @@ from urllib.parse import quote
 import pyarrow.fs as pafs
 
 from trainer_core import storage
-from trainer_core.errors import StorageUnavailableError
 from trainer_core.storage.locations import Location
 
 
@@ -53,25 +51,10 @@ def supported(location: Location) -> bool:
     return location.is_local or _s3_client(location) is not None or _gcs(location) is not None
 
 
-#: How long a read waits for a record that does not parse to be whole again.
-TORN_READ_PATIENCE_S = 2.0
-
-
 def read(location: Location) -> Versioned:
-    """The record at ``location`` and its version. A store that overwrites in place (NFS, S3
-    emulators) can be read mid-write: a record that does not parse is read again, and one that
-    still does not after a while is a StorageUnavailableError (retried), not a parse error."""
-    deadline = time.monotonic() + TORN_READ_PATIENCE_S
-    while True:
-        try:
-            return _read_once(location)
-        except ValueError as e:  # torn: JSONDecodeError, or bytes cut inside a character
-            if time.monotonic() >= deadline:
-                raise StorageUnavailableError(
-                    f"{location.uri} stayed unreadable for {TORN_READ_PATIENCE_S:.0f} s ({e}): "
-                    "a store that overwrites it in place is being written, or it is damaged"
-                ) from e
-            time.sleep(0.05)
+    """The record at ``location`` and its version (a record read mid-write is read again:
+    ``storage.untorn``)."""
+    return storage.untorn(location, lambda: _read_once(location))
 
 
 def _read_once(location: Location) -> Versioned:

@@ -316,17 +316,27 @@ def read_whole(
     location: Location, parse: Callable[[bytes], Any], patience_s: float | None = None
 ) -> Any:
     """``parse`` of a small file that another process rewrites whole (the lease every second,
-    the attempt records at each attempt's end), or None when there is none. A store that
-    overwrites an object in place (NFS, S3 emulators) can be read mid-write: a file that does
-    not parse is read again, and one that still does not after ``patience_s`` is a
-    StorageUnavailableError (retried), not the reader's own error."""
-    patience_s = TORN_READ_PATIENCE_S if patience_s is None else patience_s
-    deadline = time.monotonic() + patience_s
-    while True:
+    the attempt records at each attempt's end), or None when there is none; see ``untorn``."""
+
+    def read() -> Any:
         try:
             return parse(location.read_bytes()) if location.exists() else None
         except FileNotFoundError:  # removed between the two calls
             return None
+
+    return untorn(location, read, patience_s)
+
+
+def untorn(location: Location, read: Callable[[], T], patience_s: float | None = None) -> T:
+    """``read()`` of ``location`` once what it reads parses. A store that overwrites an object
+    in place (NFS, S3 emulators) can be read mid-write: what does not parse (a ValueError) is
+    read again, and what still does not after ``patience_s`` is a StorageUnavailableError
+    (retried), not the reader's own error."""
+    patience_s = TORN_READ_PATIENCE_S if patience_s is None else patience_s
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return read()
         except ValueError as e:  # torn: JSONDecodeError, or bytes cut inside a character
             if time.monotonic() >= deadline:
                 raise StorageUnavailableError(
