@@ -68,12 +68,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     if names:
         logger.info("storage credentials from block %s: %s", spec.run.credentials, names)
     checked = engine.preflight(spec)  # bad input first, as it names itself
-    plan, run_dir, pinned, total_steps = (
-        checked.plan,
-        checked.run_dir,
-        checked.pinned,
-        checked.total_steps,
-    )
+    plan, run_dir, pinned = checked.plan, checked.run_dir, checked.pinned
     if pinned is not None and pinned.added:
         logger.info(
             "%s file(s) added to %s since this run took its dataset snapshot are ignored",
@@ -106,7 +101,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
         run_uri=plan.run_uri,
         lease_owner=lease_owner,
         plan_reason=plan.reason,
-        total_steps=total_steps,
+        total_steps=checked.total_steps,
         resume_step=plan.resume_step,
         stored_result=stored,
     )

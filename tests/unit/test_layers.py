@@ -185,7 +185,7 @@ def test_the_core_imports_no_prefect() -> None:
     assert offenders == []
 
 
-def test_the_reader_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch) -> None:
+def test_the_reader_sees_a_cycle_and_an_upward_import(tmp_path) -> None:
     """The rules can fail: a lazy import of run.summary inside storage is both."""
     edges = graph()
     edges["trainer_core.storage.locations"].add("trainer_core.run.summary")
