@@ -7,8 +7,10 @@ reads them outside training.
 - ``retention``: the ranking by a metric (the best checkpoint) and the retention plan.
 - ``history``: the metrics history, written in segments, merged into a row per step.
 - ``ray_checkpoints``: a user's own loop's checkpoints, which Ray Train names and keeps.
-- ``manager``: the built-in loop's checkpoints in one object: what is saved, when, how it is
-  restored (whole state dicts or DCP), with staging and background writes.
+- ``manager``: the built-in loop's checkpoints in one object: what is saved, when, staged and
+  written in the background; ``load`` through ``restore``.
+- ``restore``: the newest checkpoint every rank can verify, restored into the live objects
+  (whole state dicts or DCP, read once per node).
 - ``staging``: stage state to memory, write it in the background.
 - ``dcp_storage``: torch.distributed.checkpoint through the run's own storage.
 - ``training_state``: what a checkpoint holds for resume to be exact; the optimizer and

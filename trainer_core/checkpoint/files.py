@@ -113,3 +113,15 @@ def checkpoint_dir_name(step: int) -> str:
 def checkpoint_step(name: str) -> int | None:
     match = CHECKPOINT_PATTERN.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def file_names(sharded: bool, rank: int) -> dict[str, str]:
+    """The file each state key of ``rank`` is saved under (``rng``: every rank's own)."""
+    suffix = f"-rank{rank}" if sharded else ""
+    return {
+        "model": f"model{suffix}.pt",
+        "optimizer": f"optimizer{suffix}.pt",
+        "scheduler": "scheduler.pt",
+        "scaler": "scaler.pt",
+        "rng": f"rng-rank{rank}.pt",
+    }
