@@ -120,3 +120,11 @@ class Timings:
 
     def to_json(self) -> dict[str, float]:
         return dict(self.__dict__)
+
+
+def share_peak_rss(relay: Relay) -> None:
+    """The largest peak resident memory of any rank so far, to the driver (one small
+    collective, at each checkpoint and at the end)."""
+    peak = torch.tensor([peak_rss_mb()], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    relay.send("memory", peak_worker_rss_mb=round(float(peak), 1))

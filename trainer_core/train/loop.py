@@ -1,16 +1,16 @@
 """The per-worker training loop (runs inside Ray Train workers).
 
-It reaches Ray through ``execution.worker_api`` only (its rank, device, DDP wrapper and a drain's
-notice). The built-in loop never reports to Ray: metrics
-reach the driver through a relay actor without blocking the step, and checkpoints are
-relaytrain's own (committed with a manifest and marker). Registering them with Ray would add a
-second, lagging source of truth whose snapshot refuses to load once retention deletes a
-checkpoint it lists.
+It reaches Ray through ``execution.worker_api`` only (its rank, device, DDP wrapper and a
+drain's notice). The built-in loop never reports to Ray: metrics reach the driver through a
+relay actor without blocking the step (``metric_rows``), and checkpoints are relaytrain's own
+(committed with a manifest and marker). Registering them with Ray would add a second, lagging
+source of truth whose snapshot refuses to load once retention deletes a checkpoint it lists.
 
 Resume is exact: model, optimizer, LR schedule, every rank's RNG states and the data cursor are
 restored from the newest checkpoint that every rank can verify against its manifest. The loop
 says when to save and what the manifest carries; ``checkpoint.manager`` owns the rest (state
-keys, file names, staging, the background write, the commit).
+keys, file names, staging, the background write, the commit). One optimizer step and the run's
+precision are ``steps``'; a validation pass is ``validate.RankValidation``.
 """
 
 from __future__ import annotations
@@ -29,41 +29,37 @@ from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
-from trainer_core.errors import InfrastructureError, RelaytrainError, TrainingCodeError
+from trainer_core.errors import RelaytrainError
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.execution.worker_group import (
     Relay,
     Timings,
     all_reduce,
-    collective_device,
-    peak_rss_mb,
+    share_peak_rss,
 )
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import validate, workloads
+from trainer_core.train.metric_rows import MetricRows
 from trainer_core.train.preemption import DrainWatch
 from trainer_core.train.steps import (
-    NonFiniteLosses,
+    Precision,
     accumulate_gradients,
     optimizer_step,
     optimizer_steps,
 )
-from trainer_core.train.worker import Faults, worker_error
+from trainer_core.train.worker import Faults, wind_down, worker_error
 
 logger = logging.getLogger("relaytrain.worker")
 
 
 # -- the built-in loop ---------------------------------------------------------------------------
 
-#: ``precision`` -> the dtype autocast computes in (fp32: no autocast).
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass
 class Progress:
     step: int = 0
     cursor: data_mod.Cursor = field(default_factory=lambda: data_mod.Cursor(0, 0))
-    metrics: dict[str, float] = field(default_factory=dict)
     resumed_from: int | None = None
 
 
@@ -81,62 +77,25 @@ class BuiltinLoop:
         self.relay = Relay(config.relay, self.rank)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.data_spec = self.spec.data.resolved()
-        # The run's dataset snapshot, as the driver pinned it: no rank lists the dataset.
-        if config.dataset is not None:
-            layout = dataset_snapshot.from_json(config.dataset["snapshot"], self.data_spec)
-            info = data_mod.DatasetInfo(**config.dataset["info"])
-        else:  # generated data
-            layout = footers.scan(self.data_spec)
-            info = stream.describe(layout, self.data_spec)
-        #: This rank's slice of every global batch, and its share of the validation rows.
-        self.data = rank_stream.RankStream(
-            layout, self.data_spec, self.spec.run.seed, self.world_size, self.rank
-        )
+        info = self._build_data()
         #: Micro-batches (global batches) per optimizer step; steps and checkpoints count
         #: optimizer steps, the cursor global batches.
         self.accumulation = self.spec.optimizer.grad_accumulation
         self.total_steps = self.spec.schedule.epochs * data_mod.steps_per_epoch(
             self.data.batches_per_epoch, self.accumulation
         )
-        training_state.seed_everything(self.spec.run.seed)  # identical initial weights
-        self.num_features = info.num_features
-        self.model = workloads.build_model(self.spec.model, info.num_features, info.num_outputs)
-        #: FSDP: the model is sharded before its optimizer holds its parameters.
-        self.fsdp = self.spec.scaling.strategy == "fsdp"
-        if self.fsdp:
-            shard_fn = self.spec.scaling.shard_fn
-            self.model = worker_api.shard_model(
-                self.model,
-                workloads.import_object(shard_fn, "scaling.shard_fn") if shard_fn else None,
-            )
-        self.optimizer = training_state.make_optimizer(self.model.parameters(), self.spec.optimizer)
-        self.scheduler = training_state.make_scheduler(
-            self.optimizer, self.spec.schedule, self.total_steps
-        )
-        self.loss_fn = workloads.loss_function(
-            self.data_spec.task or "classification", self.spec.loss
-        )
-        self.metric_fns = workloads.metric_functions(list(self.spec.metrics))
-        self.stopping = training_state.EarlyStopping()
-        #: Autocast's dtype (None: fp32), and fp16's gradient scaler.
-        self.autocast_dtype = AUTOCAST_DTYPES.get(self.spec.precision)
-        self.scaler = (
-            torch.amp.GradScaler(self.device.type) if self.spec.precision == "fp16" else None
-        )
-        self.nonfinite = NonFiniteLosses(scaled=self.scaler is not None)
+        self._build_model(info)
         training_state.seed_everything(self.spec.run.seed * 1009 + self.rank + 1)  # per-rank RNG
         self.progress = Progress()
         self.group = 0  # worker groups of this attempt before this one (in-place restarts)
-        self.pending: list[dict[str, Any]] = []  # rows not yet aggregated across ranks
-        self.unsaved: list[dict[str, Any]] = []  # rows not yet in a metrics segment
         self.current_step = 0
         self.completed_step = 0
         self.timings = Timings()
-        self.in_flight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], dict]] = []
+        self.rows = MetricRows(self.relay, self.timings, self.world_size, config.attempt)
         self.checkpoints = CheckpointManager(
             self.run_dir,
             self.spec.checkpoint,
-            TrainingState(self.model, self.optimizer, self.scheduler, self.scaler),
+            TrainingState(self.model, self.optimizer, self.scheduler, self.precision.scaler),
             rank=self.rank,
             world_size=self.world_size,
             attempt=config.attempt,
@@ -147,6 +106,54 @@ class BuiltinLoop:
         )
         self.drains = DrainWatch(
             config.watch_preemption, self.rank, self.relay, self.checkpoints, self.timings
+        )
+
+    def _build_data(self) -> data_mod.DatasetInfo:
+        """This rank's stream of the run's dataset snapshot, as the driver pinned it (no rank
+        lists the dataset); returns the dataset's info."""
+        config = self.config
+        if config.dataset is not None:
+            layout = dataset_snapshot.from_json(config.dataset["snapshot"], self.data_spec)
+            info = data_mod.DatasetInfo(**config.dataset["info"])
+        else:  # generated data
+            layout = footers.scan(self.data_spec)
+            info = stream.describe(layout, self.data_spec)
+        #: This rank's slice of every global batch, and its share of the validation rows.
+        self.data = rank_stream.RankStream(
+            layout, self.data_spec, self.spec.run.seed, self.world_size, self.rank
+        )
+        return info
+
+    def _build_model(self, info: data_mod.DatasetInfo) -> None:
+        """The model (identical initial weights on every rank; sharded under FSDP before its
+        optimizer holds its parameters), optimizer, schedule, loss, precision and validation."""
+        spec = self.spec
+        assert spec.model and spec.schedule
+        training_state.seed_everything(spec.run.seed)  # identical initial weights
+        self.model = workloads.build_model(spec.model, info.num_features, info.num_outputs)
+        self.fsdp = spec.scaling.strategy == "fsdp"
+        if self.fsdp:
+            shard_fn = spec.scaling.shard_fn
+            self.model = worker_api.shard_model(
+                self.model,
+                workloads.import_object(shard_fn, "scaling.shard_fn") if shard_fn else None,
+            )
+        self.optimizer = training_state.make_optimizer(self.model.parameters(), spec.optimizer)
+        self.scheduler = training_state.make_scheduler(
+            self.optimizer, spec.schedule, self.total_steps
+        )
+        self.loss_fn = workloads.loss_function(self.data_spec.task or "classification", spec.loss)
+        self.stopping = training_state.EarlyStopping()
+        self.precision = Precision(spec.precision, self.device)
+        self.validation = validate.RankValidation(
+            self.loss_fn,
+            workloads.metric_functions(list(spec.metrics)),
+            self.data_spec.task == "classification",
+            self.precision.autocast,
+            self._to_device,
+            fsdp=self.fsdp,
+            num_features=info.num_features,
+            world_size=self.world_size,
         )
 
     # -- resume --------------------------------------------------------------------------------
@@ -175,9 +182,9 @@ class BuiltinLoop:
             self.progress = Progress(
                 step=checkpoint.step,
                 cursor=data_mod.Cursor.from_json(manifest["cursor"]),
-                metrics=dict(manifest.get("metrics") or {}),
                 resumed_from=checkpoint.step,
             )
+            self.rows.latest = dict(manifest.get("metrics") or {})
             # What the restore cost: bytes read from storage by the whole group, and the
             # slowest rank's seconds.
             read = all_reduce([float(loaded.bytes_read)])[0]
@@ -231,8 +238,8 @@ class BuiltinLoop:
                 ahead.close()
             if self.stopping.stopped:
                 break
-        self._aggregate({}, flush=True)
-        self._share_peak_rss()
+        self.rows.aggregate({}, flush=True)
+        share_peak_rss(self.relay)
         started = time.perf_counter()
         self.checkpoints.wait()
         self.timings.checkpoint_wait_s += time.perf_counter() - started
@@ -241,7 +248,7 @@ class BuiltinLoop:
         self.relay.send(
             "finished",
             step=step,
-            metrics=self.progress.metrics,
+            metrics=self.rows.latest,
             timings=self.timings.to_json(),
             stopped=self.stopping.stopped,
         )
@@ -257,8 +264,6 @@ class BuiltinLoop:
         """Optimizer step ``step``, which ends with global batch ``end - 1`` of ``epoch``; then
         what is due after it: metrics, validation and early stopping at the end of the epoch,
         a checkpoint."""
-        schedule = self.spec.schedule
-        assert schedule is not None
         started = time.perf_counter()
         copy_wait = self.timings.checkpoint_copy_wait_s
         loss, grad_norm = self._step(ddp_model, micro_batches, step)
@@ -275,12 +280,20 @@ class BuiltinLoop:
         row = {"step": step, "epoch": epoch, "batch": index, "loss": loss, "lr": lr}
         if grad_norm is not None:
             row["grad_norm"] = grad_norm
-        self.pending.append(row)
+        self.rows.add(row)
+        self._after_step(ddp_model, step, epoch, end)
+
+    def _after_step(self, ddp_model: torch.nn.Module, step: int, epoch: int, end: int) -> None:
+        """What is due after optimizer step ``step`` (ending at global batch ``end - 1`` of
+        ``epoch``): validation and early stopping at the end of the epoch, the metrics window, a
+        checkpoint, a drain's hold."""
+        schedule = self.spec.schedule
+        assert schedule is not None
         end_of_epoch = end == self.data.batches_per_epoch
         extra: dict[str, float] = {}
         stop = False
         if end_of_epoch:
-            extra = self._evaluate()
+            extra = self.validation.run(self.model, self.data.validation())
             stop = self._should_stop(epoch, extra)
             ddp_model.train()
         # A validation is followed by a checkpoint of the weights it measured: only those
@@ -295,7 +308,7 @@ class BuiltinLoop:
         should_checkpoint = should_checkpoint or notice is not None
         if at_report:
             started = time.perf_counter()
-            self._aggregate(extra, flush=should_checkpoint)
+            self.rows.aggregate(extra, flush=should_checkpoint)
             self.timings.aggregate_s += time.perf_counter() - started
             self.timings.num_aggregates += 1
         if should_checkpoint:
@@ -328,160 +341,37 @@ class BuiltinLoop:
             model,
             [(self._to_device(m.features), self._to_device(m.labels)) for m in micro_batches],
             self.loss_fn,
-            self._autocast,
-            None if self.scaler is None else self.scaler.scale,
+            self.precision.autocast,
+            self.precision.scale(),
             self.data.weight,
         )
         self.checkpoints.before_optimizer_step()
         grad_norm = optimizer_step(
-            self.optimizer, self.model, self.spec.optimizer.clip_grad_norm, self.scaler
+            self.optimizer, self.model, self.spec.optimizer.clip_grad_norm, self.precision.scaler
         )
         self.scheduler.step()
         value = loss.item()
-        if self.nonfinite.should_stop(value):
-            where = f"loss became {value} at step {step} on rank {self.rank}"
-            fix = "lower optimizer.lr, check the data for NaN/inf, or add gradient clipping"
-            if self.scaler is not None:  # an overflow that lowering the scale did not cure
-                where += (
-                    f", {self.nonfinite.in_a_row} fp16 steps in a row (the gradient scaler "
-                    f"skipped them, its scale is down to {self.scaler.get_scale():g})"
-                )
-                fix = f"use precision bf16 or fp32, {fix}"
-            raise TrainingCodeError(
-                f"{where}: {fix} in your model",
-                error_type="NonFiniteLoss",
-                step=step,
-                rank=self.rank,
-                deterministic=True,
-            )
+        self.precision.check_loss(value, step, self.rank)
         return value, grad_norm
-
-    def _autocast(self) -> Any:
-        """Autocast to ``precision``'s dtype on the model's device (a no-op for fp32)."""
-        return torch.autocast(
-            self.device.type,
-            dtype=self.autocast_dtype or torch.float32,
-            enabled=self.autocast_dtype is not None,
-        )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A batch as a tensor on the model's device (the same tensor, no copy, on the CPU)."""
         return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-    @torch.no_grad()
-    def _evaluate(self) -> dict[str, float]:
-        self._broadcast_buffers()
-        self.model.eval()
-        classification = self.data_spec.task == "classification"
-        names = validate.metric_names(classification, self.metric_fns)
-        # Per-sample means, as sums over this rank's rows: all-reduced once, then divided.
-        sums = dict.fromkeys(names, 0.0)
-        seen = 0
-        for part in self._validation_parts():
-            if part is None:  # FSDP: this rank's rows are done, the others' are not
-                with self._autocast():
-                    self.model(torch.zeros(1, self.num_features, device=self.device))
-                continue
-            features = self._to_device(part.features)
-            labels = self._to_device(part.labels)
-            with self._autocast():
-                output = self.model(features)
-                loss = self.loss_fn(output, labels)
-            part_sums = validate.part_sums(output, labels, loss, classification, self.metric_fns)
-            for name, value in part_sums.items():
-                sums[name] += value
-            seen += len(part)
-        *totals, count = all_reduce([*sums.values(), float(seen)])
-        if count == 0:
-            return {}
-        return {name: total / count for name, total in zip(names, totals, strict=True)}
-
-    def _broadcast_buffers(self) -> None:
-        """Every rank validates with rank 0's buffers (batch norm's running statistics), the
-        ones a checkpoint saves. DDP broadcasts them from rank 0 before each training forward
-        pass, which then updates each rank's from its own slice of the batch: after the last
-        one they differ by rank (and FSDP never syncs them)."""
-        if self.world_size > 1:
-            for buffer in self.model.buffers():
-                dist.broadcast(buffer, src=0)
-
-    def _validation_parts(self) -> Any:
-        """This rank's validation rows, in parts. Under FSDP every forward pass is a collective
-        (each layer's parameters are gathered), so every rank runs as many as the rank with the
-        most parts: one with none left gets None (a forward pass on a dummy row)."""
-        if not self.fsdp:
-            yield from self.data.validation()
-            return
-        parts = self.data.validation()
-        while True:
-            part = next(parts, None)
-            if all_reduce([float(part is not None)])[0] == 0:
-                return
-            yield part
-
-    def _aggregate(self, extra: dict[str, float], *, flush: bool = False) -> None:
-        """Average the pending per-step losses across ranks: one collective per window.
-
-        The collective runs asynchronously (gloo's thread) and is completed at the next window,
-        so training does not wait for it; ``flush`` completes everything (before a checkpoint
-        records its metrics, and at the end).
-        """
-        if self.pending:
-            losses = torch.tensor(
-                [row["loss"] for row in self.pending],
-                dtype=torch.float64,
-                device=collective_device(),
-            )
-            work = dist.all_reduce(losses, async_op=True)
-            self.in_flight.append((work, losses, self.pending, extra))
-            self.pending = []
-        while self.in_flight and (flush or len(self.in_flight) > 1):
-            work, losses, rows, window_extra = self.in_flight.pop(0)
-            work.wait()
-            self._publish(rows, (losses / self.world_size).tolist(), window_extra)
-
-    def _publish(self, pending: list[dict[str, Any]], means: list[float], extra: dict) -> None:
-        now = time.time()
-        rows = [
-            {**row, "loss": mean, "attempt": self.config.attempt, "time": now}
-            for row, mean in zip(pending, means, strict=True)
-        ]
-        rows[-1].update(extra)
-        self.unsaved.extend(rows)
-        # The newest step's metrics alone: a checkpoint's manifest records these, so a
-        # validation's figures never outlive the weights they were measured on.
-        self.progress.metrics = {
-            "step": rows[-1]["step"],
-            "epoch": rows[-1]["epoch"],
-            "loss": rows[-1]["loss"],
-            **extra,
-        }
-        started = time.perf_counter()
-        self.relay.send("metrics", rows=rows)
-        self.timings.relay_s += time.perf_counter() - started
 
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _checkpoint(self, step: int, cursor: data_mod.Cursor) -> None:
         """A checkpoint at ``step``, resuming at ``cursor``; the metric rows since the last one
         go with it."""
-        rows, self.unsaved = self.unsaved, []
         meta: dict[str, Any] = {
             "epoch": cursor.epoch,
             "cursor": cursor.to_json(),
-            "metrics": dict(self.progress.metrics),
+            "metrics": dict(self.rows.latest),
         }
         if self.spec.schedule and self.spec.schedule.early_stopping:
             meta["early_stopping"] = self.stopping.to_json()
-        self.checkpoints.save(step, meta, rows)
-        self._share_peak_rss()
-
-    def _share_peak_rss(self) -> None:
-        """The largest peak resident memory of any rank so far, to the driver (one small
-        collective, at each checkpoint and at the end)."""
-        peak = torch.tensor([peak_rss_mb()], dtype=torch.float64, device=collective_device())
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        self.relay.send("memory", peak_worker_rss_mb=round(float(peak), 1))
+        self.checkpoints.save(step, meta, self.rows.take_unsaved())
+        share_peak_rss(self.relay)
 
 
 def builtin_train_loop(config: dict[str, Any]) -> None:
@@ -491,51 +381,20 @@ def builtin_train_loop(config: dict[str, Any]) -> None:
     try:
         loop = BuiltinLoop(worker_config)
         loop.run()
-    except RelaytrainError as e:
-        final = _wind_down(loop, e)
-        if final is e:
-            raise
-        raise final from e
     except Exception as e:
-        raise _wind_down(loop, _as_code_error(e, loop)) from e
+        error = e if isinstance(e, RelaytrainError) else _as_worker_error(e, loop)
+        if loop is not None:
+            error = wind_down(error, loop.checkpoints, loop.relay, loop.completed_step, loop.group)
+        if error is e:
+            raise
+        raise error from e
     finally:
         if loop is not None:
             loop.checkpoints.close()
 
 
-#: How long a failing worker lets its checkpoint in flight finish before it exits.
-SETTLE_S = 60.0
-
-
-def _wind_down(loop: BuiltinLoop | None, error: RelaytrainError) -> RelaytrainError:
-    """Before an error ends the worker: finish the checkpoint in flight (what it commits is
-    work not lost), then push the buffered metric rows. Returns the error to raise: the
-    checkpoint's own, when it is the training code failing at an earlier step (the weights a
-    checkpoint was refused for went bad before the loss did)."""
-    if loop is None:
-        return error
-    earlier = loop.checkpoints.settle(SETTLE_S)
-    try:
-        loop.relay.flush()
-        if isinstance(error, InfrastructureError) and loop.completed_step:
-            loop.relay.outlived_rank_0(loop.completed_step, loop.group)
-    except Exception:  # the relay is best effort; the error being raised matters more
-        logger.debug("relay flush failed", exc_info=True)
-    if (
-        isinstance(earlier, TrainingCodeError)
-        and isinstance(error, TrainingCodeError)
-        and (earlier.step or 0) < (error.step or 0)
-    ):
-        return earlier
-    return error
-
-
-def _as_code_error(
-    error: BaseException, loop: BuiltinLoop | None
-) -> TrainingCodeError | InfrastructureError:
-    step = None
-    rank = None
-    if loop is not None:
-        rank = loop.rank
-        step = loop.current_step or None
+def _as_worker_error(error: BaseException, loop: BuiltinLoop | None) -> RelaytrainError:
+    """What an exception out of training code means, at the step the loop was at."""
+    step = (loop.current_step or None) if loop is not None else None
+    rank = loop.rank if loop is not None else None
     return worker_error(error, where=f"at step {step}", step=step, rank=rank)

@@ -1,5 +1,6 @@
 """One optimizer step of the built-in loop: gradient accumulation over micro-batches, clipping,
-fp16's scaler, and an epoch's batches grouped into steps. Pure functions of torch objects."""
+the run's precision (autocast, fp16's scaler, when a non-finite loss stops training), and an
+epoch's batches grouped into steps."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from trainer_core.data import arrays as data_mod
+from trainer_core.errors import TrainingCodeError
 
 
 def accumulate_gradients(
@@ -110,3 +112,53 @@ class NonFiniteLosses:
             return False
         self.in_a_row += 1
         return not self.scaled or self.in_a_row >= self.limit
+
+    def error(
+        self, loss: float, step: int, rank: int, scaler: torch.amp.GradScaler | None
+    ) -> TrainingCodeError:
+        """What stops training at ``step``, with the fix (fp16: the scaler's state too)."""
+        where = f"loss became {loss} at step {step} on rank {rank}"
+        fix = "lower optimizer.lr, check the data for NaN/inf, or add gradient clipping"
+        if scaler is not None:  # an overflow that lowering the scale did not cure
+            where += (
+                f", {self.in_a_row} fp16 steps in a row (the gradient scaler "
+                f"skipped them, its scale is down to {scaler.get_scale():g})"
+            )
+            fix = f"use precision bf16 or fp32, {fix}"
+        return TrainingCodeError(
+            f"{where}: {fix} in your model",
+            error_type="NonFiniteLoss",
+            step=step,
+            rank=rank,
+            deterministic=True,
+        )
+
+
+#: ``precision`` -> the dtype autocast computes in (fp32: no autocast).
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """A run's ``precision`` on one device: autocast's dtype (None: fp32), fp16's gradient
+    scaler, and the rule for non-finite losses."""
+
+    def __init__(self, precision: str, device: torch.device):
+        self.device_type = device.type
+        self.dtype = AUTOCAST_DTYPES.get(precision)
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+        self.nonfinite = NonFiniteLosses(scaled=self.scaler is not None)
+
+    def autocast(self) -> Any:
+        """Autocast to the dtype on the device (a no-op for fp32)."""
+        return torch.autocast(
+            self.device_type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None
+        )
+
+    def scale(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """fp16's loss scaling (None otherwise)."""
+        return None if self.scaler is None else self.scaler.scale
+
+    def check_loss(self, loss: float, step: int, rank: int) -> None:
+        """Raise what stops training when ``loss`` does (``NonFiniteLosses``)."""
+        if self.nonfinite.should_stop(loss):
+            raise self.nonfinite.error(loss, step, rank, self.scaler)

@@ -3,15 +3,22 @@ every epoch) and for the driver (a checkpoint evaluated on the holdout): val_los
 loss), val_accuracy for classification, and the spec's own metrics, each a per-sample mean.
 
 Both sum a part's per-sample values (``part_sums``) and divide by the rows seen, so a mean over
-parts (and over ranks, after one all-reduce) is the mean over every row.
+parts (and over ranks, after one all-reduce) is the mean over every row. ``RankValidation`` is
+the loop's pass over one rank's rows, in step with the other ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
+
+from trainer_core.data import arrays as data_mod
+from trainer_core.execution.worker_group import all_reduce
 
 
 def metric_names(classification: bool, metric_fns: Mapping[str, Any]) -> list[str]:
@@ -35,3 +42,70 @@ def part_sums(
     for name, fn in metric_fns.items():
         sums[name] = float(fn(output, labels)) * rows
     return sums
+
+
+@dataclass
+class RankValidation:
+    """The built-in loop's validation on one rank: its rows' metric sums, all-reduced once and
+    divided by every rank's rows."""
+
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    metric_fns: Mapping[str, Callable[[torch.Tensor, torch.Tensor], Any]]
+    classification: bool
+    #: Autocast to the run's precision, and a batch moved to the model's device.
+    autocast: Callable[[], Any]
+    to_device: Callable[[Any], torch.Tensor]
+    #: Under FSDP every forward pass is a collective: a rank out of rows runs one on a dummy row
+    #: of ``num_features`` while another still has rows.
+    fsdp: bool
+    num_features: int
+    world_size: int
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module, parts: Iterator[data_mod.Arrays]) -> dict[str, float]:
+        """The metrics over every rank's ``parts`` (empty when no rank has validation rows)."""
+        self._broadcast_buffers(model)
+        model.eval()
+        names = metric_names(self.classification, self.metric_fns)
+        # Per-sample means, as sums over this rank's rows: all-reduced once, then divided.
+        sums = dict.fromkeys(names, 0.0)
+        seen = 0
+        for part in self._in_step(parts):
+            if part is None:  # FSDP: this rank's rows are done, the others' are not
+                with self.autocast():
+                    model(self.to_device(np.zeros((1, self.num_features), np.float32)))
+                continue
+            features = self.to_device(part.features)
+            labels = self.to_device(part.labels)
+            with self.autocast():
+                output = model(features)
+                loss = self.loss_fn(output, labels)
+            found = part_sums(output, labels, loss, self.classification, self.metric_fns)
+            for name, value in found.items():
+                sums[name] += value
+            seen += len(part)
+        *totals, count = all_reduce([*sums.values(), float(seen)])
+        if count == 0:
+            return {}
+        return {name: total / count for name, total in zip(names, totals, strict=True)}
+
+    def _broadcast_buffers(self, model: torch.nn.Module) -> None:
+        """Every rank validates with rank 0's buffers (batch norm's running statistics), the
+        ones a checkpoint saves. DDP broadcasts them from rank 0 before each training forward
+        pass, which then updates each rank's from its own slice of the batch: after the last
+        one they differ by rank (and FSDP never syncs them)."""
+        if self.world_size > 1:
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+
+    def _in_step(self, parts: Iterator[data_mod.Arrays]) -> Iterator[data_mod.Arrays | None]:
+        """``parts``; under FSDP, as many as the rank with the most parts has (None once this
+        rank's are done)."""
+        if not self.fsdp:
+            yield from parts
+            return
+        while True:
+            part = next(parts, None)
+            if all_reduce([float(part is not None)])[0] == 0:
+                return
+            yield part

@@ -10,8 +10,15 @@ import signal
 import traceback
 from dataclasses import dataclass
 
-from trainer_core.errors import InfrastructureError, InjectedFault, TrainingCodeError
+from trainer_core.checkpoint.manager import CheckpointManager
+from trainer_core.errors import (
+    InfrastructureError,
+    InjectedFault,
+    RelaytrainError,
+    TrainingCodeError,
+)
 from trainer_core.execution.classify import is_peer_failure as is_peer_failure  # the driver's too
+from trainer_core.execution.worker_group import Relay
 from trainer_core.spec.operations import FaultSection
 
 
@@ -56,3 +63,34 @@ class Faults:
                 logger.warning("fault: SIGKILL of rank %d at step %d", self.rank, step)
                 os.kill(os.getpid(), signal.SIGKILL)
             raise InjectedFault(f"injected fault at step {step} on rank {self.rank}")
+
+
+#: How long a failing worker lets its checkpoint in flight finish before it exits.
+SETTLE_S = 60.0
+
+
+def wind_down(
+    error: RelaytrainError,
+    checkpoints: CheckpointManager,
+    relay: Relay,
+    completed_step: int,
+    group: int,
+) -> RelaytrainError:
+    """Before an error ends the worker: finish the checkpoint in flight (``checkpoints.settle``:
+    what it commits is work not lost), then push the buffered metric rows. Returns the error to
+    raise: the checkpoint's own, when it is the training code failing at an earlier step (the
+    weights a checkpoint was refused for went bad before the loss did)."""
+    earlier = checkpoints.settle(SETTLE_S)
+    try:
+        relay.flush()
+        if isinstance(error, InfrastructureError) and completed_step:
+            relay.outlived_rank_0(completed_step, group)
+    except Exception:  # the relay is best effort; the error being raised matters more
+        logger.debug("relay flush failed", exc_info=True)
+    if (
+        isinstance(earlier, TrainingCodeError)
+        and isinstance(error, TrainingCodeError)
+        and (earlier.step or 0) < (error.step or 0)
+    ):
+        return earlier
+    return error

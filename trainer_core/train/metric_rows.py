@@ -1,0 +1,79 @@
+"""The built-in loop's metric rows: each optimizer step's loss averaged across ranks without
+blocking the step, published to the driver, and kept for the next checkpoint's segment of the
+metrics history."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer_core.execution.worker_group import Relay, Timings, collective_device
+
+
+class MetricRows:
+    """One rank's rows: pending (not yet averaged), in flight (being averaged), unsaved (not yet
+    in a metrics segment)."""
+
+    def __init__(self, relay: Relay, timings: Timings, world_size: int, attempt: int):
+        self.relay = relay
+        self.timings = timings
+        self.world_size = world_size
+        self.attempt = attempt
+        self.pending: list[dict[str, Any]] = []
+        self.in_flight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], dict]] = []
+        self.unsaved: list[dict[str, Any]] = []
+        #: The newest step's metrics alone: a checkpoint's manifest records these, so a
+        #: validation's figures never outlive the weights they were measured on.
+        self.latest: dict[str, float] = {}
+
+    def add(self, row: dict[str, Any]) -> None:
+        """A step's row, its loss this rank's own."""
+        self.pending.append(row)
+
+    def aggregate(self, extra: dict[str, float], *, flush: bool = False) -> None:
+        """Average the pending per-step losses across ranks: one collective per window, with
+        ``extra`` (a validation's metrics) on the window's last row.
+
+        The collective runs asynchronously (gloo's thread) and is completed at the next window,
+        so training does not wait for it; ``flush`` completes everything (before a checkpoint
+        records its metrics, and at the end).
+        """
+        if self.pending:
+            losses = torch.tensor(
+                [row["loss"] for row in self.pending],
+                dtype=torch.float64,
+                device=collective_device(),
+            )
+            work = dist.all_reduce(losses, async_op=True)
+            self.in_flight.append((work, losses, self.pending, extra))
+            self.pending = []
+        while self.in_flight and (flush or len(self.in_flight) > 1):
+            work, losses, rows, window_extra = self.in_flight.pop(0)
+            work.wait()
+            self._publish(rows, (losses / self.world_size).tolist(), window_extra)
+
+    def take_unsaved(self) -> list[dict[str, Any]]:
+        """The rows since the last checkpoint (for the next one's metrics segment)."""
+        rows, self.unsaved = self.unsaved, []
+        return rows
+
+    def _publish(self, pending: list[dict[str, Any]], means: list[float], extra: dict) -> None:
+        now = time.time()
+        rows = [
+            {**row, "loss": mean, "attempt": self.attempt, "time": now}
+            for row, mean in zip(pending, means, strict=True)
+        ]
+        rows[-1].update(extra)
+        self.unsaved.extend(rows)
+        self.latest = {
+            "step": rows[-1]["step"],
+            "epoch": rows[-1]["epoch"],
+            "loss": rows[-1]["loss"],
+            **extra,
+        }
+        started = time.perf_counter()
+        self.relay.send("metrics", rows=rows)
+        self.timings.relay_s += time.perf_counter() - started
