@@ -2,6 +2,8 @@
 
 - ``cluster``: start or connect to Ray; capacity; lost, reclaimed and draining nodes.
 - ``trainer``: the TorchTrainer of one attempt and ``fit``, which relays the workers' events.
+- ``ray_trainer``: Ray Train's TorchTrainer as relaytrain runs it (its controller's handle
+  kept, no helper actors it has no use for).
 - ``controller``: what Ray Train's controller process runs of relaytrain's (kept free of torch):
   the failure and scaling policies, the process-group backend, the metrics relay actor.
 - ``classify``: what fit() raised, as an error that says what the orchestrator must do.

@@ -16,7 +16,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainer_core import storage
 from trainer_core.execution.cluster import (
-    PREEMPTION_WATCHER_ENV,
     apply_ray_env_defaults,
     watches_preemption,
 )
@@ -29,107 +28,6 @@ logger = logging.getLogger("relaytrain.engine")
 EventHandler = Callable[[dict[str, Any]], None]
 #: A Ray Train ``train_loop_per_worker``: the built-in loop, or the wrapper of a user's own.
 TrainLoop = Callable[[dict[str, Any]], None]
-
-
-def _abortable_trainer_class() -> type:
-    """TorchTrainer that keeps its controller's handle, so an interrupted driver can stop it,
-    and starts none of Ray's helper actors that relaytrain has no use for.
-
-    Ray 2.60 keeps the handle local to ``_initialize_and_run_controller``; this mirrors that
-    method (Ray is pinned exactly) minus the SIGINT handler, which cannot be installed off the
-    main thread anyway. Each helper actor is a process start (about 2 s of CPU on 2 cores,
-    contending with the workers' own start), paid again by every attempt and in-place restart.
-    What the controller unpickles comes from ``trainer_core.execution.controller``, which
-    imports no torch.
-    Ray's placement-group cleaner (a detached actor per fit) is replaced by the driver's own
-    cleanup (``PlacementGroupsToDriver``, ``_remove_left_behind``).
-    """
-    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
-    from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import (
-        PlacementGroupCleanerCallback,
-    )
-    from ray.train.v2._internal.constants import (
-        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-        get_env_vars_to_propagate,
-    )
-
-    from trainer_core.execution.controller import (
-        CredentialedController,
-        CurrentCapacityPolicy,
-        InPlacePolicy,
-        PlacementGroupsToDriver,
-    )
-
-    class AbortableTorchTrainer(TorchTrainer):
-        controller: Any = None
-        #: The storage credentials as a Ray object, nested so Ray passes it by reference.
-        storage_credentials: list[Any] = []
-        #: In-place restarts allowed per budget (``restart_limits``), and the relay that hears
-        #: of each.
-        restart_limits: dict[str, int | None] = {}
-        relay: Any = None
-        #: Nodes reclaimed for preemption before this attempt (not its failures' cause).
-        reclaimed_before: set[str] = set()
-        #: Whether Ray's preemption watcher runs (``watches_preemption``).
-        watch_preemption: bool = False
-
-        def _create_default_callbacks(self) -> list[Any]:
-            # Ray's datasets callback starts a DatasetManager actor for every worker group,
-            # datasets or not; relaytrain's loops read their own data and pass none. Its
-            # placement-group cleaner is the driver's job here (PlacementGroupsToDriver).
-            callbacks = super()._create_default_callbacks()  # type: ignore[misc]  # V2 method
-            unused = (PlacementGroupCleanerCallback,) + (
-                () if self.datasets else (DatasetsCallback,)
-            )
-            kept = [c for c in callbacks if not isinstance(c, unused)]
-            return [*kept, PlacementGroupsToDriver(self.relay)]
-
-        def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
-            env_vars = get_env_vars_to_propagate()
-            env_vars.setdefault(
-                RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
-                DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-            )
-            env_vars[PREEMPTION_WATCHER_ENV] = "1" if self.watch_preemption else "0"
-            # The controller sets these itself (Ray Train reads them when it uses them), not
-            # through a runtime_env: an actor with a runtime_env of its own needs a new process,
-            # one without takes an idle one of the job's (0.5-1 s sooner to the first step).
-            controller_class = ray.remote(
-                num_cpus=0,
-                label_selector={
-                    ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()  # type: ignore[attr-defined]
-                },
-            )(CredentialedController)
-            controller_init_kwargs["scaling_policy"] = CurrentCapacityPolicy.replacing(
-                controller_init_kwargs["scaling_policy"]
-            )
-            controller_init_kwargs["failure_policy"] = InPlacePolicy(
-                controller_init_kwargs["failure_policy"].failure_config,
-                self.restart_limits,
-                self.relay,
-                self.reclaimed_before,
-            )
-            self.controller = controller_class.remote(
-                environment=env_vars,
-                storage_credentials=self.storage_credentials,
-                relay=self.relay,
-                **controller_init_kwargs,
-            )
-            ray.get(self.controller.run.remote())
-            return ray.get(self.controller.get_result.remote())
-
-        def abort(self, timeout_s: float = 15.0) -> None:
-            """Stop the worker group (controller.abort), then the controller itself."""
-            if self.controller is None:
-                return
-            with contextlib.suppress(Exception):
-                ray.get(self.controller.abort.remote(), timeout=timeout_s)
-            with contextlib.suppress(Exception):
-                ray.kill(self.controller)
-
-    return AbortableTorchTrainer
 
 
 def restart_limits(spec: RunSpec) -> dict[str, int | None]:
@@ -169,17 +67,7 @@ def _trainer(spec: RunSpec, plan: Any, loop: TrainLoop, relay: Any) -> Any:
 
     apply_ray_env_defaults()
     root = storage.resolve(plan.storage_uri)
-    worker_config = WorkerConfig(
-        spec=spec.model_dump(mode="json"),
-        storage_uri=plan.storage_uri,
-        run_name=plan.run_name,
-        attempt=plan.attempt,
-        candidates=plan.candidates,
-        relay=relay,
-        watch_preemption=watches_preemption(),
-        dataset=plan.dataset,
-        lease_owner=plan.lease_owner,
-    )
+    worker_config = _worker_config(spec, plan, relay)
     user_loop = spec.train_loop is not None
     # A running Ray cluster does not see this process's environment, so the controller and
     # workers get the storage credentials (environment or run.credentials' block) explicitly:
@@ -187,7 +75,11 @@ def _trainer(spec: RunSpec, plan: Any, loop: TrainLoop, relay: Any) -> Any:
     # runtime env it creates, values included (logs/runtime_env_agent.log), and Ray Train keeps
     # the worker runtime env in its run state (dashboard, export events).
     credentials = [ray.put(storage.credential_env())]
-    trainer = _abortable_trainer_class()(
+    from trainer_core.execution.ray_trainer import AbortableTorchTrainer
+
+    # Typed as Ray's V1 TorchTrainer (type checkers see V1's config classes, not V2's).
+    trainer_class: Any = AbortableTorchTrainer
+    trainer = trainer_class(
         datasets=_ray_datasets(spec, credentials),
         train_loop_per_worker=_with_credentials(loop, credentials),
         train_loop_config=worker_config.to_dict(),
@@ -220,6 +112,21 @@ def _trainer(spec: RunSpec, plan: Any, loop: TrainLoop, relay: Any) -> Any:
     trainer.watch_preemption = worker_config.watch_preemption
     trainer.relay = relay
     return trainer
+
+
+def _worker_config(spec: RunSpec, plan: Any, relay: Any) -> WorkerConfig:
+    """What every worker of the attempt ``plan`` is handed."""
+    return WorkerConfig(
+        spec=spec.model_dump(mode="json"),
+        storage_uri=plan.storage_uri,
+        run_name=plan.run_name,
+        attempt=plan.attempt,
+        candidates=plan.candidates,
+        relay=relay,
+        watch_preemption=watches_preemption(),
+        dataset=plan.dataset,
+        lease_owner=plan.lease_owner,
+    )
 
 
 def _ray_datasets(spec: RunSpec, credentials: list[Any]) -> dict[str, Any]:
@@ -262,7 +169,7 @@ def fit(
     Cancellation (Prefect's TerminationSignal, KeyboardInterrupt) arrives in this thread as a
     BaseException: the ``finally`` aborts Ray Train's controller, which stops every worker.
     """
-    from trainer_core.execution.controller import PLACEMENT_GROUP_EVENT, MetricsRelay
+    from trainer_core.execution.controller import MetricsRelay
 
     # The relay is the driver's mailbox: it lives on the driver's node, never on a worker node
     # that may be the one being lost (a retry right after a node death could land there).
@@ -270,47 +177,66 @@ def fit(
     relay = MetricsRelay.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
     trainer = _trainer(spec, plan, loop, relay)
     trainer.reclaimed_before = reclaimed_before
-    outcome: dict[str, Any] = {}
+    _Fitting(trainer, relay, handle, plan.run_name).run(poll_interval_s, lost)
 
-    def target() -> None:
+
+class _Fitting:
+    """``trainer.fit()`` in a thread, and the relay's events handed to ``handle`` while it
+    runs (the placement groups its worker groups report are kept, to remove what is left)."""
+
+    def __init__(self, trainer: Any, relay: Any, handle: EventHandler, run_name: str):
+        self.trainer = trainer
+        self.relay = relay
+        self.handle = handle
+        self.run_name = run_name
+        self.outcome: dict[str, Any] = {}
+        self.placement_groups: list[Any] = []
+        self.thread = threading.Thread(
+            target=self._fit, name=f"relaytrain-fit-{run_name}", daemon=True
+        )
+
+    def _fit(self) -> None:
         try:
-            outcome["result"] = trainer.fit()
+            self.outcome["result"] = self.trainer.fit()
         except BaseException as e:  # re-raised in the caller's thread
-            outcome["error"] = e
+            self.outcome["error"] = e
 
-    thread = threading.Thread(target=target, name=f"relaytrain-fit-{plan.run_name}", daemon=True)
-    placement_groups: list[Any] = []
+    def _relay_events(self) -> None:
+        from trainer_core.execution.controller import PLACEMENT_GROUP_EVENT
 
-    def relay_events() -> None:
-        for event in ray.get(relay.drain.remote()):
+        for event in ray.get(self.relay.drain.remote()):
             if event["kind"] == PLACEMENT_GROUP_EVENT:
-                placement_groups.append(event["placement_group"])
+                self.placement_groups.append(event["placement_group"])
             else:
-                handle(event)
+                self.handle(event)
 
-    thread.start()
-    finished = False
-    try:
-        while thread.is_alive():
-            thread.join(poll_interval_s)
-            relay_events()
-            error = lost() if lost is not None else None
-            if error is not None:
-                raise error
-        relay_events()
-        finished = True
-    finally:
-        if not finished:
-            logger.warning("interrupted: stopping the Ray Train worker group of %s", plan.run_name)
-            trainer.abort()
-            thread.join(30)
+    def run(self, poll_interval_s: float, lost: Callable[[], BaseException | None] | None) -> None:
+        """Fit, relaying events every ``poll_interval_s``; raise fit's error, or ``lost()``'s."""
+        self.thread.start()
+        finished = False
+        try:
+            while self.thread.is_alive():
+                self.thread.join(poll_interval_s)
+                self._relay_events()
+                error = lost() if lost is not None else None
+                if error is not None:
+                    raise error
+            self._relay_events()
+            finished = True
+        finally:
+            if not finished:
+                logger.warning(
+                    "interrupted: stopping the Ray Train worker group of %s", self.run_name
+                )
+                self.trainer.abort()
+                self.thread.join(30)
+                with contextlib.suppress(Exception):
+                    self._relay_events()
+            _remove_left_behind(self.placement_groups)
             with contextlib.suppress(Exception):
-                relay_events()
-        _remove_left_behind(placement_groups)
-        with contextlib.suppress(Exception):
-            ray.kill(relay)
-    if "error" in outcome:
-        raise outcome["error"]
+                ray.kill(self.relay)
+        if "error" in self.outcome:
+            raise self.outcome["error"]
 
 
 def _remove_left_behind(placement_groups: list[Any]) -> None:
