@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOP = ("trainer_core", "tasks", "flows", "deployments")
 #: Modules of trainer_core that every package may import: the error hierarchy, and what a
 #: recorded number is.
-BASE = ("errors", "numbers")
+BASE = ("errors", "numbers", "tensors")
 #: trainer_core's packages, lowest first.
 LAYERS = (
     *BASE,

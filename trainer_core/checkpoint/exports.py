@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from trainer_core.checkpoint import dcp_storage, training_state
+from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.files import FILE_DIGEST, CheckpointInfo, HashingWriter, matches
 from trainer_core.checkpoint.ray_checkpoints import RAY_FORMAT
 from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, open_checkpoint
@@ -76,7 +76,7 @@ def model_weights(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> dict[str
         if exported is not None:
             return exported
         location = run_dir.checkpoint_location(checkpoint.step)
-        weights: dict[str, torch.Tensor] = dcp_storage.read_key(location, checkpoint.files, "model")
+        weights: dict[str, torch.Tensor] = _dcp_model(location, checkpoint)
         return weights
     if is_ray(checkpoint):
         return ray_model_weights(run_dir, checkpoint)
@@ -84,6 +84,15 @@ def model_weights(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> dict[str
         run_dir.read_verified(checkpoint, model_file(checkpoint))
     )
     return state
+
+
+def _dcp_model(location: Location, checkpoint: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint's whole model (DCP is imported by what reads one only: a worker of a
+    run without it never pays for the import, ``trainer_core.tensors``)."""
+    from trainer_core.checkpoint import dcp_storage
+
+    weights: dict[str, torch.Tensor] = dcp_storage.read_key(location, checkpoint.files, "model")
+    return weights
 
 
 def model_location(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> Location:
@@ -103,8 +112,7 @@ def export(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> Location:
     if is_ray(checkpoint):
         weights = ray_model_weights(run_dir, checkpoint)
     else:
-        location = run_dir.checkpoint_location(checkpoint.step)
-        weights = dcp_storage.read_key(location, checkpoint.files, "model")
+        weights = _dcp_model(run_dir.checkpoint_location(checkpoint.step), checkpoint)
 
     def write(stream: Any) -> Any:
         writer = HashingWriter(stream)

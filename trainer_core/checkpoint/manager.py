@@ -34,12 +34,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    get_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
-from trainer_core.checkpoint import dcp_storage, training_state
+from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.exports import DCP_FORMAT, FORMAT
 from trainer_core.checkpoint.files import FileEntry, file_names
 from trainer_core.checkpoint.history import write_metrics_segment
@@ -49,6 +45,7 @@ from trainer_core.checkpoint.staging import Background, Stager
 from trainer_core.errors import TrainingCodeError
 from trainer_core.execution.worker_group import Relay, Timings
 from trainer_core.spec.operations import CheckpointSection
+from trainer_core.tensors import local
 
 logger = logging.getLogger("relaytrain.worker")
 
@@ -209,6 +206,9 @@ class CheckpointManager:
         on rank 0."""
         state: dict[str, Any] = {}
         if self.dcp:
+            # DCP is imported by the runs that use it only (trainer_core.tensors)
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
             model_state, optimizer_state = get_state_dict(self.state.model, self.state.optimizer)
             state["dcp"] = {"model": model_state, "optimizer": optimizer_state}
         elif self.section.sharded or self.rank == 0:
@@ -225,12 +225,12 @@ class CheckpointManager:
         for the checkpoint thread to copy while the next forward and backward run. The rest
         (buffers such as batch norm's running statistics, which a forward pass updates, and
         plain values) is copied before training goes on."""
-        pointers = {_local(p).data_ptr() for p in self.state.model.parameters()}
+        pointers = {local(p).data_ptr() for p in self.state.model.parameters()}
         for state in self.state.optimizer.state.values():
             pointers.update(
-                _local(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor)
+                local(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor)
             )
-        return lambda tensor: _local(tensor).data_ptr() in pointers
+        return lambda tensor: local(tensor).data_ptr() in pointers
 
     def _say_if_writes_are_slow(self, step: int, wait_s: float, now: float) -> None:
         if self.slow_writes_said or self.last_submit is None:  # said, or no earlier write
@@ -279,6 +279,8 @@ class CheckpointManager:
         ]
         if "dcp" in staged:
             location = self.run_dir.checkpoint_location(step)
+            from trainer_core.checkpoint import dcp_storage
+
             entries += dcp_storage.save(staged["dcp"], location, self.group)
         entries += [
             self.run_dir.write_checkpoint_file(
@@ -307,7 +309,7 @@ class CheckpointManager:
         bad = [
             name
             for name, value in state.items()
-            if value.is_floating_point() and not bool(torch.isfinite(_local(value)).all())
+            if value.is_floating_point() and not bool(torch.isfinite(local(value)).all())
         ]
         if self.dcp:  # every rank checks its shards; all fail together, none waits in DCP
             anywhere = torch.tensor([float(bool(bad))])
@@ -332,8 +334,3 @@ class CheckpointManager:
                 rank=self.rank,
                 deterministic=True,
             )
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor`` (its shard of a DTensor; a plain tensor itself)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # no autograd

@@ -18,14 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
-from trainer_core.checkpoint import dcp_storage, training_state
+from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.exports import is_dcp, read_model_weights
 from trainer_core.checkpoint.files import CheckpointInfo, file_names
 from trainer_core.checkpoint.run_directory import RunDirectory
@@ -199,8 +193,9 @@ class Restorer:
         either format; under FSDP each rank keeps its own shard of them)."""
         weights: dict[str, Any] = dict(read_model_weights(checkpoint_uri))
         if self.dcp:
-            options = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(self.state.model, weights, options=options)
+            api = _state_dict_api()
+            options = api.StateDictOptions(full_state_dict=True)
+            api.set_model_state_dict(self.state.model, weights, options=options)
         else:
             self.state.model.load_state_dict(weights)
 
@@ -222,9 +217,11 @@ class Restorer:
         """Model and optimizer of a DCP checkpoint, laid out as this group holds them (its own
         shards under FSDP, whole tensors under DDP), read into new tensors: a load that fails
         part-way leaves the live ones as they were."""
+        from trainer_core.checkpoint import dcp_storage
+
         optimizer = self.state.optimizer
         fresh = not optimizer.state
-        model_state, optimizer_state = get_state_dict(self.state.model, optimizer)
+        model_state, optimizer_state = _state_dict_api().get_state_dict(self.state.model, optimizer)
         if fresh:
             # get_state_dict made the state it lays out by a step of zero gradients at lr 0 (Adam's
             # step count 1): keep its layout, not the state, so that if no checkpoint loads,
@@ -239,19 +236,20 @@ class Restorer:
     def _apply(self, states: dict[str, Any]) -> None:
         model, optimizer = self.state.model, self.state.optimizer
         if "dcp" in states:
-            set_state_dict(
+            _state_dict_api().set_state_dict(
                 model,
                 optimizer,
                 model_state_dict=states["dcp"]["model"],
                 optim_state_dict=states["dcp"]["optimizer"],
             )
         elif self.dcp:  # a DDP checkpoint's whole tensors, sharded as they load
-            set_state_dict(
+            api = _state_dict_api()
+            api.set_state_dict(
                 model,
                 optimizer,
                 model_state_dict=states["model"],
                 optim_state_dict=_optimizer_by_name(states["optimizer"], model),
-                options=StateDictOptions(full_state_dict=True),
+                options=api.StateDictOptions(full_state_dict=True),
             )
         else:
             model.load_state_dict(states["model"])
@@ -261,6 +259,14 @@ class Restorer:
             self.state.scaler.load_state_dict(states["scaler"])
         if "rng" in states:
             training_state.restore_rng(states["rng"])
+
+
+def _state_dict_api() -> Any:
+    """torch's DCP state-dict functions: imported by the runs that use DCP only (what
+    ``trainer_core.tensors`` says of DTensor)."""
+    import torch.distributed.checkpoint.state_dict as api
+
+    return api
 
 
 def _replicated(checkpoint: CheckpointInfo, names: dict[str, str]) -> dict[str, str]:

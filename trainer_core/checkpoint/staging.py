@@ -18,10 +18,14 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from trainer_core.tensors import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("relaytrain.worker")
 
@@ -62,7 +66,7 @@ class Stager:
         copy_data: bool = True,
         defer: Callable[[torch.Tensor], bool] | None = None,
     ) -> Any:
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             return self._copy_dtensor(value, path, copy_data, defer)
         if isinstance(value, torch.Tensor):
             return self._copy(value, path, copy_data, defer)
@@ -92,6 +96,8 @@ class Stager:
             # Around the host buffer itself, as torch's own DCP staging does: ``from_local``
             # would move a GPU shard's buffer back onto the GPU, a copy taken now and stale once
             # a deferred copy fills the buffer.
+            from torch.distributed.tensor import DTensor
+
             wrapper = DTensor(local, value._spec, requires_grad=False)
             self.wrappers[path] = wrapper
         return wrapper

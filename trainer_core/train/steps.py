@@ -12,11 +12,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from trainer_core.data import arrays as data_mod
 from trainer_core.errors import TrainingCodeError
+from trainer_core.tensors import is_dtensor, is_fsdp_module
 
 
 def accumulate_gradients(
@@ -40,8 +39,8 @@ def accumulate_gradients(
     no_sync = getattr(model, "no_sync", None)
     for position, (features, labels) in enumerate(micro_batches):
         last = position == len(micro_batches) - 1
-        if isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(last)
+        if is_fsdp_module(model):
+            model.set_requires_gradient_sync(last)  # type: ignore[operator]
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
             with autocast():
                 part = loss_fn(model(features), labels) * (weight * len(labels) / total)
@@ -81,7 +80,7 @@ def optimizer_step(
         if scaler is not None:
             scaler.unscale_(optimizer)  # clip the true gradients
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        grad_norm = float(norm.full_tensor() if is_dtensor(norm) else norm)  # type: ignore[attr-defined]
     if scaler is None:
         optimizer.step()
     else:
