@@ -58,6 +58,21 @@ def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
     return stored.epochs_completed >= spec.schedule.epochs
 
 
+def refuse_bad_input(spec: RunSpec) -> engine.Preflight:
+    """Every check of bad input setup makes before it takes the lease: ``engine.preflight``
+    (what the spec imports, the dataset, the model, the loss, storage and the run directory),
+    then the cluster: its capacity, or for a job on a remote cluster that its address answers
+    (the job checks that cluster's capacity). Raises a SpecError that names the field and the
+    fix; touches nothing in storage."""
+    checked = engine.preflight(spec)
+    address = jobs.job_address(spec)
+    if address:
+        jobs.client(address)
+    else:
+        cluster.check_capacity(spec)
+    return checked
+
+
 @task(name="setup", cache_policy=NO_CACHE)
 def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     """Refuse bad input before any worker starts; plan the attempt; hold the run."""
@@ -67,7 +82,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     names = credentials.apply(spec.run.credentials)
     if names:
         logger.info("storage credentials from block %s: %s", spec.run.credentials, names)
-    checked = engine.preflight(spec)  # bad input first, as it names itself
+    checked = refuse_bad_input(spec)  # bad input first, as it names itself
     plan, run_dir, pinned = checked.plan, checked.run_dir, checked.pinned
     if pinned is not None and pinned.added:
         logger.info(
@@ -75,11 +90,6 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
             len(pinned.added),
             pinned.layout.uri,
         )
-    address = jobs.job_address(spec)
-    if address:  # the job checks the remote cluster's capacity; here, that it answers
-        jobs.client(address)
-    else:
-        cluster.check_capacity(spec)
     lease.acquire(run_dir.location, owner=lease_owner)
     stored = read_stored_result(run_dir)
     if is_finished(spec, stored):

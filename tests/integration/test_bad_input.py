@@ -3,10 +3,12 @@ any train attempt (no retry burned), and without touching an existing run direct
 
 Every case breaks one thing in the tiny spec (``tests.conftest.tiny_raw``) or in a command line.
 Where it is refused:
-- ``spec``: the spec cannot be built. Checked through ``build_spec``, the CLI (exit code 2) and
-  the ``training`` flow given the raw dict (Prefect refuses the parameter before any task).
-- ``setup``: the spec builds, the ``training`` flow's setup task refuses it with a SpecError; no
-  ``train`` task run exists.
+- ``spec``: the spec cannot be built. Checked through ``build_spec`` and the CLI (exit code 2);
+  the cases marked ``flow`` also through the ``training`` flow given the raw dict (Prefect
+  refuses the parameter before any task).
+- ``setup``: the spec builds, and the checks of the flow's setup task refuse it with a SpecError
+  (``tasks.setup.refuse_bad_input``, called directly); the cases marked ``flow`` run the whole
+  ``training`` flow, whose setup task refuses it, and no ``train`` task run exists.
 - ``serve``: ``python -m deployments.serve`` refuses the option before serving anything.
 The wall time of each rejection is appended to ``runs/bad-input.jsonl`` (not asserted).
 """
@@ -33,6 +35,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from deployments.serve import main as serve_main
 from flows.training import main as cli_main
 from flows.training import training
+from tasks.setup import refuse_bad_input
 from tests.conftest import tiny_raw
 from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
@@ -132,6 +135,9 @@ class Case:
     overrides: tuple[str, ...] = ()
     run_name: str | None = None
     argv: tuple[str, ...] = ()
+    #: Also refused end to end, through the ``training`` flow (a few of each stage: every case
+    #: reaches the same checks, the flow adds only how it reports them).
+    flow: bool = False
 
 
 def broken(**sections: Any) -> Callable[[World], dict[str, Any]]:
@@ -184,7 +190,12 @@ GREATER = "greater than 0"
 CASES = [
     # -- refused while the spec is built --------------------------------------------------------
     Case(
-        "workers-zero", "scaling.num_workers", GREATER, "spec", broken(scaling={"num_workers": 0})
+        "workers-zero",
+        "scaling.num_workers",
+        GREATER,
+        "spec",
+        broken(scaling={"num_workers": 0}),
+        flow=True,
     ),
     Case(
         "workers-negative",
@@ -211,13 +222,14 @@ CASES = [
         "spec",
         broken(retries={"code": -1}),
     ),
-    Case("top-level-typo", "schedul", "did you mean 'schedule'", "spec", typo),
+    Case("top-level-typo", "schedul", "did you mean 'schedule'", "spec", typo, flow=True),
     Case(
         "section-typo",
         "num_worker",
         "did you mean 'num_workers'",
         "spec",
         broken(scaling={"num_worker": 2}),
+        flow=True,
     ),
     Case(
         "unknown-optimizer",
@@ -296,7 +308,13 @@ CASES = [
         "spec",
         lambda w: ray_data_loop(w, "train.csv"),
     ),
-    Case("seed-negative", "run.seed", "from 0 to 4294967295", "spec", overrides=("run.seed=-5",)),
+    Case(
+        "seed-negative",
+        "run.seed",
+        "from 0 to 4294967295",
+        "spec",
+        overrides=("run.seed=-5",),
+    ),
     Case(
         "dataset-csv",
         "data.dataset",
@@ -313,7 +331,7 @@ CASES = [
     ),
     Case("run-name-empty", "run.name", "use 1-100 characters", "spec", renamed("")),
     Case("run-name-101-chars", "run.name", "use 1-100 characters", "spec", renamed("r" * 101)),
-    Case("run-name-slash", "run.name", "must not escape", "spec", renamed("team/run")),
+    Case("run-name-slash", "run.name", "must not escape", "spec", renamed("team/run"), flow=True),
     Case("run-name-dotdot", "run.name", "no '..'", "spec", renamed("run..1")),
     Case(
         "run-name-leading-dot",
@@ -359,6 +377,7 @@ CASES = [
         "lower scaling.num_workers",
         "setup",
         lambda w: w.raw("bigger", scaling={"num_workers": 5}),
+        flow=True,
     ),
     Case(
         "gpu-on-cpu-cluster",
@@ -380,6 +399,7 @@ CASES = [
         "check the spelling",
         "setup",
         broken(model={"name": "tests.no_such_module:build"}),
+        flow=True,
     ),
     Case(
         "model-module-raises-on-import",
@@ -387,6 +407,7 @@ CASES = [
         "fix that module",
         "setup",
         broken(model={"name": "tests.broken_on_import:build"}),
+        flow=True,
     ),
     Case(
         "model-attribute-missing",
@@ -443,6 +464,7 @@ CASES = [
         "fix data.dataset",
         "setup",
         lambda w: w.parquet(dataset=str(w.table.parent / "nope.parquet")),
+        flow=True,
     ),
     Case(
         "dataset-not-parquet-inside",
@@ -478,6 +500,7 @@ CASES = [
         "fix data.features / data.label",
         "setup",
         lambda w: w.parquet(label="target"),
+        flow=True,
     ),
     Case(
         "label-strings-for-regression",
@@ -527,6 +550,7 @@ CASES = [
         "called as fn(output, target)",
         "setup",
         broken(loss="tests.own_functions:loss_for_labels"),
+        flow=True,
     ),
     Case(
         "loss-module-missing",
@@ -550,6 +574,7 @@ CASES = [
         "empty directory",
         "setup",
         lambda w: ray_data_loop(w, str(empty_directory(w))),
+        flow=True,
     ),
     Case(
         "datasets-not-parquet-inside",
@@ -564,6 +589,7 @@ CASES = [
         "choose a new run.name",
         "setup",
         broken(model={"kwargs": {"hidden": [32, 32], "dropout": 0.1}}),
+        flow=True,
     ),
     Case(
         "run-dir-other-schema",
@@ -571,6 +597,7 @@ CASES = [
         "upgrade relaytrain",
         "setup",
         lambda w: w.raw(w.copy_run("existing-schema-2", schema=2)),
+        flow=True,
     ),
     Case(
         "run-dir-other-ray-version",
@@ -587,6 +614,7 @@ CASES = [
         lambda w: w.raw(
             "warm", run={"init_from": str(w.storage / EXISTING / "checkpoint-000000999")}
         ),
+        flow=True,
     ),
     # -- refused by the command line that serves the scheduled retraining --------------------
     Case(
@@ -670,6 +698,9 @@ def test_the_catalog_has_the_cases_the_issue_names():
     ids = [c.id for c in CASES]
     assert len(ids) >= 25 and len(set(ids)) == len(ids)
     assert set(ids) >= REQUIRED, REQUIRED - set(ids)
+    # each stage that the flow reports is tried through it, more than once
+    for stage in ("spec", "setup"):
+        assert sum(c.flow for c in CASES if c.stage == stage) >= 3, stage
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -701,20 +732,28 @@ def test_bad_input_is_refused_up_front(case: Case, world: World, tmp_path, capsy
         code, seconds["cli"] = timed(lambda: cli_main(argv))
         assert code == 2
         assert_names(case, capsys.readouterr().err)
-        if not case.overrides and case.run_name is None:  # the flow given the raw parameter
+        if case.flow:  # the flow given the raw parameter
+            assert not case.overrides and case.run_name is None
             state, seconds["flow"] = timed(lambda: training(raw, return_state=True))
             assert state.is_failed()
             assert task_runs(state.state_details.flow_run_id) == {}
             assert_names(case, str(state.result(raise_on_failure=False)))
     else:
         spec = build_spec(raw)
-        state, seconds["flow"] = timed(lambda: training(spec, return_state=True))
-        assert state.is_failed()
-        error = state.result(raise_on_failure=False)
-        assert isinstance(error, SpecError), repr(error)
-        assert error.field, "a SpecError names its field"
-        assert_names(case, str(error))
-        assert set(task_runs(state.state_details.flow_run_id)) == {"setup"}  # no train run
+        started = time.perf_counter()
+        with pytest.raises(SpecError) as refused:
+            refuse_bad_input(spec)
+        seconds["setup"] = time.perf_counter() - started
+        assert refused.value.field, "a SpecError names its field"
+        assert_names(case, str(refused.value))
+        if case.flow:
+            state, seconds["flow"] = timed(lambda: training(spec, return_state=True))
+            assert state.is_failed()
+            error = state.result(raise_on_failure=False)
+            assert isinstance(error, SpecError), repr(error)
+            assert error.field, "a SpecError names its field"
+            assert_names(case, str(error))
+            assert set(task_runs(state.state_details.flow_run_id)) == {"setup"}  # no train run
     assert snapshot(world.storage) == before
     record(case, seconds)
 
