@@ -84,9 +84,24 @@ def prefect_server(home: Path, ray_address: str, database_url: str | None = None
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, relaytrain_ray):
+def database():
+    """The README's PostgreSQL set-up: a real PostgreSQL (initdb in a temp dir, on loopback)."""
+    from tests.postgres import Postgres
+
+    database = Postgres().start()
+    try:
+        yield database
+    finally:
+        database.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, relaytrain_ray, database):
+    """The module's Prefect server, on PostgreSQL as the README sets one up for production;
+    ``fresh_server`` below is SQLite, the default."""
     address = relaytrain_ray.get_runtime_context().gcs_address
-    with prefect_server(tmp_path_factory.mktemp("prefect-home"), address) as running:
+    home = tmp_path_factory.mktemp("prefect-home")
+    with prefect_server(home, address, database.url()) as running:
         yield running
 
 
@@ -233,40 +248,21 @@ def browse(server, flow_run, artifacts, shots: Path) -> dict:
     return seen
 
 
-def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, tmp_path):
-    run_with_a_fault_and_see_it(server, tmp_path, "e2e-deployed", SCREENSHOTS)
-
-
-def test_the_prefect_server_on_postgresql_runs_the_deployments(relaytrain_ray, tmp_path):
-    """The README's PostgreSQL set-up: a real PostgreSQL (initdb in a temp dir, on loopback),
-    the Prefect server on it, `make deploy`'s commands and a worker; a deployment run with a
-    fault and its retry, its artifacts read back, and the rows really in PostgreSQL."""
-    from tests.postgres import Postgres
-
-    for folder in ("home", "worker-cwd", "runs"):
-        (tmp_path / folder).mkdir()
-    database = Postgres().start()
-    try:
-        address = relaytrain_ray.get_runtime_context().gcs_address
-        with (
-            prefect_server(tmp_path / "home", address, database.url()) as server,
-            deployed(server, tmp_path / "worker-cwd"),
-        ):
-            flow_run = run_with_a_fault_and_see_it(
-                server, tmp_path / "runs", "e2e-postgres", SCREENSHOTS / "postgresql"
-            )
-        rows = database.query(
-            f"SELECT f.name, f.state_type, count(t.id) FROM flow_run f "
-            f"JOIN task_run t ON t.flow_run_id = f.id WHERE f.id = '{flow_run.id}' "
-            "GROUP BY f.name, f.state_type"
-        )
-        assert rows == [("e2e-postgres", "COMPLETED", 3)]
-        (artifacts,) = database.query(
-            f"SELECT count(*) FROM artifact WHERE flow_run_id = '{flow_run.id}'"
-        )
-        assert artifacts[0] >= 6
-    finally:
-        database.stop()
+def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, database, tmp_path):
+    """`make deploy`'s commands and a worker on the PostgreSQL-backed server: a deployment run
+    with a fault and its retry, its artifacts read back and seen in the UI, and the rows really
+    in PostgreSQL."""
+    flow_run = run_with_a_fault_and_see_it(server, tmp_path, "e2e-deployed", SCREENSHOTS)
+    rows = database.query(
+        f"SELECT f.name, f.state_type, count(t.id) FROM flow_run f "
+        f"JOIN task_run t ON t.flow_run_id = f.id WHERE f.id = '{flow_run.id}' "
+        "GROUP BY f.name, f.state_type"
+    )
+    assert rows == [("e2e-deployed", "COMPLETED", 3)]
+    (artifacts,) = database.query(
+        f"SELECT count(*) FROM artifact WHERE flow_run_id = '{flow_run.id}'"
+    )
+    assert artifacts[0] >= 6
 
 
 def run_with_a_fault_and_see_it(server, tmp_path: Path, name: str, shots: Path):
