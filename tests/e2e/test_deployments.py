@@ -21,6 +21,7 @@ import yaml
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
 from flows.pytest_plugin import tiny_spec_dict
+from tests.conftest import ONE_WORKER
 from tests.net import free_port
 from trainer_core import storage
 from trainer_core.checkpoint.history import read_metrics_history
@@ -268,7 +269,9 @@ def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, 
 def run_with_a_fault_and_see_it(server, tmp_path: Path, name: str, shots: Path):
     """`prefect deployment run` of a spec whose attempt 1 raises at step 17: it retries,
     completes, and every artifact reads back, through the API and in the UI."""
-    raw = tiny_spec_dict(tmp_path, name, faults=[{"kind": "raise", "at_step": 17}])
+    raw = tiny_spec_dict(
+        tmp_path, name, faults=[{"kind": "raise", "at_step": 17}], scaling=ONE_WORKER
+    )
     started = time.time()
     done = prefect(
         server,
@@ -376,7 +379,7 @@ def fresh_server(tmp_path, relaytrain_ray):
 
 def test_a_served_schedule_produces_a_completed_run(fresh_server, tmp_path):
     server = fresh_server
-    raw = tiny_spec_dict(tmp_path, None)
+    raw = tiny_spec_dict(tmp_path, None, scaling=ONE_WORKER)
     raw["run"].pop("name")
     spec_file = tmp_path / "nightly.yaml"
     spec_file.write_text(yaml.safe_dump(raw))

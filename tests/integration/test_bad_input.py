@@ -33,7 +33,7 @@ from flows.training import main as cli_main
 from flows.training import training
 from tasks.setup import refuse_bad_input
 from tests.bad_inputs import CASES, EXISTING, REQUIRED, Case, World
-from tests.conftest import tiny_raw
+from tests.conftest import ONE_WORKER, tiny_raw
 from tests.prefect_api import task_runs
 from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
@@ -60,7 +60,9 @@ def snapshot(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def world(relaytrain_ray, relaytrain_prefect, tmp_path_factory) -> World:
     root = tmp_path_factory.mktemp("bad-input")
-    state = training(build_spec(tiny_raw(root / "runs", EXISTING)), return_state=True)
+    state = training(
+        build_spec(tiny_raw(root / "runs", EXISTING, scaling=ONE_WORKER)), return_state=True
+    )
     assert state.is_completed(), state
     rows = 64
     rng = np.random.default_rng(0)
@@ -203,7 +205,7 @@ def test_non_finite_training_stops_at_once_and_keeps_good_checkpoints(
 ):
     kwargs = {k: v for k, v in model.items() if k != "name"}
     model_section = {"name": model["name"], "kwargs": {"hidden": [16], **kwargs}}
-    spec = build_spec(tiny_raw(tmp_path, case_id, model=model_section))
+    spec = build_spec(tiny_raw(tmp_path, case_id, model=model_section, scaling=ONE_WORKER))
     state, seconds = timed(lambda: training(spec, return_state=True))
     assert state.is_failed()
     error = state.result(raise_on_failure=False)

@@ -18,6 +18,7 @@ from prefect.client.orchestration import get_client
 
 from flows.pytest_plugin import tiny_spec_dict, with_fault
 from flows.training import training
+from tests.conftest import ONE_WORKER
 from tests.prefect_api import artifacts, task_runs
 from tests.recovery import (
     assert_records_what_it_measures,
@@ -161,7 +162,7 @@ def test_spec_error_is_not_retried(relaytrain_ray, relaytrain_prefect, tmp_path)
 
 
 def test_same_error_twice_stops_retrying(relaytrain_ray, relaytrain_prefect, tmp_path):
-    spec = build_spec(tiny_spec_dict(tmp_path, "flow-bug", retries={"code": 3}))
+    spec = build_spec(tiny_spec_dict(tmp_path, "flow-bug", retries={"code": 3}, scaling=ONE_WORKER))
     spec = with_fault(with_fault(spec, "raise", at_step=15), "raise", at_step=15, attempt=2)
     state = training(spec, return_state=True)
     assert state.is_failed()
@@ -189,7 +190,8 @@ def test_progress_artifact_moves_while_training_at_most_every_2_s(
 
     from tasks.train import PROGRESS_INTERVAL_S
 
-    spec = build_spec(yaml.safe_load(slow_spec_file(tmp_path, "flow-progress").read_text()))
+    spec_file = slow_spec_file(tmp_path, "flow-progress", workers=1)
+    spec = build_spec(yaml.safe_load(spec_file.read_text()))
     seen: dict = {}  # server-side update time -> progress
     flow = threading.Thread(target=training, args=(spec,), kwargs={"return_state": True})
     flow.start()
@@ -217,10 +219,11 @@ def test_progress_artifact_moves_while_training_at_most_every_2_s(
 # -- the flow as a separate process: SIGKILL, and cancellation by SIGTERM ------------------------
 
 
-def slow_spec_file(tmp_path: Path, name: str) -> Path:
+def slow_spec_file(tmp_path: Path, name: str, workers: int = 2) -> Path:
     raw = tiny_spec_dict(
         tmp_path,
         name,
+        scaling={"num_workers": workers},
         # The uninterrupted reference's MLP, slowed down so the kill lands mid-run.
         model={
             "name": "tests.helpers:slow_mlp",

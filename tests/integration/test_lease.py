@@ -18,7 +18,7 @@ from prefect import flow
 from flows.pytest_plugin import with_fault
 from flows.training import training
 from tasks import Prepared, finalize
-from tests.conftest import tiny_raw
+from tests.conftest import ONE_WORKER, tiny_raw
 from tests.prefect_api import task_runs
 from tests.recovery import run_dir_of
 from trainer_core import storage
@@ -64,7 +64,7 @@ def test_a_second_flow_in_the_retry_delay_is_refused(
     """The first flow's attempt fails and Prefect waits 6 s, twice the lease's life, before
     its retry. A second flow started in that wait is refused with LeaseHeldError, and the first
     flow's retry resumes and completes."""
-    raw = tiny_raw(runs_at, "held", retries={"delay_s": 6, "jitter": 0})
+    raw = tiny_raw(runs_at, "held", retries={"delay_s": 6, "jitter": 0}, scaling=ONE_WORKER)
     spec = with_fault(build_spec(raw), "raise", at_step=8)
     run_dir = run_dir_of(spec)
     thread, box = _in_thread(spec)
@@ -94,7 +94,9 @@ def test_a_holder_whose_lease_is_taken_over_stops_and_commits_nothing_more(
     written after the takeover is committed, and its finalize deletes nothing and writes no
     summary."""
     slow = {"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16, 16], "delay_s": 0.1}}
-    spec = build_spec(tiny_raw(runs_at, "taken", model=slow, checkpoint={"every": 5}))
+    spec = build_spec(
+        tiny_raw(runs_at, "taken", model=slow, checkpoint={"every": 5}, scaling=ONE_WORKER)
+    )
     run_dir = run_dir_of(spec)
     thread, box = _in_thread(spec)
     _wait_for(lambda: len(run_dir.scan().committed) >= 2, thread, "two commits")
@@ -131,13 +133,17 @@ def test_finalize_without_the_lease_deletes_nothing(
     """A run trained with every checkpoint kept; another flow holds it now. finalize of a
     spec keeping one checkpoint (retention would delete the rest) deletes nothing, writes no
     summary, and leaves the other flow's lease."""
-    keep_all = build_spec(tiny_raw(runs_at, "kept", checkpoint={"keep_last": None}))
+    keep_all = build_spec(
+        tiny_raw(runs_at, "kept", checkpoint={"keep_last": None}, scaling=ONE_WORKER)
+    )
     assert training(keep_all).status == "completed"
     run_dir = run_dir_of(keep_all)
     before = {c.step for c in run_dir.scan().committed}
     summary = run_dir.summary_file.read_bytes()
     lease.acquire(run_dir.location, owner="another-flow", settle_s=0)
-    keep_one = build_spec(tiny_raw(runs_at, "kept", checkpoint={"keep_last": 1, "keep_best": 0}))
+    keep_one = build_spec(
+        tiny_raw(runs_at, "kept", checkpoint={"keep_last": 1, "keep_best": 0}, scaling=ONE_WORKER)
+    )
     prepared = Prepared(
         run_name="kept",
         storage_uri=keep_one.run.storage,

@@ -10,6 +10,7 @@ import pytest
 
 from flows.pytest_plugin import tiny_spec_dict
 from flows.retraining import retraining
+from tests.conftest import ONE_WORKER
 from trainer_core import storage
 from trainer_core.checkpoint.registry import Registry
 from trainer_core.data.arrays import synthetic_arrays
@@ -44,6 +45,7 @@ def test_nightly_slots_warm_start_compare_and_promote(relaytrain_ray, relaytrain
             "task": "regression",
             "batch_size": 16,
         },
+        scaling=ONE_WORKER,
     )
     del raw["data"]["synthetic"]
     raw["run"].pop("name")
@@ -77,6 +79,7 @@ def test_rerunning_a_failed_night_resumes_that_nights_run(
         None,
         retries={"infrastructure": 0, "code": 0},
         faults=[{"kind": "raise", "at_step": 17, "rank": 0, "attempt": 1}],
+        scaling=ONE_WORKER,
     )
     raw["run"].pop("name")
     spec = build_spec(raw)

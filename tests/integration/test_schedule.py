@@ -1,4 +1,4 @@
-"""The LR schedule when a run goes on under another spec, on 2 gloo workers: more epochs asked
+"""The LR schedule when a run goes on under another spec, on 1 worker: more epochs asked
 for (a finished run continued, and a failed one resumed with more), and a changed
 ``optimizer.lr``. The oracle is the uninterrupted 2-epoch run's recorded ``lr`` at each step."""
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from tests.conftest import tiny_raw
+from tests.conftest import ONE_WORKER, tiny_raw
 from tests.recovery import run_dir_of
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.errors import TrainingCodeError
@@ -27,7 +27,9 @@ def lr_by_step(spec) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def two_epochs(ray_cluster, tmp_path_factory):
     """The uninterrupted 2-epoch run (its directory is continued by one test)."""
-    raw = tiny_raw(tmp_path_factory.mktemp("schedule"), "two-epochs", schedule=TWO_EPOCHS)
+    raw = tiny_raw(
+        tmp_path_factory.mktemp("schedule"), "two-epochs", schedule=TWO_EPOCHS, scaling=ONE_WORKER
+    )
     spec = build_spec(raw)
     assert run_attempt(spec).steps_completed == LAST
     return raw, lr_by_step(spec)
@@ -62,7 +64,11 @@ def test_a_run_resumed_mid_schedule_with_more_epochs_does_not_jump(two_epochs, t
     """A 2-epoch run fails at step 17 and is resumed (from step 13) with 4 epochs: the rest of
     its cosine spans the new end, decaying from the LR it had at step 13."""
     raw = tiny_raw(
-        tmp_path, "more-epochs", schedule=TWO_EPOCHS, faults=[{"kind": "raise", "at_step": 17}]
+        tmp_path,
+        "more-epochs",
+        schedule=TWO_EPOCHS,
+        faults=[{"kind": "raise", "at_step": 17}],
+        scaling=ONE_WORKER,
     )
     with pytest.raises(TrainingCodeError):
         run_attempt(build_spec(raw))
@@ -79,7 +85,11 @@ def test_a_changed_lr_applies_from_the_resumed_step(two_epochs, tmp_path):
     """optimizer.lr 0.01, then 0.001 from the checkpoint at step 13: the restored optimizer's
     rate does not override the spec's; the schedule's factor goes on."""
     raw = tiny_raw(
-        tmp_path, "new-lr", schedule=TWO_EPOCHS, faults=[{"kind": "raise", "at_step": 17}]
+        tmp_path,
+        "new-lr",
+        schedule=TWO_EPOCHS,
+        faults=[{"kind": "raise", "at_step": 17}],
+        scaling=ONE_WORKER,
     )
     with pytest.raises(TrainingCodeError):
         run_attempt(build_spec(raw))

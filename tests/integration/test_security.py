@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import (
 from prefect.logging.handlers import APILogHandler
 
 from flows.training import training
-from tests.conftest import tiny_raw
+from tests.conftest import ONE_WORKER, tiny_raw
 from tests.recovery import run_dir_of
 from trainer_core import storage
 from trainer_core.checkpoint import training_state
@@ -101,7 +101,7 @@ def test_canary_from_environment_does_not_leak(relaytrain_ray, relaytrain_prefec
     with pytest.MonkeyPatch.context() as patch:
         for key, value in s3_server.credential_env().items():
             patch.setenv(key, value)
-        spec = build_spec(tiny_raw(s3_server.uri("security-env"), "canary-env"))
+        spec = build_spec(tiny_raw(s3_server.uri("security-env"), "canary-env", scaling=ONE_WORKER))
         state = training(spec, return_state=True)
     assert state.is_completed(), state.result(raise_on_failure=False)
     assert_no_canary(s3_server, "security-env/canary-env/", state)
@@ -112,7 +112,7 @@ def test_canary_from_secret_block_does_not_leak(
 ):
     block = f"lake-keys-{uuid.uuid4().hex[:8]}"
     Secret(value=s3_server.credential_env()).save(block)
-    raw = tiny_raw(s3_server.uri("security-block"), "canary-block")
+    raw = tiny_raw(s3_server.uri("security-block"), "canary-block", scaling=ONE_WORKER)
     spec = build_spec({**raw, "run": {**raw["run"], "credentials": f"secret/{block}"}})
     state = training(spec, return_state=True)
     assert state.is_completed(), state.result(raise_on_failure=False)
@@ -168,7 +168,7 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(
     starts fresh) and its code never runs."""
     sentinel = tmp_path / "code-ran"
     _plant(tmp_path, sentinel)
-    spec = build_spec(tiny_raw(tmp_path, "evil", retries={"code": 0}))
+    spec = build_spec(tiny_raw(tmp_path, "evil", retries={"code": 0}, scaling=ONE_WORKER))
     state = training(spec, return_state=True)
     assert state.is_completed(), state
     assert not sentinel.exists()

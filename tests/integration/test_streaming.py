@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.training import training
-from tests.conftest import tiny_raw
+from tests.conftest import ONE_WORKER, tiny_raw
 from tests.prefect_api import task_runs
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
 from trainer_core import storage
@@ -214,6 +214,7 @@ def _snapshot_spec(tmp_path: Path, dataset: Path, name: str, faults: list) -> Ru
         checkpoint={"every": 5},
         retries={"delay_s": 4, "in_place": 0},
         faults=faults,
+        scaling=ONE_WORKER,
     )
     return build_spec(raw)
 
@@ -325,6 +326,7 @@ def _peak_rss_mb(tmp_path: Path, dataset: Path, name: str) -> float:
         },
         schedule={"epochs": 1, "lr_schedule": "constant", "warmup_steps": 0},
         checkpoint={"every": 1000},
+        scaling=ONE_WORKER,  # the bound is each rank's: one rank reads every partition
     )
     result = run_attempt(build_spec(raw))
     assert result.status == "completed"

@@ -78,7 +78,7 @@ def counting_loop(config: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             if saved:
                 state = {
-                    "model": model.module.state_dict(),
+                    "model": getattr(model, "module", model).state_dict(),  # DDP from 2 ranks
                     "optimizer": optimizer.state_dict(),
                     "epoch": epoch,
                 }
@@ -118,13 +118,13 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[name], b[name]), name
 
 
-def own_loop_spec(storage: Path, name: str, **loop_config: Any) -> Any:
+def own_loop_spec(storage: Path, name: str, workers: int = 1, **loop_config: Any) -> Any:
     from trainer_core.spec.overrides import build_spec
 
     return build_spec(
         {
             "run": {"name": name, "storage": str(storage)},
-            "scaling": {"num_workers": 2},
+            "scaling": {"num_workers": workers},
             "train_loop": "tests.integration.test_user_loop:counting_loop",
             "train_loop_config": {"log": str(storage / f"{name}.log.jsonl"), **loop_config},
             "checkpoint": {"keep_last": None, "best_metric": "score", "best_mode": "max"},
@@ -269,6 +269,7 @@ def test_a_peer_lost_in_a_collective_is_an_infrastructure_failure(
     spec = own_loop_spec(
         tmp_path,
         "peer",
+        workers=2,
         num_epochs=6,
         checkpoint_every=2,
         kill_peer_at=3,
