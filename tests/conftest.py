@@ -29,20 +29,17 @@ def ray_cluster(relaytrain_ray):
     return relaytrain_ray
 
 
-@pytest.fixture(scope="session")
-def uninterrupted(relaytrain_ray, tmp_path_factory):
-    """The uninterrupted tiny run every recovery test must reproduce bit for bit: its result,
-    final parameters and optimizer state, per-step losses, and every checkpoint's recorded and
-    evaluated metrics by step (``measure_checkpoints``), which any run of the tiny spec commits
-    too."""
+def reference_run(root, **sections) -> dict:
+    """An uninterrupted tiny run every recovery test of its shape must reproduce bit for bit: its
+    result, final parameters and optimizer state, per-step losses, and every checkpoint's
+    recorded and evaluated metrics by step (``measure_checkpoints``), which any run of the
+    tiny spec commits too."""
     from tests.recovery import final_state, losses, measure_checkpoints, run_dir_of
     from trainer_core.run.engine import run_attempt
     from trainer_core.spec.overrides import build_spec
 
     # Every checkpoint kept, so each one's weights can be evaluated (tests/recovery.py).
-    raw = tiny_raw(
-        tmp_path_factory.mktemp("reference"), "reference", checkpoint={"keep_last": None}
-    )
+    raw = tiny_raw(root, "reference", checkpoint={"keep_last": None}, **sections)
     spec = build_spec(raw)
     events: list = []
     result = run_attempt(spec, on_event=events.append)
@@ -55,6 +52,19 @@ def uninterrupted(relaytrain_ray, tmp_path_factory):
         "losses": losses(run_dir),
         "checkpoints": measure_checkpoints(spec, run_dir),
     }
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(relaytrain_ray, tmp_path_factory):
+    """The tiny spec's reference run, on its 2 DDP workers (``reference_run``)."""
+    return reference_run(tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_one_worker(relaytrain_ray, tmp_path_factory):
+    """The reference of the tests that train the tiny spec on ``ONE_WORKER``: its bits differ
+    from 2 workers' (each rank draws its own dropout)."""
+    return reference_run(tmp_path_factory.mktemp("reference-1w"), scaling=ONE_WORKER)
 
 
 @pytest.fixture(scope="session")

@@ -190,7 +190,7 @@ def test_progress_artifact_moves_while_training_at_most_every_2_s(
 
     from tasks.train import PROGRESS_INTERVAL_S
 
-    spec_file = slow_spec_file(tmp_path, "flow-progress", workers=1)
+    spec_file = slow_spec_file(tmp_path, "flow-progress")
     spec = build_spec(yaml.safe_load(spec_file.read_text()))
     seen: dict = {}  # server-side update time -> progress
     flow = threading.Thread(target=training, args=(spec,), kwargs={"return_state": True})
@@ -219,12 +219,12 @@ def test_progress_artifact_moves_while_training_at_most_every_2_s(
 # -- the flow as a separate process: SIGKILL, and cancellation by SIGTERM ------------------------
 
 
-def slow_spec_file(tmp_path: Path, name: str, workers: int = 2) -> Path:
+def slow_spec_file(tmp_path: Path, name: str) -> Path:
     raw = tiny_spec_dict(
         tmp_path,
         name,
-        scaling={"num_workers": workers},
-        # The uninterrupted reference's MLP, slowed down so the kill lands mid-run.
+        scaling=ONE_WORKER,
+        # The 1-worker reference's MLP, slowed down so the kill lands mid-run.
         model={
             "name": "tests.helpers:slow_mlp",
             "kwargs": {"hidden": [16, 16], "dropout": 0.1, "delay_s": 0.25},
@@ -276,7 +276,7 @@ def cpus_free(ray) -> float:
 
 @pytest.mark.parametrize("how", ["sigkill", "sigterm"])
 def test_interrupted_flow_process_resumes_on_rerun(
-    relaytrain_ray, relaytrain_prefect, uninterrupted, tmp_path, how
+    relaytrain_ray, relaytrain_prefect, uninterrupted_one_worker, tmp_path, how
 ):
     ray = relaytrain_ray
     name = f"flow-{how}"
@@ -303,7 +303,9 @@ def test_interrupted_flow_process_resumes_on_rerun(
     output, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, output
     assert f"run {name}: completed" in output and "relaytrain show" in output
-    attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=committed)
+    attempts = assert_recovered(
+        run_dir, uninterrupted_one_worker, interval=10, committed_before=committed
+    )
     assert attempts[-1]["status"] == "completed" and attempts[-1]["resumed_from_step"] >= committed
     case = "4 flow process SIGKILLed, re-run" if how == "sigkill" else "4b flow cancelled (SIGTERM)"
     record_matrix_row(

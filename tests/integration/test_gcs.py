@@ -14,7 +14,7 @@ import time
 import pytest
 
 from flows.training import training
-from tests.conftest import tiny_raw
+from tests.conftest import ONE_WORKER, tiny_raw
 from tests.net import free_port
 from tests.prefect_api import task_runs
 from tests.recovery import (
@@ -41,14 +41,15 @@ def gcs(gcs_server, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def gcs_runs(uninterrupted, relaytrain_prefect, gcs_server):
+def gcs_runs(uninterrupted_one_worker, relaytrain_prefect, gcs_server):
     """The tiny spec's flow run once through each client."""
     done = {}
     with pytest.MonkeyPatch.context() as patch:
         for key, value in gcs_server.credential_env().items():
             patch.setenv(key, value)
         for kind, via_fsspec in KINDS.items():
-            spec = build_spec(tiny_raw(gcs_server.uri(f"runs-{kind}", fsspec=via_fsspec), kind))
+            uri = gcs_server.uri(f"runs-{kind}", fsspec=via_fsspec)
+            spec = build_spec(tiny_raw(uri, kind, scaling=ONE_WORKER))
             started = time.monotonic()
             state = training(spec, return_state=True)
             done[kind] = (spec, state, time.monotonic() - started)
@@ -56,7 +57,7 @@ def gcs_runs(uninterrupted, relaytrain_prefect, gcs_server):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_run_on_gcs_is_exact_and_lives_on_the_server(gcs_runs, uninterrupted, gcs, kind):
+def test_run_on_gcs_is_exact_and_lives_on_the_server(gcs_runs, uninterrupted_one_worker, gcs, kind):
     spec, state, wall_s = gcs_runs[kind]
     assert state.is_completed(), state
     result = state.result()
@@ -67,9 +68,9 @@ def test_run_on_gcs_is_exact_and_lives_on_the_server(gcs_runs, uninterrupted, gc
     assert result.run_uri == prefix
     assert result.latest_checkpoint_uri == f"{prefix}/checkpoint-000000039"
     run_dir = run_dir_of(spec)
-    assert_same_tensors(final_state(run_dir), uninterrupted["state"])
-    assert losses(run_dir) == uninterrupted["losses"]
-    kept, best = expected_retention(uninterrupted["checkpoints"], keep_last=2)
+    assert_same_tensors(final_state(run_dir), uninterrupted_one_worker["state"])
+    assert losses(run_dir) == uninterrupted_one_worker["losses"]
+    kept, best = expected_retention(uninterrupted_one_worker["checkpoints"], keep_last=2)
     assert_retained(run_dir, result.best_checkpoint_uri, kept, best)
     # Read back from the server itself, over its JSON API.
     names = gcs.objects(f"runs-{kind}/{kind}/")

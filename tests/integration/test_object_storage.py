@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from flows.training import training
-from tests.conftest import tiny_raw
+from tests.conftest import ONE_WORKER, tiny_raw
 from tests.net import free_port
 from tests.prefect_api import artifacts, task_runs
 from tests.recovery import (
@@ -65,26 +65,30 @@ def record_timing(case: str, **figures) -> None:
 
 
 @pytest.fixture(scope="module")
-def s3_runs(uninterrupted, relaytrain_prefect, s3_server):
+def s3_runs(uninterrupted, uninterrupted_one_worker, relaytrain_prefect, s3_server):
     """One flow run through pyarrow's S3FileSystem and one through s3fs (credentials from the
-    environment, which the shared Ray cluster was started without); the s3fs one trains with
-    FSDP, so its checkpoints are DCP's shards (on 2 gloo ranks it ends at the same bits)."""
+    environment, which the shared Ray cluster was started without), each with its reference.
+    The pyarrow one trains on one worker; the s3fs one with FSDP on 2 gloo ranks, so its
+    checkpoints are DCP's shards (it ends at the 2-worker DDP reference's bits)."""
     done = {}
     with pytest.MonkeyPatch.context() as patch:
         for key, value in s3_server.credential_env().items():
             patch.setenv(key, value)
-        for kind, via_fsspec, strategy in (("pyarrow", False, "ddp"), ("s3fs", True, "fsdp")):
+        for kind, via_fsspec, scaling, reference in (
+            ("pyarrow", False, ONE_WORKER, uninterrupted_one_worker),
+            ("s3fs", True, {"strategy": "fsdp"}, uninterrupted),
+        ):
             uri = s3_server.uri(f"runs-{kind}", fsspec=via_fsspec)
-            spec = build_spec(tiny_raw(uri, f"s3-{kind}", scaling={"strategy": strategy}))
+            spec = build_spec(tiny_raw(uri, f"s3-{kind}", scaling=scaling))
             started = time.monotonic()
             state = training(spec, return_state=True)
-            done[kind] = (spec, state, time.monotonic() - started)
+            done[kind] = (spec, state, time.monotonic() - started, reference)
     return done
 
 
 @pytest.mark.parametrize("kind", ["pyarrow", "s3fs"])
-def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, uninterrupted, s3, kind):
-    spec, state, wall_s = s3_runs[kind]
+def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, s3, kind):
+    spec, state, wall_s, reference = s3_runs[kind]
     assert state.is_completed(), state
     result = state.result()
     record_timing(f"run on S3 via {kind}", wall_s=round(wall_s, 1))
@@ -96,8 +100,8 @@ def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, uninterrupted, s3, kind):
     assert result.latest_checkpoint_uri == f"{prefix}/checkpoint-000000039"
     assert result.best_checkpoint_uri.startswith(f"{prefix}/checkpoint-")
     run_dir = run_dir_of(spec)
-    assert_same_tensors(final_state(run_dir), uninterrupted["state"])
-    assert losses(run_dir) == uninterrupted["losses"]
+    assert_same_tensors(final_state(run_dir), reference["state"])
+    assert losses(run_dir) == reference["losses"]
     found = artifacts(state.state_details.flow_run_id)
     link = found[f"s3-{kind}-best-checkpoint"].data  # markdown: [text](url)
     assert link.endswith(f"({result.best_checkpoint_uri})")
@@ -111,7 +115,7 @@ def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, uninterrupted, s3, kind):
     events = [k for k in keys if k.split("/")[2].startswith("events.out.tfevents.")]
     assert len(events) == 1 and events[0].endswith(".relaytrain") and keys[events[0]]
     # Retention on the server: the newest 2 and val_loss's argmin, nothing else.
-    kept, best = expected_retention(uninterrupted["checkpoints"], keep_last=2)
+    kept, best = expected_retention(reference["checkpoints"], keep_last=2)
     assert_retained(run_dir, result.best_checkpoint_uri, kept, best)
     names = {k.split("/")[2] for k in keys if k.split("/")[2].startswith("checkpoint-")}
     assert names == {f"checkpoint-{step:09d}" for step in kept}
@@ -156,7 +160,7 @@ def test_relaytrain_commands_read_runs_on_s3(s3_runs, s3_server, s3, tmp_path, m
     run_uri = s3.uri("runs-s3fs/s3-s3fs")
     shown = command("show", run_uri)
     assert "run s3-s3fs: completed" in shown and "s3://" in shown
-    spec, state, _ = s3_runs["s3fs"]
+    spec, state, _, _ = s3_runs["s3fs"]
     run_dir = run_dir_of(spec)
     best = next(c for c in run_dir.scan().committed if c.uri == state.result().best_checkpoint_uri)
     expected = exports.read(run_dir, best)
@@ -278,7 +282,9 @@ def test_bad_storage_input_is_rejected_in_setup(s3_runs, s3, monkeypatch, case):
 # -- fault 5: the S3 server stops during a checkpoint upload, and comes back ------------------
 
 
-def test_fault5_s3_outage_during_checkpoint_upload(uninterrupted, relaytrain_prefect, s3):
+def test_fault5_s3_outage_during_checkpoint_upload(
+    uninterrupted_one_worker, relaytrain_prefect, s3
+):
     # The proxy cuts every connection the moment rank 0 starts uploading step 20's model, and
     # refuses connections for 8 s. The checkpoint thread retries a lost connection for 5 s
     # (RELAYTRAIN_STORAGE_PATIENCE_S) after its first failure, and S3's own client retries
@@ -290,13 +296,14 @@ def test_fault5_s3_outage_during_checkpoint_upload(uninterrupted, relaytrain_pre
     with OutageProxy(s3.port, cut_on=cut_on, outage_s=8.0) as proxy:
         uri = s3.uri("fault5", port=proxy.port)
         # in_place 0: a failed upload ends the attempt (the path this case records)
-        spec = build_spec(tiny_raw(uri, "fault5", retries={"delay_s": 4, "in_place": 0}))
+        retries = {"delay_s": 4, "in_place": 0}
+        spec = build_spec(tiny_raw(uri, "fault5", retries=retries, scaling=ONE_WORKER))
         state = training(spec, return_state=True)
     assert proxy.was_cut, "the outage never happened"
     assert state.is_completed(), state.result(raise_on_failure=False)
     run_dir = RunDirectory(storage.resolve(s3.uri("fault5")).child("fault5"))
     attempts = assert_recovered(
-        run_dir, uninterrupted, interval=10, committed_before=10, write_lost=True
+        run_dir, uninterrupted_one_worker, interval=10, committed_before=10, write_lost=True
     )
     scan = run_dir.scan()  # nothing partial left
     assert not scan.uncommitted and not scan.damaged, scan
@@ -339,11 +346,11 @@ def _assert_nothing_lost(run_dir: RunDirectory, committed_steps: list[int]) -> N
             run_dir.read_verified(checkpoint, name)
 
 
-def test_fault7_s3_write_denied_mid_run(uninterrupted, relaytrain_prefect, s3):
+def test_fault7_s3_write_denied_mid_run(uninterrupted_one_worker, relaytrain_prefect, s3):
     """An IAM policy denies writing step 20's checkpoint: a clear, non-retried StorageError;
     steps 10 and 13 intact; once access is granted again, the same run resumes and ends exact."""
     uri = s3.uri("fault7")
-    spec = build_spec(tiny_raw(uri, "f7-denied"))
+    spec = build_spec(tiny_raw(uri, "f7-denied", scaling=ONE_WORKER))
     run_dir = run_dir_of(spec)
     denied = f"arn:aws:s3:::{s3.bucket}/fault7/f7-denied/checkpoint-000000020/*"
     with s3.denied(["s3:PutObject"], denied):
@@ -359,7 +366,9 @@ def test_fault7_s3_write_denied_mid_run(uninterrupted, relaytrain_prefect, s3):
     _assert_nothing_lost(run_dir, [10, 13])  # 13: epoch 0's validation
     again = training(spec, return_state=True)  # access granted again: resume, exactly
     assert again.is_completed(), again.result(raise_on_failure=False)
-    assert_recovered(run_dir, uninterrupted, interval=10, committed_before=10, write_lost=True)
+    assert_recovered(
+        run_dir, uninterrupted_one_worker, interval=10, committed_before=10, write_lost=True
+    )
     record_matrix_row(
         "7 S3 permission denied mid-run (IAM Deny s3:PutObject on a checkpoint)",
         run_dir,
@@ -409,13 +418,13 @@ def _fill_after_commit(run_dir: RunDirectory, root: Path, step: int) -> threadin
     return thread
 
 
-def test_fault7_storage_full_mid_run(uninterrupted, relaytrain_prefect, tmp_path):
+def test_fault7_storage_full_mid_run(uninterrupted_one_worker, relaytrain_prefect, tmp_path):
     """The disk fills up after step 13 is committed: a clear, non-retried StorageFullError;
     steps 10 and 13 intact, no partial checkpoint counted; after freeing space the run resumes."""
     with tmpfs(tmp_path / "small", "8m") as root:
         slow = {"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16, 16], "dropout": 0.1}}
         slow["kwargs"]["delay_s"] = 0.05  # ~1 s between commits: room to fill the disk
-        spec = build_spec(tiny_raw(root, "f7-full", model=slow))
+        spec = build_spec(tiny_raw(root, "f7-full", model=slow, scaling=ONE_WORKER))
         run_dir = run_dir_of(spec)
         watcher = _fill_after_commit(run_dir, root, 13)  # epoch 0's validated checkpoint
         state = training(spec, return_state=True)
@@ -429,7 +438,9 @@ def test_fault7_storage_full_mid_run(uninterrupted, relaytrain_prefect, tmp_path
         (root / "filler.bin").unlink()
         again = training(spec, return_state=True)
         assert again.is_completed(), again.result(raise_on_failure=False)
-        assert_recovered(run_dir, uninterrupted, interval=10, committed_before=10, write_lost=True)
+        assert_recovered(
+            run_dir, uninterrupted_one_worker, interval=10, committed_before=10, write_lost=True
+        )
         record_matrix_row(
             "7 storage full mid-run (ENOSPC on an 8 MiB tmpfs)",
             run_dir,

@@ -15,6 +15,7 @@ import torch
 
 from flows.pytest_plugin import tiny_spec_dict, with_fault
 from flows.training import training
+from tests.conftest import ONE_WORKER
 from tests.mlflow_server import MlflowServer
 from tests.net import free_port, stop, wait_until_answers
 from tests.prefect_api import artifacts
@@ -40,14 +41,16 @@ def retried(relaytrain_ray, relaytrain_prefect, mlflow_server, tmp_path_factory)
     """A tiny run that raises at step 23 on attempt 1 and resumes from step 20, tracked in
     MLflow."""
     storage = tmp_path_factory.mktemp("tracked")
-    raw = tiny_spec_dict(storage, "tracked", tracking={"mlflow_uri": mlflow_server.uri})
+    raw = tiny_spec_dict(
+        storage, "tracked", tracking={"mlflow_uri": mlflow_server.uri}, scaling=ONE_WORKER
+    )
     spec = with_fault(build_spec(raw), "raise", at_step=23)
     state = training(spec, return_state=True)
     assert state.is_completed(), state
     return spec, state, storage
 
 
-def test_tensorboard_holds_one_value_per_step_after_a_retry(retried, uninterrupted):
+def test_tensorboard_holds_one_value_per_step_after_a_retry(retried, uninterrupted_one_worker):
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
     spec, state, _ = retried
@@ -65,14 +68,16 @@ def test_tensorboard_holds_one_value_per_step_after_a_retry(retried, uninterrupt
     # the same curve as a run nothing interrupted (float32 in the event file)
     expected = [
         (step, float(torch.tensor(loss, dtype=torch.float32)))
-        for step, loss in uninterrupted["losses"]
+        for step, loss in uninterrupted_one_worker["losses"]
     ]
     assert series["train/loss"] == expected
     assert {"train/lr", "val/loss"} <= set(series)
     assert len(series["val/loss"]) == spec.schedule.epochs
 
 
-def test_mlflow_continues_one_run_across_the_retry(retried, mlflow_server, uninterrupted):
+def test_mlflow_continues_one_run_across_the_retry(
+    retried, mlflow_server, uninterrupted_one_worker
+):
     import mlflow.pytorch
 
     spec, state, _ = retried
@@ -90,12 +95,12 @@ def test_mlflow_continues_one_run_across_the_retry(retried, mlflow_server, unint
     assert run.info.run_name == "tracked"
     # per-step metrics from the merged history, once per step across the retry
     history = client.get_metric_history(run.info.run_id, "loss")
-    assert sorted((m.step, m.value) for m in history) == uninterrupted["losses"]
+    assert sorted((m.step, m.value) for m in history) == uninterrupted_one_worker["losses"]
     assert len({m.step for m in history}) == len(history)
     assert len(client.get_metric_history(run.info.run_id, "val_loss")) == spec.schedule.epochs
     # the spec as params; the attempts and their errors as tags
     params = run.data.params
-    assert params["scaling.num_workers"] == "2" and params["optimizer.lr"] == "0.01"
+    assert params["scaling.num_workers"] == "1" and params["optimizer.lr"] == "0.01"
     assert params["model.kwargs.hidden"] == "[16, 16]"
     tags = run.data.tags
     assert tags["relaytrain.attempts"] == "2"
@@ -124,7 +129,7 @@ def test_mlflow_continues_one_run_across_the_retry(retried, mlflow_server, unint
 
 
 def test_a_stopped_tracking_server_never_fails_training_and_is_backfilled(
-    relaytrain_ray, relaytrain_prefect, mlflow_server, uninterrupted, tmp_path
+    relaytrain_ray, relaytrain_prefect, mlflow_server, uninterrupted_one_worker, tmp_path
 ):
     """The server goes down after attempt 1 failed (once MLflow shows it) and stays down for the
     retry and finalize: the run completes, the summary says what is pending, and `relaytrain
@@ -134,6 +139,7 @@ def test_a_stopped_tracking_server_never_fails_training_and_is_backfilled(
         "tracked-down",
         tracking={"mlflow_uri": mlflow_server.uri, "mlflow_experiment": "down"},
         retries={"delay_s": 3, "jitter": 0},
+        scaling=ONE_WORKER,
     )
     spec = with_fault(build_spec(raw), "raise", at_step=23)
     run_dir = run_dir_of(spec)
@@ -179,11 +185,11 @@ def test_a_stopped_tracking_server_never_fails_training_and_is_backfilled(
     run = client.get_run(result.mlflow.run_id)  # the same run, continued
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "loss")
-    assert sorted((m.step, m.value) for m in history) == uninterrupted["losses"]
+    assert sorted((m.step, m.value) for m in history) == uninterrupted_one_worker["losses"]
     assert run.data.tags["relaytrain.attempt.2"] == "completed (resumed from step 20)"
     stored = mlflow_state.read_state(run_dir)
     assert stored.pending is None and stored.finished and stored.model_uri
-    assert losses(run_dir) == uninterrupted["losses"]
+    assert losses(run_dir) == uninterrupted_one_worker["losses"]
 
 
 # -- the relaytrain command -------------------------------------------------------------------
@@ -239,7 +245,7 @@ def test_relaytrain_refuses_what_is_not_a_run(tmp_path):
 
 
 @pytest.mark.e2e
-def test_tensorboard_shows_the_retried_run_as_one_curve(retried, uninterrupted):
+def test_tensorboard_shows_the_retried_run_as_one_curve(retried, uninterrupted_one_worker):
     """`tensorboard --logdir STORAGE`, read through its own HTTP API and seen in headless
     chromium (screenshot: runs/e2e-screenshots/tensorboard-scalars.png)."""
     import requests
@@ -267,7 +273,9 @@ def test_tensorboard_shows_the_retried_run_as_one_curve(retried, uninterrupted):
             params={"run": "tracked", "tag": "train/loss"},
             timeout=10,
         ).json()
-        assert [step for _, step, _ in served] == [step for step, _ in uninterrupted["losses"]]
+        assert [step for _, step, _ in served] == [
+            step for step, _ in uninterrupted_one_worker["losses"]
+        ]
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         with sync_playwright() as p:
             browser = p.chromium.launch(
