@@ -190,8 +190,7 @@ def test_progress_artifact_moves_while_training_at_most_every_2_s(
 
     from tasks.train import PROGRESS_INTERVAL_S
 
-    spec_file = slow_spec_file(tmp_path, "flow-progress")
-    spec = build_spec(yaml.safe_load(spec_file.read_text()))
+    spec = build_spec(yaml.safe_load(slow_spec_file(tmp_path, "flow-progress").read_text()))
     seen: dict = {}  # server-side update time -> progress
     flow = threading.Thread(target=training, args=(spec,), kwargs={"return_state": True})
     flow.start()
