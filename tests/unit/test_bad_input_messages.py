@@ -14,11 +14,12 @@ from tests.conftest import tiny_raw
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import footers
 from trainer_core.errors import IncompatibleRunError, SpecError
+from trainer_core.spec.imports import import_object
 from trainer_core.spec.overrides import build_spec
 from trainer_core.spec.run_spec import identity_changes
 from trainer_core.spec.sections import DataSection, ModelSection
 from trainer_core.storage.uris import resolve
-from trainer_core.train.workloads import build_model, import_object
+from trainer_core.train.workloads import build_model
 
 
 def refused(raw, overrides=()) -> SpecError:

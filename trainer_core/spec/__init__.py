@@ -6,6 +6,7 @@
   section shares.
 - ``operations``: how it is carried out (scaling, checkpoint, report, tracking, retries,
   faults).
+- ``imports``: what the spec names by import path, resolved (``import_object``).
 - ``overrides``: a spec from YAML, ``--set`` overrides and flow parameters (``build_spec``,
   ``load_spec``), with errors that name the field.
 
