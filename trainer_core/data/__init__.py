@@ -1,7 +1,12 @@
 """The built-in loop's data: Parquet read a row group at a time, in a worker-count-independent
-order, from a pinned snapshot.
+order, from a pinned snapshot; numbers as they are (the tabular form) or any columns through a
+transform (the columns form).
 
-- ``arrays``: typed arrays from Arrow tables, the built-in datasets, the dataset's layout.
+- ``arrays``: the tabular form's rows (features and labels as typed arrays from Arrow tables),
+  the built-in datasets, the cursor.
+- ``table_rows``: the columns form's rows (``data.columns``: an Arrow table of any types).
+- ``transform``: the columns form's batches: each row through ``data.transform`` with its own
+  generator keyed by (seed, epoch, row id), in a pool off the training thread, collated.
 - ``footers``: a dataset's layout from its Parquet footers (files, row groups, columns).
 - ``stream``: the rows of a layout, read a row group (or slice) at a time (``Reader``), and
   ``describe``: features, outputs and label statistics.

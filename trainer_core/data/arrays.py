@@ -31,6 +31,8 @@ FEATURE_SCALING_KEY = "relaytrain.features"
 
 @dataclass(frozen=True)
 class Arrays:
+    """Rows of the tabular form: a feature matrix and a label vector."""
+
     features: np.ndarray  # float32 [n, num_features]
     labels: np.ndarray  # int64 [n] (classification) or float32 [n] (regression)
 
@@ -39,6 +41,27 @@ class Arrays:
 
     def take(self, index: np.ndarray) -> Arrays:
         return Arrays(self.features[index], self.labels[index])
+
+    @staticmethod
+    def gather(parts: list[tuple[np.ndarray, Arrays]], count: int) -> Arrays:
+        """``count`` rows from ``(positions, rows)`` parts: part rows go to their positions."""
+        if not parts:
+            return Arrays(np.zeros((0, 0), np.float32), np.zeros(0, np.float32))
+        first = parts[0][1]
+        features = np.empty((count, first.features.shape[1]), np.float32)
+        labels = np.empty(count, first.labels.dtype)
+        for where, part in parts:
+            features[where], labels[where] = part.features, part.labels
+        return Arrays(features, labels)
+
+    @staticmethod
+    def save(rows: Arrays, stem: str) -> None:
+        np.save(f"{stem}-features.npy", rows.features)
+        np.save(f"{stem}-labels.npy", rows.labels)
+
+    @staticmethod
+    def load(stem: str) -> Arrays:
+        return Arrays(np.load(f"{stem}-features.npy"), np.load(f"{stem}-labels.npy"))
 
 
 @dataclass(frozen=True)

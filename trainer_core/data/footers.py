@@ -66,6 +66,8 @@ class Layout:
 
 
 def columns_of(data: DataSection) -> list[str]:
+    if data.columns is not None:
+        return list(data.columns)
     features = [data.features] if isinstance(data.features, str) else list(data.features or [])
     return [*features, *([data.label] if data.label else [])]
 
@@ -93,7 +95,8 @@ def scan(data: DataSection) -> Layout:
         return _synthetic_layout(data)
     location = dataset_location(data)
     row_groups, schema, files = scan_files(location, columns_of(data), data.label, "data.dataset")
-    data_mod.check_column_types(schema, data, location.uri)
+    if not data.columns_form:
+        data_mod.check_column_types(schema, data, location.uri)
     return Layout(location.uri, location, tuple(row_groups), schema, files=tuple(files))
 
 
@@ -140,9 +143,12 @@ def scan_files(
         missing = [c for c in wanted if c not in file_schema.names]
         if missing:
             named = "data.label" if label in missing else "data.features"
+            fix = "data.features / data.label"
+            if columns is not None and label is None and field == "data.dataset":
+                named = fix = "data.columns"
             raise SpecError(
                 f"{field} {location.uri}: file {path!r} has no column(s) {missing}, named by "
-                f"{named}; it has {file_schema.names}. Fix data.features / data.label.",
+                f"{named}; it has {file_schema.names}. Fix {fix}.",
                 field=named,
             )
         found = pa.schema([file_schema.field(c) for c in wanted])

@@ -3,14 +3,14 @@ order, read ahead in a thread (``Prefetcher``), and the validation rows."""
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from trainer_core.data import arrays as data_mod
 from trainer_core.data import row_slices, sample_order
 from trainer_core.data.footers import Layout, row_bytes
 from trainer_core.data.stream import Reader
@@ -54,8 +54,15 @@ class RankStream:
             window=self.data.shuffle_window,
         )
 
-    def epoch(self, epoch: int, first: int = 0) -> Prefetcher:
-        """Global batches ``first..`` of ``epoch``, this rank's slice of each, read ahead."""
+    def epoch(
+        self,
+        epoch: int,
+        first: int = 0,
+        make_batch: Callable[[int, np.ndarray, Any], Any] | None = None,
+    ) -> Prefetcher:
+        """Global batches ``first..`` of ``epoch``, this rank's slice of each, read ahead;
+        ``make_batch(epoch, row ids, rows)`` (the columns form's transform) runs on each in
+        the read-ahead thread."""
         return Prefetcher(
             self.reader,
             self.order(epoch),
@@ -63,16 +70,23 @@ class RankStream:
             self.rank,
             first=first,
             depth=self.data.prefetch,
+            make_batch=None if make_batch is None else functools.partial(make_batch, epoch),
         )
 
-    def validation(self, chunk: int = 256) -> Iterator[data_mod.Arrays]:
+    def validation(self, chunk: int = 256) -> Iterator[Any]:
         """This rank's validation rows in chunks of at most ``chunk``, a row group at a time
         (not cached: the training windows keep theirs)."""
+        for _, rows in self.validation_with_ids(chunk):
+            yield rows
+
+    def validation_with_ids(self, chunk: int = 256) -> Iterator[tuple[np.ndarray, Any]]:
+        """``validation``'s chunks with their rows' ids."""
         groups = self.reader.layout.row_groups
         for group in range(self.rank, len(groups), self.world_size):
-            for arrays in self.reader.validation_parts(group):
-                for start in range(0, len(arrays), chunk):
-                    yield arrays.take(np.arange(start, min(start + chunk, len(arrays))))
+            for ids, rows in self.reader.validation_parts(group):
+                for start in range(0, len(rows), chunk):
+                    index = np.arange(start, min(start + chunk, len(rows)))
+                    yield ids[index], rows.take(index)
 
 
 _END = object()
@@ -81,8 +95,9 @@ _END = object()
 class Prefetcher:
     """One rank's rows for global batches ``first..order.steps-1`` of an epoch, read ahead by a
     background thread: at most ``depth`` batches wait in memory. Iterate for
-    ``(batch index, row ids, rows)``; a read error is raised where the batch would have been.
-    The reader is the thread's alone while it runs."""
+    ``(batch index, row ids, rows)`` (rows made into a batch by ``make_batch(ids, rows)``
+    when given); a read or transform error is raised where the batch would have been. The
+    reader is the thread's alone while it runs."""
 
     def __init__(
         self,
@@ -92,10 +107,12 @@ class Prefetcher:
         rank: int,
         first: int = 0,
         depth: int = 2,
+        make_batch: Callable[[np.ndarray, Any], Any] | None = None,
     ):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._reader = reader
+        self._make_batch = make_batch
         self._thread = threading.Thread(
             target=self._read,
             args=(reader, order, world_size, rank, first),
@@ -124,7 +141,10 @@ class Prefetcher:
                             asked.add((partition, ahead))
                             reader.prefetch(reader.slice_keys(*order.window_rows(partition, ahead)))
                 groups, rows = order.locate(order.rank_positions(index, world_size, rank))
-                if not self._put((index, *reader.take(groups, rows))):
+                ids, taken = reader.take(groups, rows)
+                if self._make_batch is not None:
+                    taken = self._make_batch(ids, taken)
+                if not self._put((index, ids, taken)):
                     return
         except BaseException as error:  # handed to the consumer
             self._put(error)
@@ -140,7 +160,7 @@ class Prefetcher:
                 continue
         return False
 
-    def __iter__(self) -> Iterator[tuple[int, np.ndarray, data_mod.Arrays]]:
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray, Any]]:
         while True:
             item = self._queue.get()
             if item is _END:

@@ -22,12 +22,14 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainer_core.data import arrays as data_mod
+from trainer_core.data.table_rows import Rows, TableRows
 
 SPILL_PREFIX = "relaytrain-spill-"
 #: The read buffer of a streamed row group (pyarrow reads the column chunks through it).
@@ -68,15 +70,17 @@ class SliceStore:
         self,
         row_counts: list[int],
         slice_rows: int,
-        read_group: Callable[[int], data_mod.Arrays],
+        read_group: Callable[[int], Rows],
         stream_group: Callable[[int], Iterator[pa.RecordBatch]],
-        to_arrays: Callable[[pa.Table], data_mod.Arrays],
+        to_rows: Callable[[pa.Table], Rows],
+        rows_type: type[data_mod.Arrays] | type[TableRows] = data_mod.Arrays,
     ):
         self.row_counts = row_counts
         self.slice_rows = slice_rows
         self._read_group = read_group
         self._stream_group = stream_group
-        self._to_arrays = to_arrays
+        self._to_rows = to_rows
+        self._rows_type = rows_type
         self._lock = threading.Lock()
         #: One spill at a time (the reading threads would otherwise hold two).
         self._spilling = threading.Lock()
@@ -98,14 +102,13 @@ class SliceStore:
     def start(self, group: int, index: int) -> int:
         return index * self.slice_rows if self.is_sliced(group) else 0
 
-    def read(self, group: int, index: int) -> data_mod.Arrays:
+    def read(self, group: int, index: int) -> Rows:
         """Slice ``index`` of row group ``group``, decoded."""
         if not self.is_sliced(group):
             return self._read_group(group)
         self._spill(group)
         assert self._dir is not None
-        stem = self._dir / f"g{group}-s{index}"
-        return data_mod.Arrays(np.load(f"{stem}-features.npy"), np.load(f"{stem}-labels.npy"))
+        return self._rows_type.load(str(self._dir / f"g{group}-s{index}"))
 
     def _spill(self, group: int) -> None:
         """Decode row group ``group`` once, a slice at a time, into the spill directory."""
@@ -134,10 +137,8 @@ class SliceStore:
 
     def _write(self, group: int, index: int, table: pa.Table) -> None:
         assert self._dir is not None
-        arrays = self._to_arrays(table)
-        stem = self._dir / f"g{group}-s{index}"
-        np.save(f"{stem}-features.npy", arrays.features)
-        np.save(f"{stem}-labels.npy", arrays.labels)
+        rows: Any = self._to_rows(table)
+        self._rows_type.save(rows, str(self._dir / f"g{group}-s{index}"))
 
 
 def stream_row_group(

@@ -16,14 +16,16 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import row_slices, sample_order
+from trainer_core.data import row_slices, sample_order, table_rows
 from trainer_core.data.footers import Layout, columns_of, row_bytes
+from trainer_core.data.table_rows import Rows
 from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
 
@@ -52,18 +54,21 @@ class Reader:
         self.fraction = self.data.validation_fraction
         self.cache_rows = cache_rows
         largest = max((g.rows for g in layout.row_groups), default=1)
+        #: The tabular form's feature and label arrays, or the columns form's Arrow table.
+        self.rows_type = table_rows.rows_type(self.data)
         self.slices = row_slices.SliceStore(
             [g.rows for g in layout.row_groups],
             slice_rows or largest,
             self.read,
             self._stream,
-            lambda table: data_mod.table_arrays(table, self.data),
+            self.to_rows,
+            self.rows_type,
         )
         Key = tuple[int, int]  # (row group, slice)
-        self._decoded: collections.OrderedDict[Key, data_mod.Arrays] = collections.OrderedDict()
+        self._decoded: collections.OrderedDict[Key, Rows] = collections.OrderedDict()
         self._train_rows: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         #: Slices being read ahead (``prefetch``), by two threads: decoding overlaps use.
-        self._pending: dict[Key, concurrent.futures.Future[data_mod.Arrays]] = {}
+        self._pending: dict[Key, concurrent.futures.Future[Rows]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.row_groups_read = 0  # slices decoded, whole row groups or parts
 
@@ -112,7 +117,13 @@ class Reader:
             )
         return f
 
-    def read(self, group: int) -> data_mod.Arrays:
+    def to_rows(self, table: pa.Table) -> Rows:
+        """A table of the dataset's columns as the rows this form reads."""
+        if self.rows_type is table_rows.TableRows:
+            return table_rows.TableRows.from_table(table, self.data)
+        return data_mod.table_arrays(table, self.data)
+
+    def read(self, group: int) -> Rows:
         """Row group ``group`` decoded whole (every row), bypassing the cache: for row groups
         no larger than a slice."""
         g = self.layout.row_groups[group]
@@ -123,7 +134,7 @@ class Reader:
                 table = pq.ParquetFile(f).read_row_group(
                     g.index, columns=columns_of(self.data), use_threads=False
                 )
-        return data_mod.table_arrays(table, self.data)
+        return self.to_rows(table)
 
     def _stream(self, group: int) -> Iterator[pa.RecordBatch]:
         """Row group ``group``'s record batches, about ``STREAM_BATCH_BYTES`` each."""
@@ -181,7 +192,7 @@ class Reader:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def slice(self, group: int, index: int) -> data_mod.Arrays:
+    def slice(self, group: int, index: int) -> Rows:
         """Slice ``index`` of row group ``group`` decoded (every row), through the cache."""
         key = (group, index)
         found = self._decoded.get(key)
@@ -199,40 +210,34 @@ class Reader:
 
     def take(
         self, groups: Sequence[int] | np.ndarray, train_index: np.ndarray
-    ) -> tuple[np.ndarray, data_mod.Arrays]:
+    ) -> tuple[np.ndarray, Rows]:
         """The row ids and rows of training rows ``train_index[i]`` of row group ``groups[i]``,
         in that order."""
         groups = np.asarray(groups)
         ids = np.empty(len(groups), dtype=np.int64)
-        features: np.ndarray | None = None
-        labels: np.ndarray | None = None
+        parts: list[tuple[np.ndarray, Any]] = []
         for group in dict.fromkeys(groups.tolist()):  # first-seen order: few row groups a batch
             in_group = np.flatnonzero(groups == group)
             rows = self.train_rows(group)[train_index[in_group]]
             ids[in_group] = self.layout.row_groups[group].first_row + rows
             slices = self.slices.slice_of(rows, group)
             for index in dict.fromkeys(slices.tolist()):
-                where = in_group[slices == index]
                 within = rows[slices == index] - self.slices.start(group, index)
-                part = self.slice(group, index).take(within)
-                if features is None or labels is None:
-                    features = np.empty((len(groups), part.features.shape[1]), np.float32)
-                    labels = np.empty(len(groups), part.labels.dtype)
-                features[where], labels[where] = part.features, part.labels
-        if features is None or labels is None:
-            return ids, data_mod.Arrays(np.zeros((0, 0), np.float32), np.zeros(0, np.float32))
-        return ids, data_mod.Arrays(features, labels)
+                parts.append((in_group[slices == index], self.slice(group, index).take(within)))
+        return ids, self.rows_type.gather(parts, len(groups))
 
-    def validation_parts(self, group: int) -> Iterator[data_mod.Arrays]:
-        """Row group ``group``'s validation rows, a slice at a time (not cached: the training
-        windows keep theirs)."""
+    def validation_parts(self, group: int) -> Iterator[tuple[np.ndarray, Rows]]:
+        """Row group ``group``'s validation rows with their row ids, a slice at a time (not
+        cached: the training windows keep theirs)."""
         rows = self.validation_rows(group)
         if not len(rows):
             return
+        first_row = self.layout.row_groups[group].first_row
         slices = self.slices.slice_of(rows, group)
         for index in dict.fromkeys(slices.tolist()):
-            within = rows[slices == index] - self.slices.start(group, index)
-            yield self.slices.read(group, index).take(within)
+            within = rows[slices == index]
+            part = self.slices.read(group, index).take(within - self.slices.start(group, index))
+            yield first_row + within, part
 
 
 def describe(layout: Layout, data: DataSection) -> data_mod.DatasetInfo:
@@ -240,9 +245,11 @@ def describe(layout: Layout, data: DataSection) -> data_mod.DatasetInfo:
     the first row group (for the width of a variable-length feature list) and, for a
     classification label without statistics, the label column."""
     data = data.resolved()
-    assert data.features is not None and data.label is not None
     if layout.num_rows == 0:
         raise SpecError(f"dataset {layout.uri} has no rows: fix data.dataset", field="data.dataset")
+    if data.columns_form:  # the transform makes the inputs: the model is built from its kwargs
+        return data_mod.DatasetInfo(layout.num_rows, 0, 0)
+    assert data.features is not None and data.label is not None
     reader = Reader(layout, data, seed=0)
     if isinstance(data.features, str):
         kind = layout.schema.field(data.features).type

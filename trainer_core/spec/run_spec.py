@@ -62,12 +62,14 @@ class RunSpec(_Section):
     #: The built-in loop's arithmetic: fp32, or autocast to bf16 or fp16 (fp16 with a gradient
     #: scaler whose state is checkpointed). Parameters and optimizer state stay fp32.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    #: The built-in loop's loss, ``package.module:function`` called as ``fn(output, target)``
-    #: and returning the batch's mean loss as a scalar tensor. None: cross-entropy for
-    #: classification, mean squared error for regression.
+    #: The built-in loop's loss, ``package.module:function``. The tabular form calls it as
+    #: ``fn(output, target)``, returning the batch's mean loss as a scalar tensor; the columns
+    #: form as ``fn(outputs, batch)``, returning ``(summed loss, count of items it covers)``
+    #: (or a mean, weighted by samples). None: data.task's (cross-entropy, mean squared error).
     loss: str | None = None
     #: Validation metrics, each ``package.module:function`` called as ``fn(output, target)``
-    #: and returning the batch's mean (a number or a scalar tensor); recorded as
+    #: (the columns form: ``fn(outputs, batch)``, which may return ``(sum, count)``) and
+    #: returning the batch's mean (a number or a scalar tensor); recorded as
     #: ``val_<function name>``, averaged over every validation sample of every rank.
     metrics: list[str] = Field(default_factory=list)
     #: Import path of a user's own Ray Train ``train_loop_per_worker``.
@@ -213,6 +215,14 @@ class RunSpec(_Section):
                 f"data.batch_size to at least {workers}, or use fewer workers.",
                 field="data.batch_size",
             )
+        if self.data.columns_form and self.data.task is None and self.loss is None:
+            raise SpecError(
+                "data.columns without data.task needs a loss: set loss to "
+                "'package.module:function', called as fn(outputs, batch) and returning the "
+                "summed loss and the count of items it covers, or set data.task "
+                "(classification, regression, causal_lm) for a built-in one",
+                field="loss",
+            )
         metrics = self.builtin_metrics()
         if self.checkpoint.best_metric not in metrics:
             raise SpecError(
@@ -242,7 +252,8 @@ class RunSpec(_Section):
         return [
             "loss",
             "val_loss",
-            *(["val_accuracy"] if data.task == "classification" else []),
+            *(["val_perplexity"] if data.task == "causal_lm" else []),
+            *(["val_accuracy"] if data.task in ("classification", "causal_lm") else []),
             *(metric_name(path) for path in self.metrics),
         ]
 

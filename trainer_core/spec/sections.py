@@ -66,7 +66,7 @@ MAX_SEED = 2**32 - 1
 
 
 #: What the built-in loop measures on the validation split itself.
-BUILTIN_VALIDATION_METRICS = ("val_loss", "val_accuracy")
+BUILTIN_VALIDATION_METRICS = ("val_loss", "val_accuracy", "val_perplexity")
 
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -156,9 +156,28 @@ class RunSection(_Section):
 
 
 class ModelSection(_Section):
-    #: "mlp", "cnn", or the import path of a builder ``package.module:function``.
+    #: "mlp", "cnn", or the import path of a builder ``package.module:function``: called as
+    #: ``fn(num_inputs, num_outputs, **kwargs)`` for the tabular form (data.features), as
+    #: ``fn(**kwargs)`` returning any ``nn.Module`` for the columns form (data.columns).
     name: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    #: The columns form: which keys of a batch the model takes. A key: passed positionally
+    #: (``model(batch[key])``); a list: as keyword arguments. None: every key but ``labels``,
+    #: as keyword arguments.
+    inputs: str | list[str] | None = None
+    #: The columns form: ``package.module:function`` called as ``fn(model, batch)`` instead of
+    #: the ``inputs`` rule, returning the model's outputs.
+    forward: str | None = None
+
+    @field_validator("forward")
+    @classmethod
+    def _forward(cls, value: str | None) -> str | None:
+        if value is not None and not IMPORT_PATH_PATTERN.fullmatch(value):
+            raise ValueError(
+                f"model.forward {value!r} is not an import path: use 'package.module:function', "
+                "a function fn(model, batch) returning the model's outputs"
+            )
+        return value
 
     @field_validator("name")
     @classmethod
@@ -180,10 +199,36 @@ class SyntheticSection(_Section):
 class DataSection(_Section):
     #: "digits", "synthetic", or a Parquet URI / path (file or directory).
     dataset: str
-    #: One list column (e.g. "pixels") or several scalar columns.
+    #: The tabular form: one list column (e.g. "pixels") or several scalar columns of numbers,
+    #: and the label column.
     features: str | list[str] | None = None
     label: str | None = None
-    task: Literal["classification", "regression"] | None = None
+    #: The columns form (instead of features/label): Arrow columns of any type (binary,
+    #: string, lists, structs, numbers) read as they are and handed to ``transform``.
+    columns: list[str] | None = None
+    #: The columns form: ``package.module:function`` called as ``fn(row, rng)`` on every
+    #: training row (a dict of its columns as Python values), returning a dict of arrays or
+    #: tensors (decode, tokenize, augment). ``rng`` is a numpy Generator keyed by (run.seed,
+    #: epoch, row id): the same row gets the same draw on any worker count and after any
+    #: resume, another one each epoch. None: the columns as they are (numbers, lists).
+    transform: str | None = None
+    #: ``transform`` takes a batch: ``fn(rows, rngs)`` with a dict of columns (lists) and one
+    #: generator per row, returning a dict of batched arrays (no collate).
+    transform_batched: bool = False
+    #: The transform of the validation rows (e.g. without augmentation); None: ``transform``.
+    #: Its rng is keyed by (run.seed, row id): the same every epoch.
+    eval_transform: str | None = None
+    #: ``package.module:function`` that makes a batch (a dict of tensors) of a list of
+    #: transformed rows (stack, pad). None: ``torch.utils.data.default_collate``.
+    collate: str | None = None
+    #: Transform workers per training worker, off the training thread (0: in the read-ahead
+    #: thread itself), as threads or, for transforms that hold the GIL, processes.
+    transform_workers: NonNegativeInt = 2
+    transform_pool: Literal["threads", "processes"] = "threads"
+    #: What the built-in loss and metrics are: classification (logits [B, C], ``labels`` [B]),
+    #: regression, or causal_lm (logits [B, T, V], ``labels`` [B, T]: each position predicts
+    #: the next token; -100 carries no label). None with the columns form: the spec's ``loss``.
+    task: Literal["classification", "regression", "causal_lm"] | None = None
     #: The global batch: samples per micro-batch summed over every worker (each worker takes
     #: a slice; slices differ by one sample when the workers do not divide it, their losses
     #: weighted so the gradient is the whole batch's mean). The same for every worker count.
@@ -218,12 +263,39 @@ class DataSection(_Section):
             )
         return value
 
+    @field_validator("transform", "eval_transform", "collate")
+    @classmethod
+    def _import_paths(cls, value: str | None, info: Any) -> str | None:
+        if value is not None and not IMPORT_PATH_PATTERN.fullmatch(value):
+            raise ValueError(
+                f"data.{info.field_name} {value!r} is not an import path: use "
+                "'package.module:function'"
+            )
+        return value
+
     @model_validator(mode="after")
     def _builtin_defaults(self) -> DataSection:
+        if self.columns is not None:
+            self._check_columns_form()
+            return self
+        hooks = [k for k in ("transform", "eval_transform", "collate") if getattr(self, k)]
+        if hooks:
+            raise SpecError(
+                f"data.{hooks[0]} transforms the rows of the columns form: name the columns it "
+                "reads with data.columns (instead of data.features and data.label)",
+                field=f"data.{hooks[0]}",
+            )
+        if self.task == "causal_lm":
+            raise SpecError(
+                "data.task causal_lm trains on token sequences: name the columns with "
+                "data.columns and make input_ids and labels with data.transform",
+                field="data.task",
+            )
         if self.dataset not in BUILTIN_DATASETS and (self.features is None or self.label is None):
             raise ValueError(
                 f"data.dataset {self.dataset!r} is a Parquet dataset: name its columns with "
-                "data.features (one list column or a list of scalar columns) and data.label"
+                "data.features (one list column or a list of scalar columns) and data.label, "
+                "or with data.columns (any columns, handed to data.transform)"
             )
         if self.dataset not in BUILTIN_DATASETS and self.task is None:
             raise ValueError(
@@ -231,8 +303,36 @@ class DataSection(_Section):
             )
         return self
 
+    def _check_columns_form(self) -> None:
+        both = [k for k in ("features", "label") if getattr(self, k) is not None]
+        if both:
+            raise SpecError(
+                f"data.columns and data.{both[0]} are two forms of data: data.columns hands "
+                "any columns to data.transform, data.features/data.label read numbers only. "
+                "Use one of them",
+                field="data.columns",
+            )
+        if not self.columns or len(set(self.columns)) != len(self.columns):
+            raise SpecError(
+                f"data.columns {self.columns} must name one or more distinct columns",
+                field="data.columns",
+            )
+        if self.transform_batched and self.transform is None:
+            raise SpecError(
+                "data.transform_batched is true but there is no data.transform: name the "
+                "batched transform, fn(rows, rngs)",
+                field="data.transform_batched",
+            )
+
+    @property
+    def columns_form(self) -> bool:
+        """Whether rows are read as Arrow columns and made into batches by the transform."""
+        return self.columns is not None
+
     def resolved(self) -> DataSection:
         """This section with the built-in datasets' columns and task filled in."""
+        if self.columns is not None:
+            return self
         defaults: dict[str, Any] = {}
         if self.dataset == "digits":
             defaults = {"features": "pixels", "label": "label", "task": "classification"}
