@@ -123,8 +123,9 @@ def first_step_time(events: list[dict[str, Any]], attempt: int | None = None) ->
 
 
 def probed_builtin_loop(config: dict[str, Any]) -> None:
-    """``trainer_core.train.loop.builtin_train_loop`` with step timestamps (Ray Train worker fn)."""
-    from trainer_core.train.loop import builtin_train_loop
+    """``trainer_core.train.builtin.builtin_train_loop`` with step timestamps (a Ray Train
+    worker fn)."""
+    from trainer_core.train.builtin import builtin_train_loop
 
     _instrument_builtin_loop()
     builtin_train_loop(config)

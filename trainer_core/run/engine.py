@@ -28,14 +28,17 @@ from trainer_core.checkpoint.files import Scan
 from trainer_core.checkpoint.run_directory import RunDirectory, open_checkpoint
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
+from trainer_core.data.table_rows import TableRows
 from trainer_core.errors import IncompatibleRunError, LeaseLostError, SpecError
 from trainer_core.execution import classify, cluster, trainer
 from trainer_core.execution.trainer import EventHandler
 from trainer_core.run import attempts
 from trainer_core.run.live_state import LiveState
+from trainer_core.spec.imports import import_object
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import workloads
-from trainer_core.train.loop import builtin_train_loop
+from trainer_core.train.batch_checks import check_batch_workload
+from trainer_core.train.builtin import builtin_train_loop
 from trainer_core.train.user_loop import user_train_loop
 
 logger = logging.getLogger("relaytrain.engine")
@@ -148,20 +151,24 @@ def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int
             f"data.validation_fraction ({data.validation_fraction})",
             field="data.batch_size",
         )
-    model = workloads.build_model(spec.model, info.num_features, info.num_outputs)
     if spec.scaling.shard_fn is not None:
-        workloads.import_object(spec.scaling.shard_fn, "scaling.shard_fn")
+        import_object(spec.scaling.shard_fn, "scaling.shard_fn")
     first = next(g for g, count in enumerate(one.train_counts) if count)  # one row group read
     sample = np.arange(min(one.train_counts[first], 4))
-    _, rows = one.reader.take(np.full(len(sample), first), sample)
-    workloads.check_loss_and_metrics(
-        model,
-        torch.from_numpy(rows.features),
-        torch.from_numpy(rows.labels),
-        spec.loss,
-        spec.metrics,
-        data.task or "classification",
-    )
+    ids, rows = one.reader.take(np.full(len(sample), first), sample)
+    if isinstance(rows, TableRows):
+        file = layout.row_groups[first].file
+        where = layout.uri if layout.uri.endswith(file) else f"file {file!r} of {layout.uri}"
+        check_batch_workload(spec, ids, rows, where)
+    else:
+        workloads.check_loss_and_metrics(
+            workloads.build_model(spec.model, info.num_features, info.num_outputs),
+            torch.from_numpy(rows.features),
+            torch.from_numpy(rows.labels),
+            spec.loss,
+            spec.metrics,
+            data.task or "classification",
+        )
     return (
         data_mod.steps_per_epoch(one.batches_per_epoch, spec.optimizer.grad_accumulation)
         * spec.schedule.epochs

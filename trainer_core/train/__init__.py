@@ -1,6 +1,11 @@
 """Training inside the Ray Train workers, and the model contract.
 
+- ``builtin``: the built-in loop's entry point on each worker (the form's loop, its errors).
 - ``loop``: the built-in per-worker loop (epochs, validation, checkpoints, faults).
+- ``columns_loop``: the loop for the columns form: any model on batches of a transform.
+- ``batch_workload``: the columns form's contract: the model call on a batch, summed losses
+  and metrics with their counts.
+- ``batch_checks``: the columns form's workload tried on a few real rows in setup.
 - ``steps``: one optimizer step: accumulation over micro-batches, clipping, precision.
 - ``metric_rows``: each step's loss averaged across ranks off the step, published, kept for
   the next checkpoint.

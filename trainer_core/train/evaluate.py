@@ -6,6 +6,8 @@ that a champion's weights fit the challenger's model before warm-starting from t
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -13,9 +15,11 @@ from torch import nn
 from trainer_core.checkpoint.exports import read_model_weights
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import footers, rank_stream, stream
+from trainer_core.data.transform import Batches
 from trainer_core.errors import SpecError
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import validate, workloads
+from trainer_core.train.batch_workload import BatchWorkload
 
 
 def check_holdout(spec: RunSpec) -> None:
@@ -31,15 +35,25 @@ def check_holdout(spec: RunSpec) -> None:
         )
 
 
-def holdout(spec: RunSpec) -> data_mod.Arrays:
+def holdout(spec: RunSpec) -> Any:
     """The rows the loop validates on (``data.validation_fraction`` of them, by row id): the
     same rows for every model evaluated, none of them trained on (SpecError if there are
-    none)."""
+    none). The tabular form's as one ``Arrays``; the columns form's as the loop's validation
+    batches (``data.eval_transform``), a list."""
     assert spec.data is not None
     check_holdout(spec)
     data = spec.data.resolved()
     layout = footers.scan(data)
-    parts = list(rank_stream.RankStream(layout, data, spec.run.seed, 1, 0).validation())
+    stream_ = rank_stream.RankStream(layout, data, spec.run.seed, 1, 0)
+    parts: list[Any]
+    if data.columns_form:
+        batches = Batches(data, spec.run.seed, training=False)
+        try:
+            parts = [batches(0, ids, rows) for ids, rows in stream_.validation_with_ids()]
+        finally:
+            batches.close()
+    else:
+        parts = list(stream_.validation())
     if not parts:
         raise SpecError(
             f"data.validation_fraction {data.validation_fraction} holds out none of the "
@@ -47,6 +61,8 @@ def holdout(spec: RunSpec) -> data_mod.Arrays:
             "champion needs rows neither trained on: raise data.validation_fraction",
             field="data.validation_fraction",
         )
+    if data.columns_form:
+        return parts
     return data_mod.Arrays(
         np.concatenate([p.features for p in parts]), np.concatenate([p.labels for p in parts])
     )
@@ -59,8 +75,8 @@ def describe(spec: RunSpec) -> data_mod.DatasetInfo:
 
 def load_model(spec: RunSpec, checkpoint_uri: str, num_inputs: int, num_outputs: int) -> nn.Module:
     """The spec's model with the weights of ``checkpoint_uri`` (SpecError if they do not fit)."""
-    assert spec.model is not None
-    model = workloads.build_model(spec.model, num_inputs, num_outputs)
+    assert spec.model is not None and spec.data is not None
+    model = workloads.build_model(spec.model, num_inputs, num_outputs, spec.data.columns_form)
     state = read_model_weights(checkpoint_uri)
     try:
         model.load_state_dict(state)
@@ -85,10 +101,21 @@ def compatible(spec: RunSpec, checkpoint_uri: str) -> tuple[bool, str]:
 
 
 @torch.no_grad()
-def evaluate(spec: RunSpec, checkpoint_uri: str, rows: data_mod.Arrays) -> dict[str, float]:
-    """What the loop measures on validation, for a checkpoint on ``rows``: val_loss (the spec's
-    ``loss``), val_accuracy for classification, and the spec's own ``metrics``."""
+def evaluate(spec: RunSpec, checkpoint_uri: str, rows: Any) -> dict[str, float]:
+    """What the loop measures on validation, for a checkpoint on ``rows`` (``holdout``'s):
+    val_loss (the spec's ``loss``), val_accuracy for classification, and the spec's own
+    ``metrics``; the columns form's from their sums and counts (``BatchWorkload``)."""
     assert spec.data is not None
+    if spec.data.columns_form:
+        model = load_model(spec, checkpoint_uri, 0, 0)
+        workload = BatchWorkload(spec)
+        totals: dict[str, tuple[float, float]] = {}
+        for batch in rows:
+            found = workload.metric_sums(workload.forward(model, batch), batch)
+            for name, (total, count) in found.items():
+                before = totals.get(name, (0.0, 0.0))
+                totals[name] = (before[0] + total, before[1] + count)
+        return workload.finish(totals)
     task = spec.data.resolved().task or "classification"
     outputs = int(rows.labels.max()) + 1 if task == "classification" else 1
     info = describe(spec)

@@ -29,15 +29,10 @@ from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
-from trainer_core.errors import RelaytrainError
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_config import WorkerConfig
-from trainer_core.execution.worker_group import (
-    Relay,
-    Timings,
-    all_reduce,
-    share_peak_rss,
-)
+from trainer_core.execution.worker_group import Relay, Timings, all_reduce, share_peak_rss
+from trainer_core.spec.imports import import_object
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import validate, workloads
 from trainer_core.train.metric_rows import MetricRows
@@ -48,12 +43,9 @@ from trainer_core.train.steps import (
     optimizer_step,
     optimizer_steps,
 )
-from trainer_core.train.worker import Faults, wind_down, worker_error
+from trainer_core.train.worker import Faults
 
 logger = logging.getLogger("relaytrain.worker")
-
-
-# -- the built-in loop ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -130,24 +122,35 @@ class BuiltinLoop:
         spec = self.spec
         assert spec.model and spec.schedule
         training_state.seed_everything(spec.run.seed)  # identical initial weights
-        self.model = workloads.build_model(spec.model, info.num_features, info.num_outputs)
+        self.model = self._new_model(info)
         self.fsdp = spec.scaling.strategy == "fsdp"
         if self.fsdp:
             shard_fn = spec.scaling.shard_fn
             self.model = worker_api.shard_model(
                 self.model,
-                workloads.import_object(shard_fn, "scaling.shard_fn") if shard_fn else None,
+                import_object(shard_fn, "scaling.shard_fn") if shard_fn else None,
             )
         self.optimizer = training_state.make_optimizer(self.model.parameters(), spec.optimizer)
         self.scheduler = training_state.make_scheduler(
             self.optimizer, spec.schedule, self.total_steps
         )
-        self.loss_fn = workloads.loss_function(self.data_spec.task or "classification", spec.loss)
         self.stopping = training_state.EarlyStopping()
         self.precision = Precision(spec.precision, self.device)
+        self._build_validation(info)
+
+    def _new_model(self, info: data_mod.DatasetInfo) -> torch.nn.Module:
+        """The spec's model for a dataset of ``info``'s features and outputs."""
+        assert self.spec.model
+        return workloads.build_model(self.spec.model, info.num_features, info.num_outputs)
+
+    def _build_validation(self, info: data_mod.DatasetInfo) -> None:
+        """The loss, and the validation pass that measures it with the metrics."""
+        self.loss_fn = workloads.loss_function(
+            self.data_spec.task or "classification", self.spec.loss
+        )
         self.validation = validate.RankValidation(
             self.loss_fn,
-            workloads.metric_functions(list(spec.metrics)),
+            workloads.metric_functions(list(self.spec.metrics)),
             self.data_spec.task == "classification",
             self.precision.autocast,
             self._to_device,
@@ -227,7 +230,7 @@ class BuiltinLoop:
         for epoch in range(first_epoch, schedule.epochs):
             first = cursor.batch(self.data_spec.batch_size) if epoch == cursor.epoch else 0
             ddp_model.train()
-            ahead = self.data.epoch(epoch, first)
+            ahead = self._epoch(epoch, first)
             try:
                 for end, micro_batches in optimizer_steps(ahead, self.accumulation):
                     step += 1
@@ -293,7 +296,7 @@ class BuiltinLoop:
         extra: dict[str, float] = {}
         stop = False
         if end_of_epoch:
-            extra = self.validation.run(self.model, self.data.validation())
+            extra = self._validate()
             stop = self._should_stop(epoch, extra)
             ddp_model.train()
         # A validation is followed by a checkpoint of the weights it measured: only those
@@ -337,6 +340,17 @@ class BuiltinLoop:
         self.current_step = step
         self.faults.check(step)
         self.optimizer.zero_grad(set_to_none=True)
+        value = self._gradients(model, micro_batches)
+        self.checkpoints.before_optimizer_step()
+        grad_norm = optimizer_step(
+            self.optimizer, self.model, self.spec.optimizer.clip_grad_norm, self.precision.scaler
+        )
+        self.scheduler.step()
+        self.precision.check_loss(value, step, self.rank)
+        return value, grad_norm
+
+    def _gradients(self, model: torch.nn.Module, micro_batches: list[Any]) -> float:
+        """The step's gradients over its micro-batches; returns the step's loss."""
         loss = accumulate_gradients(
             model,
             [(self._to_device(m.features), self._to_device(m.labels)) for m in micro_batches],
@@ -345,14 +359,15 @@ class BuiltinLoop:
             self.precision.scale(),
             self.data.weight,
         )
-        self.checkpoints.before_optimizer_step()
-        grad_norm = optimizer_step(
-            self.optimizer, self.model, self.spec.optimizer.clip_grad_norm, self.precision.scaler
-        )
-        self.scheduler.step()
-        value = loss.item()
-        self.precision.check_loss(value, step, self.rank)
-        return value, grad_norm
+        return loss.item()
+
+    def _epoch(self, epoch: int, first: int) -> Any:
+        """Global batches ``first..`` of ``epoch``, this rank's slice of each, read ahead."""
+        return self.data.epoch(epoch, first)
+
+    def _validate(self) -> dict[str, float]:
+        """The validation metrics over every rank's validation rows."""
+        return self.validation.run(self.model, self.data.validation())
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A batch as a tensor on the model's device (the same tensor, no copy, on the CPU)."""
@@ -373,28 +388,6 @@ class BuiltinLoop:
         self.checkpoints.save(step, meta, self.rows.take_unsaved())
         share_peak_rss(self.relay)
 
-
-def builtin_train_loop(config: dict[str, Any]) -> None:
-    """Ray Train ``train_loop_per_worker`` of the built-in loop."""
-    worker_config = WorkerConfig.from_dict(config)
-    loop = None
-    try:
-        loop = BuiltinLoop(worker_config)
-        loop.run()
-    except Exception as e:
-        error = e if isinstance(e, RelaytrainError) else _as_worker_error(e, loop)
-        if loop is not None:
-            error = wind_down(error, loop.checkpoints, loop.relay, loop.completed_step, loop.group)
-        if error is e:
-            raise
-        raise error from e
-    finally:
-        if loop is not None:
-            loop.checkpoints.close()
-
-
-def _as_worker_error(error: BaseException, loop: BuiltinLoop | None) -> RelaytrainError:
-    """What an exception out of training code means, at the step the loop was at."""
-    step = (loop.current_step or None) if loop is not None else None
-    rank = loop.rank if loop is not None else None
-    return worker_error(error, where=f"at step {step}", step=step, rank=rank)
+    def close(self) -> None:
+        """Stop the background work: the checkpoint writer."""
+        self.checkpoints.close()

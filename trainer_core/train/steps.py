@@ -49,6 +49,46 @@ def accumulate_gradients(
     return loss
 
 
+def accumulate_sums(
+    model: torch.nn.Module,
+    micro_batches: list[Any],
+    forward_loss: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
+    unit: float,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over one step's micro-batches of the columns form; returns this
+    rank's summed loss and count of items.
+
+    ``forward_loss(model, batch)`` is a micro-batch's ``(summed loss, count)``. Each sum is
+    backpropagated times ``unit``, the same on every rank (world size / the step's samples),
+    so the gradients are the global sum's times one factor, which ``rescale_gradients`` fixes
+    once the global count is known. Synchronization as ``accumulate_gradients``'.
+    """
+    total = torch.zeros(())
+    count = torch.zeros(())
+    no_sync = getattr(model, "no_sync", None)
+    for position, batch in enumerate(micro_batches):
+        last = position == len(micro_batches) - 1
+        if is_fsdp_module(model):
+            model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            with autocast():
+                part, items = forward_loss(model, batch)
+            scaled = part * unit
+            (scaled if scale is None else scale(scaled)).backward()
+        total += part.detach().float().cpu()
+        count += items.detach().float().cpu()
+    return total, count
+
+
+def rescale_gradients(model: torch.nn.Module, factor: float) -> None:
+    """Multiply every gradient by ``factor``."""
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            parameter.grad.mul_(factor)
+
+
 def optimizer_steps(
     batches: Iterable[tuple[int, np.ndarray, data_mod.Arrays]], accumulation: int
 ) -> Iterator[tuple[int, list[data_mod.Arrays]]]:

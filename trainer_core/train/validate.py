@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from trainer_core.data import arrays as data_mod
 from trainer_core.execution.worker_group import all_reduce
+from trainer_core.train.batch_workload import BatchWorkload
 
 
 def metric_names(classification: bool, metric_fns: Mapping[str, Any]) -> list[str]:
@@ -90,22 +91,67 @@ class RankValidation:
         return {name: total / count for name, total in zip(names, totals, strict=True)}
 
     def _broadcast_buffers(self, model: torch.nn.Module) -> None:
-        """Every rank validates with rank 0's buffers (batch norm's running statistics), the
-        ones a checkpoint saves. DDP broadcasts them from rank 0 before each training forward
-        pass, which then updates each rank's from its own slice of the batch: after the last
-        one they differ by rank (and FSDP never syncs them)."""
-        if self.world_size > 1:
-            for buffer in model.buffers():
-                dist.broadcast(buffer, src=0)
+        broadcast_buffers(model, self.world_size)
 
     def _in_step(self, parts: Iterator[data_mod.Arrays]) -> Iterator[data_mod.Arrays | None]:
-        """``parts``; under FSDP, as many as the rank with the most parts has (None once this
-        rank's are done)."""
-        if not self.fsdp:
-            yield from parts
+        return in_step(parts, self.fsdp)
+
+
+def broadcast_buffers(model: torch.nn.Module, world_size: int) -> None:
+    """Every rank validates with rank 0's buffers (batch norm's running statistics), the ones a
+    checkpoint saves. DDP broadcasts them from rank 0 before each training forward pass, which
+    then updates each rank's from its own slice of the batch: after the last one they differ
+    by rank (and FSDP never syncs them)."""
+    if world_size > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def in_step(parts: Iterator[Any], fsdp: bool) -> Iterator[Any | None]:
+    """``parts``; under FSDP (every forward pass a collective), as many as the rank with the
+    most parts has (None once this rank's are done)."""
+    if not fsdp:
+        yield from parts
+        return
+    while True:
+        part = next(parts, None)
+        if all_reduce([float(part is not None)])[0] == 0:
             return
-        while True:
-            part = next(parts, None)
-            if all_reduce([float(part is not None)])[0] == 0:
-                return
-            yield part
+        yield part
+
+
+@dataclass
+class BatchValidation:
+    """The columns form's validation on one rank: each metric's sum and count over its
+    batches (``BatchWorkload.metric_sums``), all-reduced once, then divided."""
+
+    workload: BatchWorkload
+    autocast: Callable[[], Any]
+    #: A batch on the model's device.
+    to_device: Callable[[Any], Any]
+    fsdp: bool
+    world_size: int
+
+    @torch.no_grad()
+    def run(
+        self, model: torch.nn.Module, batches: Iterator[Any], dummy: Any = None
+    ) -> dict[str, float]:
+        """The metrics over every rank's ``batches``; under FSDP a rank out of batches runs
+        ``dummy`` (a batch it trained on) while another still has some."""
+        broadcast_buffers(model, self.world_size)
+        model.eval()
+        names = [n for n in self.workload.metric_names() if n != "val_perplexity"]
+        sums = dict.fromkeys(names, (0.0, 0.0))
+        for batch in in_step(batches, self.fsdp):
+            if batch is None:
+                with self.autocast():
+                    self.workload.forward(model, self.to_device(dummy))
+                continue
+            batch = self.to_device(batch)
+            with self.autocast():
+                outputs = self.workload.forward(model, batch)
+            for name, (total, count) in self.workload.metric_sums(outputs, batch).items():
+                sums[name] = (sums[name][0] + total, sums[name][1] + count)
+        flat = all_reduce([value for pair in sums.values() for value in pair])
+        totals = {name: (flat[2 * i], flat[2 * i + 1]) for i, name in enumerate(names)}
+        return self.workload.finish(totals)

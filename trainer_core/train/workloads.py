@@ -8,7 +8,6 @@ Ray Train's ``train_loop_per_worker`` signature (``fn()`` or ``fn(config)``).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable
@@ -18,47 +17,8 @@ import torch
 from torch import nn
 
 from trainer_core.errors import SpecError
+from trainer_core.spec.imports import import_object
 from trainer_core.spec.sections import ModelSection, metric_name
-
-
-def import_object(path: str, field: str) -> Any:
-    """Resolve ``package.module:attribute``; SpecError naming ``field`` when it cannot."""
-    module_name, _, attribute = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise SpecError(
-            f"{field} {path!r}: module {module_name!r} cannot be imported ({e}). Check the "
-            "spelling, and that the package is installed where the Ray workers run.",
-            field=field,
-        ) from e
-    except Exception as e:  # the module itself raised while importing
-        raise SpecError(
-            f"{field} {path!r}: importing {module_name!r} raised {type(e).__name__}: {e}. Fix "
-            f"that module (the driver and every Ray worker import it), or point {field} "
-            "elsewhere.",
-            field=field,
-        ) from e
-    try:
-        target = getattr(module, attribute)
-    except AttributeError as e:
-        found = sorted(
-            name
-            for name, value in vars(module).items()
-            if callable(value) and not name.startswith("_")
-        )[:20]
-        raise SpecError(
-            f"{field} {path!r}: module {module_name!r} has no attribute {attribute!r}: fix the "
-            f"name after ':' (callables there: {found})",
-            field=field,
-        ) from e
-    if not callable(target):
-        raise SpecError(
-            f"{field} {path!r} is not callable (it is of type {type(target).__name__}): point "
-            f"{field} at a function",
-            field=field,
-        )
-    return target
 
 
 def resolve_train_loop(path: str) -> Callable[..., Any]:
@@ -150,25 +110,38 @@ class SmallCNN(nn.Module):
 BUILDERS: dict[str, Callable[..., nn.Module]] = {"mlp": MLP, "cnn": SmallCNN}
 
 
-def build_model(model: ModelSection, num_inputs: int, num_outputs: int) -> nn.Module:
-    """Build the model a spec names; SpecError for a bad name, kwargs or return value."""
+def build_model(
+    model: ModelSection, num_inputs: int, num_outputs: int, columns_form: bool = False
+) -> nn.Module:
+    """Build the model a spec names: ``fn(num_inputs, num_outputs, **kwargs)``, or for the
+    columns form ``fn(**kwargs)``; SpecError for a bad name, kwargs or return value."""
+    if columns_form and model.name in BUILDERS:
+        raise SpecError(
+            f"model.name {model.name!r} is built from a feature count, which data.columns does "
+            "not have: name a builder 'package.module:function' called as fn(**model.kwargs) "
+            "and returning any torch.nn.Module, or use data.features and data.label",
+            field="model.name",
+        )
     builder = BUILDERS.get(model.name) or import_object(model.name, "model.name")
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in model.kwargs.items()}
     try:
-        module = builder(num_inputs, num_outputs, **kwargs)
+        if columns_form:
+            module = builder(**model.kwargs)
+        else:
+            module = builder(num_inputs, num_outputs, **kwargs)
     except (SpecError, OSError):  # an OSError (a download, a file) may be transient
         raise
     except TypeError as e:
         raise SpecError(
             f"model {model.name!r} rejected model.kwargs {model.kwargs}: {e}. Fix model.kwargs "
-            f"to fit the builder's parameters {_parameters(builder)}",
+            f"to fit the builder's parameters {_parameters(builder, 0 if columns_form else 2)}",
             field="model.kwargs",
         ) from e
     except Exception as e:
         raise SpecError(
             f"model.name {model.name!r} raised {type(e).__name__} while building with "
-            f"num_inputs={num_inputs}, num_outputs={num_outputs}, model.kwargs={model.kwargs}: "
-            f"{e}. Fix the builder, or model.kwargs.",
+            f"{'' if columns_form else f'num_inputs={num_inputs}, num_outputs={num_outputs}, '}"
+            f"model.kwargs={model.kwargs}: {e}. Fix the builder, or model.kwargs.",
             field="model.name",
         ) from e
     if not isinstance(module, nn.Module):
@@ -180,9 +153,9 @@ def build_model(model: ModelSection, num_inputs: int, num_outputs: int) -> nn.Mo
     return module
 
 
-def _parameters(builder: Callable[..., Any]) -> list[str]:
+def _parameters(builder: Callable[..., Any], skip: int = 2) -> list[str]:
     try:
-        return list(inspect.signature(builder).parameters)[2:]
+        return list(inspect.signature(builder).parameters)[skip:]
     except (TypeError, ValueError):
         return []
 

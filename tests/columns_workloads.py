@@ -1,0 +1,87 @@
+"""Transforms, models and losses of the columns form for the tests (tests/unit/test_columns.py,
+tests/integration/test_columns.py): a tiny LM dataset, good functions, and the bad ones the
+setup checks must refuse (each named for what it does wrong)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+
+from tools.make_text_parquet import rows as text_rows
+
+
+def write_lm_dataset(path: Path, seq_len: int = 32, count: int = 400, group: int = 100) -> str:
+    """``count`` rows of ``seq_len`` byte tokens of the pydoc corpus, ``group`` rows a row
+    group, with a binary column (the row's bytes) and the row's number."""
+    table = text_rows(seq_len).slice(0, count)
+    tokens = np.asarray(table.column("tokens").combine_chunks().flatten()).reshape(count, -1)
+    table = table.append_column("raw", pa.array([t.tobytes() for t in tokens], pa.binary()))
+    table = table.append_column("n", pa.array(np.arange(count, dtype=np.int64)))
+    pq.write_table(table, path, row_group_size=group)
+    return str(path)
+
+
+def noisy(row: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The row's number with a draw from its generator: what each row got, for the tests."""
+    return {"n": np.int64(row["n"]), "draw": np.float64(rng.random())}
+
+
+def decode_raw(row: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    ids = np.frombuffer(row["raw"], dtype=np.uint8).astype(np.int64)
+    return {"input_ids": ids, "labels": ids}
+
+
+def raises_on_row_2(row: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    if row["n"] == 2:
+        raise ValueError("cannot decode this row")
+    return decode_raw(row, rng)
+
+
+def ignores_rng(row: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    ids = np.frombuffer(row["raw"], dtype=np.uint8).astype(np.int64)
+    return {"input_ids": np.roll(ids, random.randrange(len(ids))), "labels": ids}
+
+
+def uneven_lengths(row: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    ids = np.frombuffer(row["raw"], dtype=np.uint8).astype(np.int64)[: 4 + row["n"] % 5]
+    return {"input_ids": ids, "labels": ids}
+
+
+def returns_a_list(row: dict[str, Any], rng: np.random.Generator) -> list[int]:
+    return list(row["raw"])
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab_size: int = 256, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids))
+
+
+def tiny_lm(**kwargs: Any) -> nn.Module:
+    return TinyLM(**kwargs)
+
+
+def token_loss_sum(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> Any:
+    logits, labels = outputs[:, :-1].reshape(-1, outputs.shape[-1]), batch["labels"][:, 1:]
+    losses = nn.functional.cross_entropy(logits, labels.reshape(-1), reduction="none")
+    return losses.sum(), losses.numel()
+
+
+def per_token_losses(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits, labels = outputs[:, :-1].reshape(-1, outputs.shape[-1]), batch["labels"][:, 1:]
+    return nn.functional.cross_entropy(logits, labels.reshape(-1), reduction="none")
+
+
+def sum_without_count(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> Any:
+    return per_token_losses(outputs, batch).sum(), "tokens"

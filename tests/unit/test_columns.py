@@ -1,0 +1,152 @@
+"""The columns form without Ray: rows of any Arrow type read as they are (sliced, spilled and
+gathered like the tabular form's), each row's transform keyed by (seed, epoch, row id), and
+the setup checks that refuse a bad transform, model or loss before any worker starts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tests.columns_workloads import write_lm_dataset
+from trainer_core.data import footers, rank_stream
+from trainer_core.data.transform import Batches, row_rng
+from trainer_core.errors import SpecError
+from trainer_core.run.engine import validate_workload
+from trainer_core.spec.overrides import build_spec
+from trainer_core.spec.sections import DataSection
+
+
+@pytest.fixture(scope="module")
+def lm_file(tmp_path_factory) -> str:
+    return write_lm_dataset(tmp_path_factory.mktemp("lm") / "lm.parquet")
+
+
+def section(path: str, **changes) -> DataSection:
+    return DataSection(dataset=path, columns=["raw", "n"], **changes)
+
+
+def lm_spec(tmp_path, lm_file: str, **changes) -> object:
+    data = {
+        "dataset": lm_file,
+        "columns": ["raw", "n"],
+        "transform": "tests.columns_workloads:decode_raw",
+    }
+    data.update(changes.pop("data", {}))
+    raw = {
+        "run": {"name": "lm", "storage": str(tmp_path)},
+        "model": {"name": "tests.columns_workloads:tiny_lm", **changes.pop("model", {})},
+        "data": {"task": "causal_lm", "batch_size": 8, **data},
+        "schedule": {"epochs": 1},
+        "scaling": {"num_workers": 1},
+        **changes,
+    }
+    return build_spec(raw)
+
+
+def test_rows_read_sliced_and_gathered_are_the_rows_their_ids_name(lm_file):
+    """Binary and list columns come back as written, for rows spread over row groups and
+    slices of a row group (spilled as Arrow), in the order asked."""
+    data = section(lm_file)
+    table = pq.read_table(lm_file)
+    one = rank_stream.RankStream(footers.scan(data), data, seed=1, world_size=1, rank=0)
+    one.reader.slices.slice_rows = 30  # row groups of 100 rows: 4 slices each, spilled
+    order = one.order(0)
+    for index in (0, 5, one.batches_per_epoch - 1):
+        groups, within = order.locate(order.rank_positions(index, 1, 0))
+        ids, rows = one.reader.take(groups, within)
+        assert rows.table.column_names == ["raw", "n"]
+        assert rows.table.column("n").to_pylist() == ids.tolist()
+        assert rows.table.column("raw").to_pylist() == table.take(ids).column("raw").to_pylist()
+
+
+def test_each_row_gets_its_own_draw_whatever_the_workers(lm_file):
+    """A global batch made on 1 worker is the 2 workers' halves side by side, sample for sample
+    and draw for draw, with a thread pool or spawned processes; another epoch draws anew."""
+    data = section(lm_file, transform="tests.columns_workloads:noisy", batch_size=10)
+
+    def batch(world_size: int, epoch: int, index: int, pool: str = "threads") -> dict:
+        parts = []
+        for rank in range(world_size):
+            spec = data.model_copy(update={"transform_pool": pool})
+            ranks = rank_stream.RankStream(footers.scan(spec), spec, 3, world_size, rank)
+            batches = Batches(spec, seed=3)
+            ahead = ranks.epoch(epoch, first=index, make_batch=batches)
+            try:
+                parts.append(next(iter(ahead))[2])
+            finally:
+                ahead.close()
+                batches.close()
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+    one, two = batch(1, 0, 4), batch(2, 0, 4)
+    assert torch.equal(one["n"], two["n"]) and torch.equal(one["draw"], two["draw"])
+    expected = [row_rng(3, 0, int(n)).random() for n in one["n"]]
+    assert one["draw"].tolist() == expected
+    assert torch.equal(batch(2, 0, 4, pool="processes")["draw"], one["draw"])
+    later = batch(1, 1, 4)
+    assert not torch.equal(later["draw"], one["draw"])
+
+
+def test_a_binary_column_without_a_transform_names_the_fix(tmp_path, lm_file):
+    spec = lm_spec(tmp_path, lm_file, data={"transform": None})
+    with pytest.raises(SpecError, match=r"column 'raw' .*decode or pad it with data.transform"):
+        validate_workload(spec)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"data": {"transform": "tests.columns_workloads:raises_on_row_2"}},
+            r"raised ValueError on row 2 of .*lm.parquet.*cannot decode this row",
+        ),
+        (
+            {"data": {"transform": "tests.columns_workloads:ignores_rng"}},
+            r"different values for row \d+ .*called twice with the same rng",
+        ),
+        (
+            {"data": {"transform": "tests.columns_workloads:uneven_lengths"}},
+            r"cannot be batched .*give data.collate to pad",
+        ),
+        (
+            {"data": {"transform": "tests.columns_workloads:returns_a_list"}},
+            r"returned list .*return a dict of arrays",
+        ),
+        ({"model": {"inputs": ["tokens"]}}, r"rejected the batch .*KeyError.*model.inputs"),
+        (
+            {"loss": "tests.columns_workloads:per_token_losses"},
+            r"returned Tensor \[\d+\].*summed loss as a scalar",
+        ),
+        ({"loss": "tests.columns_workloads:sum_without_count"}, r"returned a count str"),
+        ({"data": {"columns": ["raw", "pixels"]}}, r"no column\(s\) \['pixels'\].*data.columns"),
+    ],
+    ids=[
+        "raises",
+        "ignores-rng",
+        "unbatchable",
+        "not-a-dict",
+        "model-keys",
+        "per-sample",
+        "count",
+        "missing-column",
+    ],
+)
+def test_a_bad_workload_is_refused_in_setup(tmp_path, lm_file, changes, message):
+    spec = lm_spec(tmp_path, lm_file, **changes)
+    with pytest.raises(SpecError, match=message):
+        validate_workload(spec)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_the_lm_example_passes_its_setup_checks(tmp_path, lm_file):
+    spec = lm_spec(
+        tmp_path,
+        lm_file,
+        model={"name": "examples.lm_gpt:build", "kwargs": {"block_size": 32, "width": 16}},
+        data={"columns": ["tokens"], "transform": "examples.lm_gpt:crop"},
+    )
+    assert validate_workload(spec) > 30  # about 400 x 0.8 / 8 steps
+    assert row_rng(0, 1, 5).random() == row_rng(0, 1, 5).random() != row_rng(0, 2, 5).random()
+    assert np.isfinite(row_rng(2**32 - 1, 2**32 - 1, 2**63).random())

@@ -1,0 +1,40 @@
+"""The built-in loop's entry point on each Ray Train worker: the tabular form's ``BuiltinLoop``
+or, for ``data.columns``, the columns form's ``ColumnsLoop``; an exception out of either
+becomes relaytrain's error for the step it was at."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer_core.errors import RelaytrainError
+from trainer_core.execution.worker_config import WorkerConfig
+from trainer_core.train.columns_loop import ColumnsLoop
+from trainer_core.train.loop import BuiltinLoop
+from trainer_core.train.worker import wind_down, worker_error
+
+
+def builtin_train_loop(config: dict[str, Any]) -> None:
+    """Ray Train ``train_loop_per_worker`` of the built-in loop."""
+    worker_config = WorkerConfig.from_dict(config)
+    loop = None
+    try:
+        columns_form = (worker_config.spec.get("data") or {}).get("columns") is not None
+        loop = ColumnsLoop(worker_config) if columns_form else BuiltinLoop(worker_config)
+        loop.run()
+    except Exception as e:
+        error = e if isinstance(e, RelaytrainError) else _as_worker_error(e, loop)
+        if loop is not None:
+            error = wind_down(error, loop.checkpoints, loop.relay, loop.completed_step, loop.group)
+        if error is e:
+            raise
+        raise error from e
+    finally:
+        if loop is not None:
+            loop.close()
+
+
+def _as_worker_error(error: BaseException, loop: BuiltinLoop | None) -> RelaytrainError:
+    """What an exception out of training code means, at the step the loop was at."""
+    step = (loop.current_step or None) if loop is not None else None
+    rank = loop.rank if loop is not None else None
+    return worker_error(error, where=f"at step {step}", step=step, rank=rank)

@@ -1,0 +1,89 @@
+"""The built-in loop for the columns form (``data.columns``): any model on any batch.
+
+It is ``BuiltinLoop`` with four parts of its own; resume, checkpoints, faults, early
+stopping, drains and metrics are the loop's, unchanged:
+
+- the model: ``model.name`` called with ``model.kwargs`` alone, any ``nn.Module``;
+- the batches: each epoch's rows through ``data.transform`` in the read-ahead thread
+  (``data.transform.Batches``: one generator per row, keyed by (run.seed, epoch, row id));
+- a step: summed losses and counts (``batch_workload``), added over the micro-batches and the
+  ranks, divided once by the global count: the gradients of one batch of all of them;
+- validation: sums and counts of every metric, reduced over the ranks, then divided.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer_core.data import arrays as data_mod
+from trainer_core.data.transform import Batches
+from trainer_core.execution.worker_group import all_reduce
+from trainer_core.train import validate, workloads
+from trainer_core.train.batch_workload import Batch, BatchWorkload
+from trainer_core.train.loop import BuiltinLoop
+from trainer_core.train.steps import accumulate_sums, rescale_gradients
+
+
+class ColumnsLoop(BuiltinLoop):
+    """One worker's side of a run of the built-in loop on the columns form."""
+
+    def _new_model(self, info: data_mod.DatasetInfo) -> torch.nn.Module:
+        assert self.spec.model
+        return workloads.build_model(self.spec.model, 0, 0, columns_form=True)
+
+    def _build_validation(self, info: data_mod.DatasetInfo) -> None:
+        self.workload = BatchWorkload(self.spec)
+        self.batches = Batches(self.data_spec, self.spec.run.seed)
+        self.eval_batches = Batches(self.data_spec, self.spec.run.seed, training=False)
+        self.batch_validation = validate.BatchValidation(
+            self.workload,
+            self.precision.autocast,
+            self._batch_to_device,
+            fsdp=self.fsdp,
+            world_size=self.world_size,
+        )
+        #: Samples of a step on every rank: each micro-batch's summed loss is backpropagated
+        #: times world size / this, the same factor on every rank.
+        self.unit = self.world_size / (self.data_spec.batch_size * self.accumulation)
+        self.last_batch: Batch | None = None
+
+    def _epoch(self, epoch: int, first: int) -> Any:
+        return self.data.epoch(epoch, first, make_batch=self.batches)
+
+    def _gradients(self, model: torch.nn.Module, micro_batches: list[Any]) -> float:
+        batches = [self._batch_to_device(b) for b in micro_batches]
+        self.last_batch = micro_batches[0]
+        total, count = accumulate_sums(
+            model,
+            batches,
+            self._forward_loss,
+            self.unit,
+            self.precision.autocast,
+            self.precision.scale(),
+        )
+        total_sum, total_count = all_reduce([float(total), float(count)])
+        # DDP averaged the ranks' gradients of (sum x unit): make them the sum's / count.
+        rescale_gradients(self.model, self.world_size / (max(total_count, 1.0) * self.unit))
+        return total_sum / max(total_count, 1.0)
+
+    def _forward_loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
+        return self.workload.loss(self.workload.forward(model, batch), batch)
+
+    def _validate(self) -> dict[str, float]:
+        batches = (self.eval_batches(0, ids, rows) for ids, rows in self.data.validation_with_ids())
+        return self.batch_validation.run(self.model, batches, dummy=self.last_batch)
+
+    def _batch_to_device(self, batch: Batch) -> Batch:
+        return {
+            key: value.to(self.device, non_blocking=True)
+            if isinstance(value, torch.Tensor)
+            else value
+            for key, value in batch.items()
+        }
+
+    def close(self) -> None:
+        super().close()
+        self.batches.close()
+        self.eval_batches.close()
