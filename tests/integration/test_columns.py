@@ -6,9 +6,12 @@ resumes ends bit for bit where the uninterrupted run does."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+import yaml
 
+from flows.training import training
 from tests.columns_workloads import write_lm_dataset
 from tests.recovery import (
     assert_records_what_it_measures,
@@ -23,6 +26,7 @@ from trainer_core.run.engine import run_attempt
 from trainer_core.spec.overrides import build_spec
 
 pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
 
 
 def lm_raw(root, dataset: str, name: str, **sections) -> dict:
@@ -106,3 +110,31 @@ def test_an_lm_run_that_fails_mid_epoch_resumes_bit_for_bit(lm_reference, lm_dat
     run_dir = run_dir_of(spec)
     assert_same_tensors(final_state(run_dir), lm_reference["state"])
     assert losses(run_dir) == lm_reference["losses"]
+
+
+def test_the_vision_example_runs_through_the_flow_and_resumes_after_a_fault(
+    relaytrain_ray, relaytrain_prefect, tmp_path
+):
+    """examples/vision_resnet.yaml as a user runs it, 1 epoch on 1 worker: PNG bytes decoded
+    and augmented on the transform threads, transformers' ResNet, a code fault at step 9 and a
+    Prefect retry that resumes from step 8."""
+    raw = yaml.safe_load((REPO / "examples" / "vision_resnet.yaml").read_text())
+    raw["run"] = {"name": "vision", "storage": str(tmp_path)}
+    raw["data"]["dataset"] = str(REPO / raw["data"]["dataset"])
+    raw["schedule"]["epochs"] = 1
+    raw["scaling"]["num_workers"] = 1
+    raw["checkpoint"] |= {"every": 4, "keep_last": None}
+    raw["retries"] = {"code": 1, "delay_s": 0, "jitter": 0}
+    raw["faults"] = [{"kind": "raise", "at_step": 9}]
+    spec = build_spec(raw)
+    state = training(spec, return_state=True)
+    assert state.is_completed()
+    result = state.result()
+    assert [a.status for a in result.attempts] == ["failed", "completed"]
+    assert result.attempts[1].resumed_from_step == 8
+    # 1,797 images, about 80% for training: 22 global batches of 64
+    assert result.steps_completed == 22
+    trained = losses(run_dir_of(spec))
+    assert trained[-1][1] < trained[0][1] * 0.9 and 0 < result.final_metrics["val_accuracy"] < 1
+    measured = measure_checkpoints(spec, run_dir_of(spec))
+    assert_records_what_it_measures(measured)
