@@ -3,6 +3,7 @@
 - ``build(**model.kwargs)``: the model, after nanoGPT: token and position embeddings, pre-norm
   blocks of causal self-attention (``scaled_dot_product_attention``) and an MLP, and an output
   head tied to the token embedding. ``forward(input_ids)`` returns logits ``[B, T, 256]``.
+- ``gpt2(...)``: transformers' GPT-2 of the same size, from its config (examples/lm_gpt2_fsdp.yaml).
 - ``tokens(row, rng)``: a row of ``examples/data/pydoc_bytes.parquet`` (``tools/
   make_text_parquet.py``) as ``input_ids`` and ``labels`` (the same ids: the built-in
   ``causal_lm`` loss lets position t predict token t + 1). ``crop`` random-crops a window of
@@ -84,10 +85,45 @@ def build(**kwargs: Any) -> GPT:
     return GPT(**kwargs)
 
 
+def gpt2(
+    vocab_size: int = 256,
+    block_size: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    width: int = 64,
+    dropout: float = 0.1,
+) -> nn.Module:
+    """HuggingFace ``transformers``' GPT-2 built from a ``GPT2Config`` (no weights downloaded):
+    its output head is tied to the token embedding. It takes ``input_ids`` and
+    ``attention_mask`` and returns a ``CausalLMOutputWithCrossAttentions`` whose ``logits``
+    the built-in ``causal_lm`` loss reads."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=block_size,
+        n_embd=width,
+        n_layer=layers,
+        n_head=heads,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
 def tokens(row: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
     """A row's tokens as the model's input ids and the loss's labels."""
     ids = np.asarray(row["tokens"], dtype=np.int64)
     return {"input_ids": ids, "labels": ids}
+
+
+def masked(row: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """``tokens`` with the attention mask a HuggingFace model takes (every token attended)."""
+    ids = np.asarray(row["tokens"], dtype=np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids}
 
 
 def crop(row: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -21,6 +21,7 @@ from tests.recovery import (
     measure_checkpoints,
     run_dir_of,
 )
+from trainer_core.checkpoint.exports import DCP_FORMAT
 from trainer_core.errors import TrainingCodeError
 from trainer_core.run.engine import run_attempt
 from trainer_core.spec.overrides import build_spec
@@ -138,3 +139,46 @@ def test_the_vision_example_runs_through_the_flow_and_resumes_after_a_fault(
     assert trained[-1][1] < trained[0][1] * 0.9 and 0 < result.final_metrics["val_accuracy"] < 1
     measured = measure_checkpoints(spec, run_dir_of(spec))
     assert_records_what_it_measures(measured)
+
+
+def test_hf_gpt2_under_fsdp_resumes_where_ddp_ends_and_reshards(
+    relaytrain_ray, lm_dataset, tmp_path
+):
+    """transformers' GPT-2 from its config (tied head, dropout, attention mask) sharded with
+    FSDP2 over 2 workers, one unit per block: a fault at step 14 resumes from the DCP
+    checkpoint at 12 and ends bit for bit where a DDP run of the same spec ends (2 gloo ranks
+    average gradients to the same bits either way; no clipping, whose norm FSDP sums over the
+    shards in another order); the run then continues on 1 worker, its
+    DCP checkpoint resharded."""
+    sections = {
+        "model": {
+            "name": "examples.lm_gpt:gpt2",
+            "kwargs": {"block_size": 32, "layers": 2, "heads": 2, "width": 16, "dropout": 0.1},
+        },
+    }
+    raw = lm_raw(tmp_path / "fsdp", lm_dataset, "gpt2", **sections)
+    raw["data"] |= {"transform": "examples.lm_gpt:masked", "eval_transform": None}
+    raw["scaling"] |= {"strategy": "fsdp"}
+    # Clipping would sum the gradients' squares over shards under FSDP, in another order.
+    raw["optimizer"] = {"name": "adamw", "lr": 0.01}
+    ddp = build_spec(
+        {**raw, "run": {**raw["run"], "storage": str(tmp_path / "ddp")}}
+        | {"scaling": {"num_workers": 2}}
+    )
+    assert run_attempt(ddp).status == "completed"
+    fsdp = build_spec({**raw, "faults": [{"kind": "raise", "at_step": 14}]})
+    with pytest.raises(TrainingCodeError):
+        run_attempt(fsdp)
+    second = run_attempt(fsdp)
+    assert second.resumed_from_step == 12
+    run_dir = run_dir_of(fsdp)
+    assert run_dir.scan().newest.manifest["format"] == DCP_FORMAT
+    assert_same_tensors(final_state(run_dir), final_state(run_dir_of(ddp)))
+    assert losses(run_dir) == losses(run_dir_of(ddp))
+    more = build_spec(
+        {**raw, "schedule": {**raw["schedule"], "epochs": 3}}
+        | {"scaling": {"num_workers": 1, "strategy": "fsdp"}}
+        | {"faults": []}
+    )
+    third = run_attempt(more)
+    assert third.resumed_from_step == 18 and third.steps_completed == 27

@@ -45,9 +45,8 @@ def shard_model(
 ) -> torch.nn.Module:
     """FSDP2: the model on its device with its parameters sharded over the group
     (``fully_shard``), before its optimizer is made. ``shard_fn(model, mesh)`` shards it the
-    user's way (``fully_shard`` on each block, with ``mesh``); without one, every module holding
-    parameters of its own (a linear or convolution layer) is a unit. The model itself is always
-    the root unit."""
+    user's way (``fully_shard`` on each block, with ``mesh``); without one, ``default_units``
+    are. The model itself is always the root unit."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -58,12 +57,45 @@ def shard_model(
     if shard_fn is not None:
         shard_fn(model, mesh)
     else:
-        for module in model.modules():
-            if module is not model and next(module.parameters(recurse=False), None) is not None:
-                fully_shard(module, mesh=mesh)
+        for module in default_units(model):
+            fully_shard(module, mesh=mesh)
     if not isinstance(model, FSDPModule):
         fully_shard(model, mesh=mesh)
     return model
+
+
+def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP shards as units of their own, the root aside.
+
+    A transformer's blocks (torchtitan's rule: the items of a ``ModuleList`` or ``Sequential``
+    of two or more modules of one class) when the model has them; else every module holding
+    parameters of its own (a linear or convolution layer). A module that shares a parameter
+    with another outside it (tied embedding and output weights) stays in its parent's unit,
+    which a tied pair then shares."""
+    blocks: list[torch.nn.Module] = []
+    within: set[int] = set()  # modules inside a block already chosen: the outermost win
+    for module in model.modules():
+        if id(module) in within or not isinstance(
+            module, torch.nn.ModuleList | torch.nn.Sequential
+        ):
+            continue
+        alike = len(module) > 1 and len({type(c) for c in module}) == 1
+        if alike and next(module.parameters(), None) is not None:
+            blocks += list(module)
+            within |= {id(m) for m in module.modules()}
+    candidates = blocks or [
+        m for m in model.modules() if m is not model and next(m.parameters(False), None) is not None
+    ]
+    owners: dict[int, set[int]] = {}
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            owners.setdefault(id(parameter), set()).add(id(module))
+    units = []
+    for unit in candidates:
+        inside = {id(m) for m in unit.modules()}
+        if all(owners[id(p)] <= inside for p in unit.parameters()):
+            units.append(unit)
+    return units
 
 
 def ask(method: Any, *args: Any) -> Any:
