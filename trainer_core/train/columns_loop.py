@@ -19,11 +19,10 @@ import torch
 
 from trainer_core.data import arrays as data_mod
 from trainer_core.data.transform import Batches
-from trainer_core.execution.worker_group import all_reduce
 from trainer_core.train import validate, workloads
 from trainer_core.train.batch_workload import Batch, BatchWorkload
 from trainer_core.train.loop import BuiltinLoop
-from trainer_core.train.steps import accumulate_sums, rescale_gradients
+from trainer_core.train.steps import summed_gradients
 
 
 class ColumnsLoop(BuiltinLoop):
@@ -44,29 +43,22 @@ class ColumnsLoop(BuiltinLoop):
             fsdp=self.fsdp,
             world_size=self.world_size,
         )
-        #: Samples of a step on every rank: each micro-batch's summed loss is backpropagated
-        #: times world size / this, the same factor on every rank.
-        self.unit = self.world_size / (self.data_spec.batch_size * self.accumulation)
         self.last_batch: Batch | None = None
 
     def _epoch(self, epoch: int, first: int) -> Any:
         return self.data.epoch(epoch, first, make_batch=self.batches)
 
     def _gradients(self, model: torch.nn.Module, micro_batches: list[Any]) -> float:
-        batches = [self._batch_to_device(b) for b in micro_batches]
         self.last_batch = micro_batches[0]
-        total, count = accumulate_sums(
+        return summed_gradients(
             model,
-            batches,
+            [self._batch_to_device(b) for b in micro_batches],
             self._forward_loss,
-            self.unit,
+            self.data_spec.batch_size * self.accumulation,
+            self.world_size,
             self.precision.autocast,
             self.precision.scale(),
         )
-        total_sum, total_count = all_reduce([float(total), float(count)])
-        # DDP averaged the ranks' gradients of (sum x unit): make them the sum's / count.
-        rescale_gradients(self.model, self.world_size / (max(total_count, 1.0) * self.unit))
-        return total_sum / max(total_count, 1.0)
 
     def _forward_loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
         return self.workload.loss(self.workload.forward(model, batch), batch)

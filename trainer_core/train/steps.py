@@ -15,6 +15,7 @@ import torch
 
 from trainer_core.data import arrays as data_mod
 from trainer_core.errors import TrainingCodeError
+from trainer_core.execution.worker_group import all_reduce
 from trainer_core.tensors import is_dtensor, is_fsdp_module
 
 
@@ -87,6 +88,28 @@ def rescale_gradients(model: torch.nn.Module, factor: float) -> None:
     for parameter in model.parameters():
         if parameter.grad is not None:
             parameter.grad.mul_(factor)
+
+
+def summed_gradients(
+    model: torch.nn.Module,
+    micro_batches: list[Any],
+    forward_loss: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
+    samples: int,
+    world_size: int,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> float:
+    """The columns form's step gradients: those of the summed loss of every micro-batch on every
+    rank divided by their global count of items (one all-reduce of the sum and the count).
+    ``samples``: the step's global samples (the batch size times the accumulation), which
+    sets ``accumulate_sums``' unit. Returns the step's loss, the same on every rank."""
+    unit = world_size / samples
+    total, count = accumulate_sums(model, micro_batches, forward_loss, unit, autocast, scale)
+    total_sum, total_count = all_reduce([float(total), float(count)])
+    # DDP (FSDP's reduce-scatter) averaged the ranks' gradients of (sum x unit): make them the
+    # global sum's over the global count.
+    rescale_gradients(model, world_size / (max(total_count, 1.0) * unit))
+    return total_sum / max(total_count, 1.0)
 
 
 def optimizer_steps(
