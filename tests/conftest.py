@@ -23,6 +23,38 @@ ONE_WORKER = {"num_workers": 1}
 
 __all__ = ["ONE_WORKER", "tiny_raw"]
 
+#: Modules that wait more than they compute (a real Prefect server and its worker, a browser):
+#: run first, so that under ``make test``'s two xdist workers they overlap the CPU-bound
+#: modules instead of running alone at the end. (The multi-node module runs alone after them:
+#: its cluster's heartbeats and drain deadlines do not hold beside a CPU-bound module.)
+WAITING_MODULES = ("tests/e2e/test_deployments.py",)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every Ray cluster of the session in token auth, with one token: what Ray 2.60 turns on
+    for a new local cluster (``ray.init`` sets ``RAY_AUTH_MODE=token`` in its own process,
+    makes ``~/.ray/auth_token`` if missing, and its children inherit both). Set here, before any
+    cluster starts, in the xdist controller (its workers inherit it) or the one process, so a
+    process that starts no session cluster (the multi-node module's, under xdist) and its
+    children agree with the one that does, and no two workers race to write the token."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if not hasattr(config, "workerinput"):
+        from ray._private.authentication.authentication_token_setup import (
+            ensure_token_if_auth_enabled,
+        )
+
+        ensure_token_if_auth_enabled()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The waiting modules first; under xdist (``--dist loadgroup``), each module is one unit of
+    work, so its module fixtures (a training run, a tracking server) are built once."""
+    rank = {path: i for i, path in enumerate(WAITING_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
 
 @pytest.fixture(scope="session")
 def ray_cluster(relaytrain_ray):
