@@ -107,6 +107,7 @@ class Timings:
     """Seconds this rank spent in each part of the loop (reported by rank 0 when it finishes)."""
 
     step_s: float = 0.0
+    data_wait_s: float = 0.0  # waiting for the next step's batches (read, transform)
     aggregate_s: float = 0.0
     checkpoint_s: float = 0.0  # training blocked: waiting for the previous one, then staging
     checkpoint_wait_s: float = 0.0  # of which waiting for the previous checkpoint's write
