@@ -7,6 +7,7 @@ from __future__ import annotations
 import resource
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,19 @@ class Timings:
 
     def to_json(self) -> dict[str, float]:
         return dict(self.__dict__)
+
+    def waited(self, items: Iterator[Any]) -> Iterator[Any]:
+        """``items``, the time spent waiting for each added to ``data_wait_s``."""
+        while True:
+            started = time.perf_counter()
+            item = next(items, _DONE)
+            self.data_wait_s += time.perf_counter() - started
+            if item is _DONE:
+                return
+            yield item
+
+
+_DONE = object()
 
 
 def share_peak_rss(relay: Relay) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,7 +232,8 @@ class BuiltinLoop:
             ddp_model.train()
             ahead = self._epoch(epoch, first)
             try:
-                for end, micro_batches in self._timed(optimizer_steps(ahead, self.accumulation)):
+                steps = self.timings.waited(optimizer_steps(ahead, self.accumulation))
+                for end, micro_batches in steps:
                     step += 1
                     self._train_step(ddp_model, step, epoch, end, micro_batches)
                     if self.stopping.stopped:
@@ -361,16 +361,6 @@ class BuiltinLoop:
             self.data.weight,
         )
         return loss.item()
-
-    def _timed(self, steps: Iterator[Any]) -> Iterator[Any]:
-        """``steps``, the time spent waiting for each counted as ``data_wait_s``."""
-        while True:
-            started = time.perf_counter()
-            item = next(steps, None)
-            self.timings.data_wait_s += time.perf_counter() - started
-            if item is None:
-                return
-            yield item
 
     def _epoch(self, epoch: int, first: int) -> Any:
         """Global batches ``first..`` of ``epoch``, this rank's slice of each, read ahead."""
