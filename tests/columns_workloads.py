@@ -85,3 +85,11 @@ def per_token_losses(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> t
 
 def sum_without_count(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> Any:
     return per_token_losses(outputs, batch).sum(), "tokens"
+
+
+def noisy_batched(rows: dict[str, list[Any]], rngs: list[np.random.Generator]) -> dict[str, Any]:
+    """``noisy`` for a batch: the rows' numbers and one draw from each row's generator."""
+    return {
+        "n": np.asarray(rows["n"], dtype=np.int64),
+        "draw": np.asarray([rng.random() for rng in rngs]),
+    }

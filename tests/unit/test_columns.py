@@ -89,6 +89,28 @@ def test_each_row_gets_its_own_draw_whatever_the_workers(lm_file):
     assert not torch.equal(later["draw"], one["draw"])
 
 
+def test_a_batched_transform_draws_what_the_per_row_one_draws(lm_file):
+    """``data.transform_batched``: one call per chunk with a generator per row, the same draws
+    as the per-row form; the validation rows keyed by row id alone, the same every epoch."""
+    per_row = section(lm_file, transform="tests.columns_workloads:noisy", batch_size=10)
+    batched = per_row.model_copy(
+        update={"transform": "tests.columns_workloads:noisy_batched", "transform_batched": True}
+    )
+    ranks = rank_stream.RankStream(footers.scan(per_row), per_row, 3, 1, 0)
+    ids, rows = next(ranks.validation_with_ids(chunk=16))
+    made = {}
+    for name, data in [("row", per_row), ("batched", batched)]:
+        for training, epoch in [(True, 2), (False, 0), (False, 5)]:
+            batches = Batches(data, seed=3, training=training)
+            made[name, training, epoch] = batches(epoch, ids, rows)
+            batches.close()
+    for key in made:
+        assert torch.equal(made[key]["n"], torch.as_tensor(ids))
+        assert torch.equal(made[key]["draw"], made[("row", *key[1:])]["draw"])
+    assert torch.equal(made["row", False, 0]["draw"], made["row", False, 5]["draw"])
+    assert not torch.equal(made["row", True, 2]["draw"], made["row", False, 0]["draw"])
+
+
 def test_a_binary_column_without_a_transform_names_the_fix(tmp_path, lm_file):
     spec = lm_spec(tmp_path, lm_file, data={"transform": None})
     with pytest.raises(SpecError, match=r"column 'raw' .*decode or pad it with data.transform"):
