@@ -29,15 +29,21 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Two phases: every module but the multi-node one on 2 xdist processes, a module to each at a
+# time (tests/conftest.py); then the multi-node cluster's timed faults (heartbeats, drain
+# deadlines) alone, as a user's cluster would be.
+MULTINODE := tests/integration/test_multinode.py
 test: $(STAMP) system lint
-	$(VENV)/bin/pytest tests --durations=30
+	$(VENV)/bin/pytest tests -n 2 --dist loadgroup --no-loadscope-reorder --durations=30 \
+		--ignore=$(MULTINODE)
+	$(VENV)/bin/pytest $(MULTINODE) --durations=10
 
 run: $(STAMP)
 	$(VENV)/bin/relaytrain run --config examples/digits_cnn.yaml
 
 # Every benchmark in full, one process tree each (bench/README.md; about 100 min on 2 cores: run it
 # on a quiet machine), then the tables of bench/README.md. BENCH_ARGS goes to each benchmark.
-BENCHMARKS := overhead recovery checkpoints fsdp_checkpoints restore reporting scaling memory precision data elastic
+BENCHMARKS := overhead recovery checkpoints fsdp_checkpoints restore reporting scaling memory precision data elastic workloads
 bench: $(STAMP)
 	status=0; for name in $(BENCHMARKS); do \
 		$(PY) -m bench.$$name $(BENCH_ARGS) || status=1; \
