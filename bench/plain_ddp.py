@@ -40,25 +40,41 @@ def run_plain_ddp(spec: RunSpec, checkpoint_dir: Path, sync_gradients: bool = Tr
     time (``time.time()``), from which time to first step is counted."""
     assert spec.run.name is not None
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    return spawn(_worker, spec, str(checkpoint_dir), sync_gradients)
+
+
+def spawn(worker: Callable[..., None], spec: RunSpec, *args: Any) -> float:
+    """``worker(rank, spec as JSON, port, *args)`` in ``scaling.num_workers`` processes,
+    joined; returns when they were started (``time.time()``)."""
     started = time.time()
     mp.spawn(
-        _worker,
-        args=(spec.model_dump(mode="json"), free_port(), str(checkpoint_dir), sync_gradients),
+        worker,
+        args=(spec.model_dump(mode="json"), free_port(), *args),
         nprocs=spec.scaling.num_workers,
         join=True,
     )
     return started
 
 
+def join_group(rank: int, spec_json: dict[str, Any], port: int) -> RunSpec:
+    """A spawned worker's spec, after it joined the gloo group of ``spawn``'s processes with
+    one thread (as Ray gives a 1-CPU worker: OMP_NUM_THREADS=1)."""
+    spec = RunSpec.model_validate(spec_json)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=spec.scaling.num_workers,
+    )
+    return spec
+
+
 def _worker(
     rank: int, spec_json: dict[str, Any], port: int, checkpoint_dir: str, sync_gradients: bool
 ) -> None:
-    spec = RunSpec.model_validate(spec_json)
+    spec = join_group(rank, spec_json, port)
     world_size = spec.scaling.num_workers
-    torch.set_num_threads(1)  # as Ray gives a 1-CPU worker (OMP_NUM_THREADS=1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
     try:
         _train(spec, rank, world_size, Path(checkpoint_dir), sync_gradients)
     finally:
