@@ -339,6 +339,33 @@ def run_with_a_fault_and_see_it(server, tmp_path: Path, name: str, shots: Path):
     return flow_run
 
 
+def test_the_vision_deployment_trains_its_own_spec(server, worker, tmp_path):
+    """`prefect deployment run training/vision-resnet` with the deployment's own spec (its data
+    a path in the checkout, PNG bytes decoded and augmented on the workers), shortened to 1
+    epoch on 1 worker and stored under tmp_path."""
+    deployments = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    (vision,) = [d for d in deployments["deployments"] if d["name"] == "vision-resnet"]
+    raw = vision["parameters"]["spec"]
+    raw["run"] |= {"name": "e2e-vision", "storage": str(tmp_path)}
+    raw["schedule"]["epochs"] = 1
+    raw["scaling"]["num_workers"] = 1
+    done = prefect(
+        server,
+        "deployment",
+        "run",
+        "training/vision-resnet",
+        "--param",
+        f"spec={json.dumps(raw)}",
+        "--watch",
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = RunDirectory(storage.resolve(str(tmp_path)).child("e2e-vision"))
+    result = summary.location.child("summary.json").read_json()
+    assert result["status"] == "completed" and result["steps_completed"] == 22
+    assert 0 < result["final_metrics"]["val_accuracy"] < 1
+
+
 def test_a_deployment_whose_checkout_is_gone_fails_naming_the_fix(server, worker, tmp_path):
     """A checkout moved after `make deploy`: the run fails with what to do, not a bare Crashed."""
     checkout = tmp_path / "checkout"
