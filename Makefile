@@ -29,14 +29,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# Two phases: every module but the multi-node one on 2 xdist processes, a module to each at a
-# time (tests/conftest.py); then the multi-node cluster's timed faults (heartbeats, drain
-# deadlines) alone, as a user's cluster would be.
-MULTINODE := tests/integration/test_multinode.py
+# Two phases: every module but the timed ones on 2 xdist processes, a module to each at a time
+# (tests/conftest.py); then, alone, the modules whose faults race the cluster's own timing
+# beside a CPU-bound module: the multi-node cluster's heartbeats and drain deadlines, and a
+# user's loop killed right after a report, before Ray Train registered its checkpoint.
+ALONE := tests/integration/test_multinode.py tests/integration/test_user_loop.py
 test: $(STAMP) system lint
 	$(VENV)/bin/pytest tests -n 2 --dist loadgroup --no-loadscope-reorder --durations=30 \
-		--ignore=$(MULTINODE)
-	$(VENV)/bin/pytest $(MULTINODE) --durations=10
+		$(addprefix --ignore=,$(ALONE))
+	$(VENV)/bin/pytest $(ALONE) --durations=10
 
 run: $(STAMP)
 	$(VENV)/bin/relaytrain run --config examples/digits_cnn.yaml
