@@ -29,15 +29,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# Two phases: every module but the timed ones on 2 xdist processes, a module to each at a time
-# (tests/conftest.py); then, alone, the modules whose faults race the cluster's own timing
-# beside a CPU-bound module: the multi-node cluster's heartbeats and drain deadlines, and a
-# user's loop killed right after a report, before Ray Train registered its checkpoint.
-ALONE := tests/integration/test_multinode.py tests/integration/test_user_loop.py
+# One process: the modules on 2 xdist processes (tests/conftest.py groups a module to each)
+# took 1891-1906 s instead of about 40 min, but under that load a timed fault raced the
+# cluster's own timing in 2 runs of 3 (a user loop's checkpoint not yet registered by Ray, an
+# FSDP resume from the commit before the newest): serial until those tests hold under load.
 test: $(STAMP) system lint
-	$(VENV)/bin/pytest tests -n 2 --dist loadgroup --no-loadscope-reorder --durations=30 \
-		$(addprefix --ignore=,$(ALONE))
-	$(VENV)/bin/pytest $(ALONE) --durations=10
+	$(VENV)/bin/pytest tests --durations=30
 
 run: $(STAMP)
 	$(VENV)/bin/relaytrain run --config examples/digits_cnn.yaml
