@@ -66,13 +66,18 @@ def reference_run(root, **sections) -> dict:
     result, final parameters and optimizer state, per-step losses, and every checkpoint's
     recorded and evaluated metrics by step (``measure_checkpoints``), which any run of the
     tiny spec commits too."""
-    from tests.recovery import final_state, losses, measure_checkpoints, run_dir_of
-    from trainer_core.run.engine import run_attempt
     from trainer_core.spec.overrides import build_spec
 
     # Every checkpoint kept, so each one's weights can be evaluated (tests/recovery.py).
     raw = tiny_raw(root, "reference", checkpoint={"keep_last": None}, **sections)
-    spec = build_spec(raw)
+    return reference_of(build_spec(raw))
+
+
+def reference_of(spec) -> dict:
+    """``spec`` run once, uninterrupted, and what its run directory holds (``reference_run``)."""
+    from tests.recovery import final_state, losses, measure_checkpoints, run_dir_of
+    from trainer_core.run.engine import run_attempt
+
     events: list = []
     result = run_attempt(spec, on_event=events.append)
     assert result.status == "completed"

@@ -13,6 +13,7 @@ import yaml
 
 from flows.training import training
 from tests.columns_workloads import write_lm_dataset
+from tests.conftest import reference_of
 from tests.recovery import (
     assert_records_what_it_measures,
     assert_same_tensors,
@@ -70,15 +71,9 @@ def lm_dataset(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def lm_reference(relaytrain_ray, lm_dataset, tmp_path_factory):
-    spec = build_spec(lm_raw(tmp_path_factory.mktemp("lm-reference"), lm_dataset, "reference"))
-    result = run_attempt(spec)
-    run_dir = run_dir_of(spec)
-    return {
-        "result": result,
-        "state": final_state(run_dir),
-        "losses": losses(run_dir),
-        "checkpoints": measure_checkpoints(spec, run_dir),
-    }
+    return reference_of(
+        build_spec(lm_raw(tmp_path_factory.mktemp("lm-reference"), lm_dataset, "reference"))
+    )
 
 
 def test_the_lm_trains_and_measures_perplexity(lm_reference):

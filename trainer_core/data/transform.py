@@ -83,10 +83,10 @@ class Batches:
 
     def __init__(self, data: DataSection, seed: int, training: bool = True):
         self.data, self.seed, self.training = data, seed, training
-        path = data.transform if training else (data.eval_transform or data.transform)
-        self.field = (
-            "data.transform" if training or not data.eval_transform else ("data.eval_transform")
-        )
+        if training or data.eval_transform is None:
+            path, self.field = data.transform, "data.transform"
+        else:
+            path, self.field = data.eval_transform, "data.eval_transform"
         self.path = path
         if path is not None:
             _function(path, self.field)  # a bad path fails here, not in the pool
