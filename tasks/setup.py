@@ -50,7 +50,7 @@ def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
     from its newest checkpoint, and the loop's code decides what is left)."""
     if stored is None or stored.status != "completed":
         return False
-    if spec.train_loop is not None:  # a summary from before configs were recorded: done
+    if spec.ray_loop:  # a summary from before configs were recorded: done
         config = stored.train_loop_config
         return config is None or config == dict(spec.train_loop_config)
     if spec.schedule is None or stored.stop_reason:

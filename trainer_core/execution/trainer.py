@@ -68,7 +68,7 @@ def _trainer(spec: RunSpec, plan: Any, loop: TrainLoop, relay: Any) -> Any:
     apply_ray_env_defaults()
     root = storage.resolve(plan.storage_uri)
     worker_config = _worker_config(spec, plan, relay)
-    user_loop = spec.train_loop is not None
+    user_loop = spec.ray_loop  # Ray checkpoints it
     # A running Ray cluster does not see this process's environment, so the controller and
     # workers get the storage credentials (environment or run.credentials' block) explicitly:
     # as a Ray object in memory, not a runtime_env, because Ray's runtime env agent logs every

@@ -108,7 +108,7 @@ def pin_dataset(
 
     ``fresh``: this attempt's own scan (``pin_dataset(spec)``), reused when it is the snapshot
     (the files as they were pinned) or there is none: the dataset is described once."""
-    if spec.train_loop is not None:
+    if spec.ray_loop:
         return None
     assert spec.data is not None
     data = spec.data.resolved()
@@ -131,17 +131,18 @@ def pin_dataset(
 def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int | None:
     """Import what the spec names, read the dataset (footers; ``pinned``: already read) and
     build the model: SpecError before any worker starts. Returns the run's total optimizer
-    steps (None for a user's own loop)."""
+    steps (None for a Ray Train loop of the user's own)."""
     if spec.train_loop is not None:
         workloads.resolve_train_loop(spec.train_loop)
+    if spec.ray_loop:
         for name, uri in spec.datasets.items():  # footers only: the files are Parquet
             footers.scan_files(storage.resolve(uri), None, None, f"datasets.{name}")
         return None
-    assert spec.model is not None and spec.data is not None and spec.schedule is not None
+    assert spec.data is not None and spec.schedule is not None
     data = spec.data.resolved()
     pinned = pinned or pin_dataset(spec)
     assert pinned is not None
-    layout, info = pinned.layout, pinned.info
+    layout = pinned.layout
     _check_reader_memory(data, layout)
     one = rank_stream.RankStream(layout, data, spec.run.seed, 1, 0)  # row ids only: no rows read
     if one.batches_per_epoch == 0:
@@ -153,6 +154,19 @@ def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int
         )
     if spec.scaling.shard_fn is not None:
         import_object(spec.scaling.shard_fn, "scaling.shard_fn")
+    if not spec.own_loop:  # a loop of the user's own builds its model and loss itself
+        _check_model_on_rows(spec, pinned, one)
+    return (
+        data_mod.steps_per_epoch(one.batches_per_epoch, spec.optimizer.grad_accumulation)
+        * spec.schedule.epochs
+    )
+
+
+def _check_model_on_rows(spec: RunSpec, pinned: PinnedDataset, one: rank_stream.RankStream) -> None:
+    """The built-in loop's model, loss and metrics on a few real training rows."""
+    assert spec.model is not None and spec.data is not None
+    data = spec.data.resolved()
+    layout, info = pinned.layout, pinned.info
     first = next(g for g, count in enumerate(one.train_counts) if count)  # one row group read
     sample = np.arange(min(one.train_counts[first], 4))
     ids, rows = one.reader.take(np.full(len(sample), first), sample)
@@ -169,10 +183,6 @@ def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int
             spec.metrics,
             data.task or "classification",
         )
-    return (
-        data_mod.steps_per_epoch(one.batches_per_epoch, spec.optimizer.grad_accumulation)
-        * spec.schedule.epochs
-    )
 
 
 def _check_reader_memory(data: Any, layout: footers.Layout) -> None:
@@ -318,7 +328,7 @@ def run_attempt(
         _prepare_run_directory(spec, run_dir, plan)
         # The built-in loop starts from step 0 when nothing is committed; a loop of the user's
         # own resumes from Ray's checkpoint, which only its workers know.
-        start = plan.resume_step if plan.resume_step is not None or spec.train_loop else 0
+        start = plan.resume_step if plan.resume_step is not None or spec.ray_loop else 0
         record = attempts.AttemptRecord.opened(plan.attempt, plan.reason, start)
         attempts.write(run_dir, record)
         live = LiveState(step=plan.resume_step or 0, resumed_from=start)
@@ -329,7 +339,7 @@ def run_attempt(
             if on_event is not None:
                 on_event(event)
 
-        loop = builtin_train_loop if spec.train_loop is None else user_train_loop
+        loop = user_train_loop if spec.ray_loop else builtin_train_loop
         try:
             trainer.fit(spec, plan, loop, handle, poll_interval_s, reclaimed_before, lost)
         except BaseException as error:

@@ -202,7 +202,7 @@ def storage_bytes(run_dir: RunDirectory) -> int:
 def committed_checkpoints(spec: RunSpec, run_dir: RunDirectory) -> list[CheckpointInfo]:
     """The run's committed checkpoints, oldest first: relaytrain's own, or a user's own loop's
     Ray checkpoints that Ray Train registered (``RunDirectory.ray_checkpoints``)."""
-    if spec.train_loop is not None:
+    if spec.ray_loop:
         return ray_checkpoints(run_dir)
     return run_dir.scan().committed
 
@@ -243,7 +243,7 @@ def build_result(
     history = read_metrics_history(run_dir)
     started = min((r.started_at for r in records if r.started_at), default=time.time())
     ended = max((r.ended_at or 0 for r in records), default=0) or time.time()
-    if spec.train_loop is not None:
+    if spec.ray_loop:
         done, epochs_done, final = user_loop_progress(status, newest, history)
     else:
         final = newest.metrics if newest else (history[-1] if history else {})

@@ -6,6 +6,8 @@
   section shares.
 - ``operations``: how it is carried out (scaling, checkpoint, report, tracking, retries,
   faults).
+- ``loops``: which loop a spec runs (built-in, a Ray Train loop of the user's own, one on
+  relaytrain's API) and the sections each needs.
 - ``imports``: what the spec names by import path, resolved (``import_object``).
 - ``overrides``: a spec from YAML, ``--set`` overrides and flow parameters (``build_spec``,
   ``load_spec``), with errors that name the field.

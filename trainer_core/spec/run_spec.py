@@ -22,6 +22,7 @@ from pydantic import (
 from trainer_core.errors import (
     SpecError,
 )
+from trainer_core.spec import loops
 from trainer_core.spec.operations import (
     CheckpointSection,
     FaultSection,
@@ -75,6 +76,11 @@ class RunSpec(_Section):
     #: Import path of a user's own Ray Train ``train_loop_per_worker``.
     train_loop: str | None = None
     train_loop_config: dict[str, Any] = Field(default_factory=dict)
+    #: What the loop is written against: ``ray`` (``ray.train.report`` and Ray's checkpoints,
+    #: run unchanged) or ``relaytrain`` (``trainer_core.train.own_loop``: the run's data stream
+    #: from its cursor, checkpoints in relaytrain's committed format, reports; needs ``data``
+    #: and ``schedule``).
+    train_loop_api: Literal["ray", "relaytrain"] = "ray"
     #: Parquet datasets for a user's own loop, by name (``{train: URI, validation: URI}``):
     #: Ray Data reads them and Ray Train shards them across the workers, so the loop's
     #: ``ray.train.get_dataset_shard(name)`` works unchanged.
@@ -143,7 +149,7 @@ class RunSpec(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunSpec:
-        self._check_loop_sections()
+        loops.check_loop_sections(self)
         self._check_scaling()
         if self.train_loop is None:
             self._check_builtin_loop()
@@ -155,34 +161,16 @@ class RunSpec(_Section):
             )
         return self
 
-    def _check_loop_sections(self) -> None:
-        """The built-in loop needs its sections; a user's loop ignores them (and says so)."""
-        if self.train_loop is None and self.datasets:
-            raise SpecError(
-                f"datasets {sorted(self.datasets)} feed a Ray Train loop of your own "
-                "(ray.train.get_dataset_shard): set train_loop, or give the built-in loop its "
-                "data with data.dataset",
-                field="datasets",
-            )
-        if self.train_loop is None:
-            missing = [s for s in ("model", "data", "schedule") if getattr(self, s) is None]
-            if missing:
-                raise ValueError(
-                    f"section(s) {missing} are required by the built-in training loop "
-                    "(or name your own Ray Train loop with train_loop)"
-                )
-            return
-        ignored = [s for s in ("model", "data", "schedule") if getattr(self, s) is not None]
-        if self.precision != "fp32":
-            ignored.append(f"precision={self.precision}")  # your loop autocasts itself
-        ignored += [key for key in ("loss", "metrics") if getattr(self, key)]
-        if ignored:
-            warnings.warn(
-                f"train_loop is set, so {ignored} are ignored: pass what your loop needs "
-                "through train_loop_config",
-                UserWarning,
-                stacklevel=2,
-            )
+    @property
+    def ray_loop(self) -> bool:
+        """A user's own loop written against Ray Train alone: Ray checkpoints it."""
+        return self.train_loop is not None and self.train_loop_api == "ray"
+
+    @property
+    def own_loop(self) -> bool:
+        """A user's own loop on relaytrain's API (``trainer_core.train.own_loop``): it reads the
+        run's data stream and checkpoints in the committed format, as the built-in loop does."""
+        return self.train_loop is not None and self.train_loop_api == "relaytrain"
 
     def _check_scaling(self) -> None:
         """What the worker group's size and strategy allow: sharded files, faults' ranks."""
@@ -207,14 +195,7 @@ class RunSpec(_Section):
     def _check_builtin_loop(self) -> None:
         """The built-in loop's batch against the workers, and the metrics it will record."""
         assert self.data is not None and self.schedule is not None
-        workers = self.scaling.max_workers
-        if self.data.batch_size < workers:
-            raise SpecError(
-                f"data.batch_size={self.data.batch_size} is the global batch, shared by "
-                f"scaling.num_workers={workers} workers: each needs a sample. Raise "
-                f"data.batch_size to at least {workers}, or use fewer workers.",
-                field="data.batch_size",
-            )
+        loops.check_batch_size(self)
         if self.data.columns_form and self.data.task is None and self.loss is None:
             raise SpecError(
                 "data.columns without data.task needs a loss: set loss to "
@@ -337,12 +318,13 @@ class RunSpec(_Section):
             "model": self.model.model_dump() if self.model else None,
             "data": data,
             "train_loop": self.train_loop,
+            **({"train_loop_api": self.train_loop_api} if self.own_loop else {}),
             "seed": self.run.seed,
             "sharded": self.checkpoint.sharded,
         }
         # The built-in loop's order and cursor do not depend on the worker count: a run may
         # resume on another. Rank-named shards and a loop of your own need the same count.
-        if self.checkpoint.sharded or self.train_loop is not None:
+        if self.checkpoint.sharded or self.ray_loop:
             identity["num_workers"] = self.scaling.model_dump(mode="json")["num_workers"]
         if self.datasets:
             identity["datasets"] = dict(self.datasets)

@@ -11,6 +11,8 @@
   the next checkpoint.
 - ``worker``: what every training worker shares: fault injection, errors, winding down.
 - ``user_loop``: a user's own Ray Train loop, run unchanged with relaytrain's bookkeeping.
+- ``own_loop``: the public API for a loop of the user's own (``train_loop_api: relaytrain``):
+  the run's data stream from its cursor, committed checkpoints, reports.
 - ``preemption``: answering a drain's notice with a checkpoint.
 - ``workloads``: the built-in models, losses and metrics; the import-path contract for users'.
 - ``validate``: the validation metrics, one definition for the loop (a rank's pass, in step

@@ -1,6 +1,7 @@
 """The built-in loop's entry point on each Ray Train worker: the tabular form's ``BuiltinLoop``
 or, for ``data.columns``, the columns form's ``ColumnsLoop``; an exception out of either
-becomes relaytrain's error for the step it was at."""
+becomes relaytrain's error for the step it was at. A loop of the user's own on relaytrain's API
+(``train_loop_api: relaytrain``) runs here too (``own_loop``): it checkpoints alike."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from trainer_core.errors import RelaytrainError
 from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.train.columns_loop import ColumnsLoop
 from trainer_core.train.loop import BuiltinLoop
+from trainer_core.train.own_loop import own_train_loop
 from trainer_core.train.worker import wind_down, worker_error
 
 
 def builtin_train_loop(config: dict[str, Any]) -> None:
     """Ray Train ``train_loop_per_worker`` of the built-in loop."""
     worker_config = WorkerConfig.from_dict(config)
+    if worker_config.spec.get("train_loop") is not None:  # train_loop_api: relaytrain
+        own_train_loop(config)
+        return
     loop = None
     try:
         columns_form = (worker_config.spec.get("data") or {}).get("columns") is not None

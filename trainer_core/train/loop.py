@@ -43,7 +43,7 @@ from trainer_core.train.steps import (
     optimizer_step,
     optimizer_steps,
 )
-from trainer_core.train.worker import Faults
+from trainer_core.train.worker import Faults, resume_candidates
 
 logger = logging.getLogger("relaytrain.worker")
 
@@ -53,6 +53,20 @@ class Progress:
     step: int = 0
     cursor: data_mod.Cursor = field(default_factory=lambda: data_mod.Cursor(0, 0))
     resumed_from: int | None = None
+
+
+def rank_data(
+    config: WorkerConfig, data_spec: Any, seed: int, world_size: int, rank: int
+) -> tuple[rank_stream.RankStream, data_mod.DatasetInfo]:
+    """This rank's stream of the run's dataset snapshot (``seed``: the run's), as the driver
+    pinned it (no rank lists the dataset), and the dataset's info."""
+    if config.dataset is not None:
+        layout = dataset_snapshot.from_json(config.dataset["snapshot"], data_spec)
+        info = data_mod.DatasetInfo(**config.dataset["info"])
+    else:  # generated data
+        layout = footers.scan(data_spec)
+        info = stream.describe(layout, data_spec)
+    return rank_stream.RankStream(layout, data_spec, seed, world_size, rank), info
 
 
 class BuiltinLoop:
@@ -101,18 +115,10 @@ class BuiltinLoop:
         )
 
     def _build_data(self) -> data_mod.DatasetInfo:
-        """This rank's stream of the run's dataset snapshot, as the driver pinned it (no rank
-        lists the dataset); returns the dataset's info."""
-        config = self.config
-        if config.dataset is not None:
-            layout = dataset_snapshot.from_json(config.dataset["snapshot"], self.data_spec)
-            info = data_mod.DatasetInfo(**config.dataset["info"])
-        else:  # generated data
-            layout = footers.scan(self.data_spec)
-            info = stream.describe(layout, self.data_spec)
+        """This rank's stream (``self.data``); returns the dataset's info."""
         #: This rank's slice of every global batch, and its share of the validation rows.
-        self.data = rank_stream.RankStream(
-            layout, self.data_spec, self.spec.run.seed, self.world_size, self.rank
+        self.data, info = rank_data(
+            self.config, self.data_spec, self.spec.run.seed, self.world_size, self.rank
         )
         return info
 
@@ -161,21 +167,10 @@ class BuiltinLoop:
 
     # -- resume --------------------------------------------------------------------------------
 
-    def _candidates(self) -> list[int]:
-        """Committed steps to try, newest first. The driver's scan for an attempt's first worker
-        group; after an in-place restart (the same attempt, no new plan) rank 0 scans again,
-        for what the lost group committed, and tells the others."""
-        group = int(all_reduce([float(self.relay.begin_group())])[0])
-        self.faults.group = group
-        self.group = group
-        if group == 0:
-            return list(self.config.candidates)
-        found = [[c.step for c in reversed(self.run_dir.scan().committed)]]
-        dist.broadcast_object_list(found, src=0)
-        return list(found[0])
-
     def restore(self) -> None:
-        loaded = self.checkpoints.load(self._candidates())
+        self.group, candidates = resume_candidates(self.config, self.relay, self.run_dir)
+        self.faults.group = self.group
+        loaded = self.checkpoints.load(candidates)
         checkpoint = loaded.checkpoint
         if checkpoint is not None:
             manifest = checkpoint.manifest

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import posixpath
 import time
@@ -116,10 +115,7 @@ def user_train_loop(config: dict[str, Any]) -> None:
         fn = workloads.resolve_train_loop(spec.train_loop)
         group = _start(hook)
         try:
-            if _takes_config(fn):
-                fn(dict(spec.train_loop_config))
-            else:
-                fn()
+            workloads.call_train_loop(fn, spec.train_loop_config)
         except Exception as e:
             error = loop_error(e, hook.reports, hook.rank)
             _tell_driver(hook, error, group)
@@ -180,7 +176,3 @@ def _tell_driver(hook: ReportHook, error: Exception, group: int) -> None:
             hook.relay.outlived_rank_0(hook.step, group)
     except Exception:  # the relay is best effort; the error being raised matters more
         logger.debug("relay flush failed", exc_info=True)
-
-
-def _takes_config(fn: Callable[..., Any]) -> bool:
-    return len(inspect.signature(fn).parameters) >= 1

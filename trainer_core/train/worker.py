@@ -10,7 +10,10 @@ import signal
 import traceback
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from trainer_core.checkpoint.manager import CheckpointManager
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import (
     InfrastructureError,
     InjectedFault,
@@ -18,7 +21,8 @@ from trainer_core.errors import (
     TrainingCodeError,
 )
 from trainer_core.execution.classify import is_peer_failure as is_peer_failure  # the driver's too
-from trainer_core.execution.worker_group import Relay
+from trainer_core.execution.worker_config import WorkerConfig
+from trainer_core.execution.worker_group import Relay, all_reduce
 from trainer_core.spec.operations import FaultSection
 
 
@@ -94,3 +98,18 @@ def wind_down(
     ):
         return earlier
     return error
+
+
+def resume_candidates(
+    config: WorkerConfig, relay: Relay, run_dir: RunDirectory
+) -> tuple[int, list[int]]:
+    """Which worker group of the attempt this is (0: the first; n after the n-th in-place
+    restart), and the committed steps to try, newest first: the driver's scan for the first
+    group; after an in-place restart (the same attempt, no new plan) rank 0 scans again, for
+    what the lost group committed, and tells the others."""
+    group = int(all_reduce([float(relay.begin_group())])[0])
+    if group == 0:
+        return group, list(config.candidates)
+    found = [[c.step for c in reversed(run_dir.scan().committed)]]
+    dist.broadcast_object_list(found, src=0)
+    return group, list(found[0])

@@ -38,6 +38,15 @@ def resolve_train_loop(path: str) -> Callable[..., Any]:
     return fn
 
 
+def call_train_loop(fn: Callable[..., Any], config: dict[str, Any]) -> None:
+    """A user's loop called as Ray Train calls it: with ``train_loop_config`` when it takes an
+    argument."""
+    if len(inspect.signature(fn).parameters) >= 1:
+        fn(dict(config))
+    else:
+        fn()
+
+
 class MLP(nn.Module):
     def __init__(
         self,

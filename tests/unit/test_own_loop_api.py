@@ -1,0 +1,80 @@
+"""A loop of the user's own on relaytrain's API (``train_loop_api: relaytrain``): what its spec
+needs and refuses, and what the API says when it is used outside a run or out of order."""
+
+import pytest
+
+from tests.conftest import tiny_raw
+from trainer_core.errors import SpecError
+from trainer_core.spec.overrides import build_spec
+from trainer_core.train import own_loop
+
+LOOP = {"train_loop": "examples.own_loop:train", "train_loop_api": "relaytrain"}
+
+
+def own_raw(tmp_path, **sections):
+    raw = tiny_raw(tmp_path, "own", **LOOP, **sections)
+    del raw["model"]
+    return raw
+
+
+def test_an_own_loop_reads_data_and_schedule_and_is_not_pinned_to_its_worker_count(tmp_path):
+    spec = build_spec(own_raw(tmp_path))
+    assert spec.own_loop and not spec.ray_loop
+    # The stream's order does not depend on the worker count: like the built-in loop's.
+    assert "num_workers" not in spec.identity() and spec.identity()["train_loop_api"]
+    ray_spec = build_spec(
+        {k: v for k, v in own_raw(tmp_path).items() if k not in ("data", "schedule")}
+        | {"train_loop_api": "ray"}
+    )
+    assert ray_spec.ray_loop and "num_workers" in ray_spec.identity()
+    # Another API is another run: it does not resume the other's checkpoints.
+    assert spec.fingerprint() != build_spec(tiny_raw(tmp_path, "own")).fingerprint()
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "fix"),
+    [
+        ({"drop": "data"}, "data", "set train_loop_api ray"),
+        ({"drop": "schedule"}, "schedule", "data.dataset and schedule.epochs"),
+        ({"drop": "train_loop"}, "train_loop_api", "set train_loop, or drop train_loop_api"),
+        ({"optimizer": {"grad_accumulation": 2}}, "optimizer.grad_accumulation", "drop it"),
+        (
+            {"schedule": {"epochs": 2, "early_stopping": {"metric": "val_loss", "patience": 1}}},
+            "schedule.early_stopping",
+            "your loop decides when to stop",
+        ),
+        ({"data": {"batch_size": 1}}, "data.batch_size", "Raise data.batch_size to at least 2"),
+    ],
+)
+def test_what_an_own_loop_spec_refuses(tmp_path, change, field, fix):
+    raw = own_raw(tmp_path)
+    if "drop" in change:
+        del raw[change.pop("drop")]
+    for key, value in change.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    with pytest.raises(SpecError, match=fix) as error:
+        build_spec(raw)
+    assert error.value.field == field
+
+
+def test_what_an_own_loop_ignores_it_says(tmp_path):
+    raw = tiny_raw(tmp_path, "own", **LOOP, precision="bf16")
+    with pytest.warns(UserWarning, match=r"\['model', 'precision=bf16'\] are ignored"):
+        build_spec(raw)
+
+
+def test_the_api_outside_a_run_says_how_to_get_one():
+    with pytest.raises(RuntimeError, match="train_loop_api: relaytrain"):
+        own_loop.session()
+
+
+def test_a_report_of_something_not_a_number_names_it():
+    import torch
+
+    assert own_loop._numbers({"loss": torch.tensor(0.5), "note": "x", "n": 3}) == {
+        "loss": 0.5,
+        "note": "x",
+        "n": 3,
+    }
+    with pytest.raises(TypeError, match="metric 'logits' is a Tensor"):
+        own_loop._numbers({"logits": torch.zeros(3)})

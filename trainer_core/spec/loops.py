@@ -1,0 +1,100 @@
+"""Which loop a spec runs, and the sections each needs: the built-in loop (``model``, ``data``,
+``schedule``), a Ray Train loop of the user's own (``train_loop``; the built-in sections are
+ignored, with a warning), or a loop of the user's own on relaytrain's API (``train_loop_api:
+relaytrain``: ``data`` and ``schedule``, for the stream it reads). ``spec`` is the
+``RunSpec`` being validated."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from trainer_core.errors import SpecError
+
+
+def check_loop_sections(spec: Any) -> None:
+    """The built-in loop needs its sections; a user's loop ignores them (and says so)."""
+    if spec.train_loop is None and spec.train_loop_api != "ray":
+        raise SpecError(
+            f"train_loop_api={spec.train_loop_api!r} says what a loop of your own is "
+            "written against, but train_loop is not set: set train_loop, or drop "
+            "train_loop_api",
+            field="train_loop_api",
+        )
+    if spec.own_loop:
+        _check_own_loop_sections(spec)
+        return
+    if spec.train_loop is None and spec.datasets:
+        raise SpecError(
+            f"datasets {sorted(spec.datasets)} feed a Ray Train loop of your own "
+            "(ray.train.get_dataset_shard): set train_loop, or give the built-in loop its "
+            "data with data.dataset",
+            field="datasets",
+        )
+    if spec.train_loop is None:
+        missing = [s for s in ("model", "data", "schedule") if getattr(spec, s) is None]
+        if missing:
+            raise ValueError(
+                f"section(s) {missing} are required by the built-in training loop "
+                "(or name your own Ray Train loop with train_loop)"
+            )
+        return
+    _say_ignored(
+        spec,
+        ("model", "data", "schedule"),
+        "train_loop is set, so {} are ignored: pass what your loop needs through train_loop_config",
+    )
+
+
+def check_batch_size(spec: Any) -> None:
+    """Every worker needs a sample of the global batch."""
+    workers = spec.scaling.max_workers
+    if spec.data.batch_size < workers:
+        raise SpecError(
+            f"data.batch_size={spec.data.batch_size} is the global batch, shared by "
+            f"scaling.num_workers={workers} workers: each needs a sample. Raise "
+            f"data.batch_size to at least {workers}, or use fewer workers.",
+            field="data.batch_size",
+        )
+
+
+def _check_own_loop_sections(spec: Any) -> None:
+    """A loop on relaytrain's API reads ``data`` for ``schedule.epochs``; it builds its own
+    model, optimizer and loss (ignored, with a warning)."""
+    missing = [s for s in ("data", "schedule") if getattr(spec, s) is None]
+    if missing:
+        raise SpecError(
+            f"train_loop_api=relaytrain streams the run's data: section(s) {missing} are "
+            "required (data.dataset and schedule.epochs), or set train_loop_api ray",
+            field=missing[0],
+        )
+    check_batch_size(spec)
+    if spec.schedule.early_stopping is not None:
+        raise SpecError(
+            "schedule.early_stopping is the built-in loop's: your loop decides when to stop "
+            "(return from it) and records why in its reports; drop schedule.early_stopping",
+            field="schedule.early_stopping",
+        )
+    if spec.optimizer.grad_accumulation != 1:
+        raise SpecError(
+            f"optimizer.grad_accumulation={spec.optimizer.grad_accumulation} is the built-in "
+            "loop's; on relaytrain's API each batch is one step (accumulate in your loop "
+            "over a larger data.batch_size): drop it",
+            field="optimizer.grad_accumulation",
+        )
+    _say_ignored(
+        spec,
+        ("model",),
+        "train_loop is your own loop, so {} are ignored: build them in your loop "
+        "(train_loop_config passes it settings)",
+    )
+
+
+def _say_ignored(spec: Any, sections: tuple[str, ...], message: str) -> None:
+    """Warn of the ``sections`` and settings a loop of the user's own does not read."""
+    ignored = [s for s in sections if getattr(spec, s) is not None]
+    if spec.precision != "fp32":
+        ignored.append(f"precision={spec.precision}")  # your loop autocasts itself
+    ignored += [key for key in ("loss", "metrics") if getattr(spec, key)]
+    if ignored:
+        warnings.warn(message.format(ignored), UserWarning, stacklevel=5)

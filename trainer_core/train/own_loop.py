@@ -1,0 +1,361 @@
+"""relaytrain's API for a training loop of your own (``train_loop_api: relaytrain``).
+
+Your loop keeps relaytrain's guarantees, as Lightning Fabric keeps Lightning's in a loop of
+its own: ``session()`` hands it this worker's side of the run.
+
+- ``setup(model, optimizer, scheduler)`` restores the newest committed checkpoint every rank
+  can verify (model, optimizer, scheduler, every rank's RNG, the data cursor) and returns the
+  model wrapped for DDP;
+- ``batches()`` is the run's data stream from its cursor: this rank's slice of each global
+  batch, the same rows in the same order for any worker count, through ``data.transform``;
+- ``report(metrics)`` ends the step of the batch just handed out: the row goes to the run's
+  history and the driver, and a checkpoint in relaytrain's committed format is taken when
+  ``checkpoint.every`` or the epoch's end says (retention, keep-best, exports as the built-in
+  loop's).
+
+A fault, a retry or an in-place restart resumes the loop at the step after the checkpoint, with
+the same batches and RNG it would have had: bit-identical to a run without the fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
+from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.data import arrays as data_mod
+from trainer_core.data.transform import Batches
+from trainer_core.errors import RelaytrainError
+from trainer_core.execution import worker_api
+from trainer_core.execution.worker_config import WorkerConfig
+from trainer_core.execution.worker_group import Relay, Timings, all_reduce, share_peak_rss
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.train import workloads
+from trainer_core.train.loop import rank_data
+from trainer_core.train.preemption import DrainWatch
+from trainer_core.train.worker import Faults, resume_candidates, wind_down, worker_error
+
+logger = logging.getLogger("relaytrain.own_loop")
+
+#: The run of the loop this worker process runs now (``session()``).
+_current: OwnLoop | None = None
+
+
+def session() -> OwnLoop:
+    """This worker's side of the run, inside a ``train_loop`` that relaytrain runs with
+    ``train_loop_api: relaytrain``."""
+    if _current is None:
+        raise RuntimeError(
+            "own_loop.session() is relaytrain's API inside a train_loop run with "
+            "train_loop_api: relaytrain: set it in the spec (with data and schedule), or use "
+            "ray.train's API with train_loop_api: ray"
+        )
+    return _current
+
+
+class _NoSchedule:
+    """What a loop without a learning-rate schedule checkpoints in its place."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class OwnLoop:
+    """One worker's side of a run of a loop of the user's own: data, checkpoints, reports."""
+
+    def __init__(self, config: WorkerConfig):
+        self.rank, self.world_size = worker_api.rank_and_world_size()
+        #: Where the model and every batch live (a GPU with scaling.use_gpu).
+        self.device = worker_api.device()
+        self.config = config
+        self.spec = RunSpec.model_validate(config.spec)
+        assert self.spec.data is not None and self.spec.schedule is not None
+        self.run_dir = RunDirectory.of(config.storage_uri, config.run_name, config.lease_owner)
+        self.relay = Relay(config.relay, self.rank)
+        self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
+        self.timings = Timings()
+        data_spec = self.spec.data.resolved()
+        self.batch_size = data_spec.batch_size
+        self.data, _ = rank_data(config, data_spec, self.spec.run.seed, self.world_size, self.rank)
+        columns_form = data_spec.columns_form
+        self._train_batches = Batches(data_spec, self.spec.run.seed) if columns_form else None
+        self._eval_batches = (
+            Batches(data_spec, self.spec.run.seed, training=False) if columns_form else None
+        )
+        #: Epochs of the run, global batches per epoch, optimizer steps in all.
+        self.epochs = self.spec.schedule.epochs
+        self.batches_per_epoch = self.data.batches_per_epoch
+        self.total_steps = self.epochs * self.batches_per_epoch
+        self.checkpoints: CheckpointManager | None = None
+        self.group = 0
+        #: The steps done (the last reported), where the next batch is, where this group began.
+        self.step = 0
+        self.cursor = data_mod.Cursor(0, 0)
+        self.resumed_from = 0
+        #: The batch handed out: its epoch, the index after it in its epoch, whether it ends it.
+        self.epoch = 0
+        self._end = 0
+        self.end_of_epoch = False
+        self._open = False
+        self._metrics: dict[str, Any] = {}
+        self.latest: dict[str, Any] = {}
+        self.unsaved: list[dict[str, Any]] = []
+        training_state.seed_everything(self.spec.run.seed)  # identical initial weights
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def setup(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+    ) -> torch.nn.Module:
+        """Move ``model`` to this worker's device, restore the newest committed checkpoint
+        (model, optimizer, ``scheduler``, every rank's RNG, the cursor) and return the model
+        wrapped for DDP. Build the optimizer on the unwrapped model's parameters first."""
+        if self.checkpoints is not None:
+            raise RuntimeError("setup() was called twice: call it once, before batches()")
+        model.to(self.device)
+        training_state.seed_everything(self.spec.run.seed * 1009 + self.rank + 1)  # per rank
+        self.checkpoints = CheckpointManager(
+            self.run_dir,
+            self.spec.checkpoint,
+            TrainingState(model, optimizer, scheduler or _NoSchedule()),
+            rank=self.rank,
+            world_size=self.world_size,
+            attempt=self.config.attempt,
+            relay=self.relay,
+            timings=self.timings,
+            node_rank=worker_api.node_rank(),
+        )
+        # The checkpoint thread copies the parameters while the next forward and backward run:
+        # the optimizer waits for it before it changes them.
+        checkpoints = self.checkpoints
+        optimizer.register_step_pre_hook(lambda *_: checkpoints.before_optimizer_step())
+        self.drains = DrainWatch(
+            self.config.watch_preemption, self.rank, self.relay, checkpoints, self.timings
+        )
+        self._restore(checkpoints)
+        return worker_api.prepare_model(model)
+
+    def _restore(self, checkpoints: CheckpointManager) -> None:
+        self.group, candidates = resume_candidates(self.config, self.relay, self.run_dir)
+        self.faults.group = self.group
+        loaded = checkpoints.load(candidates)
+        checkpoint = loaded.checkpoint
+        if checkpoint is None:
+            if self.spec.run.init_from:
+                checkpoints.load_weights(self.spec.run.init_from)
+            self.relay.send(
+                "fresh_start",
+                skipped=loaded.skipped,
+                warm_start=self.spec.run.init_from,
+                group=self.group,
+                world_size=self.world_size,
+            )
+            return
+        self.step = self.resumed_from = checkpoint.step
+        self.cursor = data_mod.Cursor.from_json(checkpoint.manifest["cursor"])
+        self.latest = dict(checkpoint.manifest.get("metrics") or {})
+        self.relay.send(
+            "resumed",
+            step=checkpoint.step,
+            checkpoint_uri=checkpoint.uri,
+            skipped=loaded.skipped,
+            bytes_read=int(all_reduce([float(loaded.bytes_read)])[0]),
+            restore_s=round(loaded.seconds, 4),
+            group=self.group,
+            world_size=self.world_size,
+        )
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def batches(self) -> Iterator[Any]:
+        """This rank's slice of each global batch from the cursor to the end of the run's last
+        epoch, on this worker's device: the columns form's dict of tensors (through
+        ``data.transform`` and ``data.collate``), or ``{"features", "labels"}`` for the tabular
+        form. ``epoch`` and ``end_of_epoch`` say where the batch lies; ``report`` ends its step
+        (a batch not reported is ended, with no metrics, when the next is asked for)."""
+        if self.checkpoints is None:
+            raise RuntimeError(
+                "batches() before setup(): call setup(model, optimizer, scheduler) first: it "
+                "restores the newest checkpoint and the cursor the batches start from"
+            )
+        for epoch in range(self.cursor.epoch, self.epochs):
+            first = self.cursor.batch(self.batch_size) if epoch == self.cursor.epoch else 0
+            make_batch = self._train_batches
+            ahead = self.data.epoch(epoch, first, make_batch=make_batch)
+            try:
+                for index, _, rows in self.timings.waited(iter(ahead)):
+                    self._end_step()
+                    self.epoch, self._end = epoch, index + 1
+                    self.end_of_epoch = self._end == self.batches_per_epoch
+                    self._open, self._metrics = True, {}
+                    yield self._on_device(rows)
+            finally:
+                ahead.close()
+        self._end_step()
+
+    def validation(self) -> Iterator[Any]:
+        """This rank's share of the validation rows, in batches on this worker's device
+        (through ``data.eval_transform``). Sum what you measure and its count over the ranks
+        with ``sum_over_ranks``: the figure is then that of every validation row."""
+        if self._eval_batches is None:
+            for rows in self.data.validation():
+                yield self._on_device(rows)
+            return
+        for ids, rows in self.data.validation_with_ids():
+            yield self._on_device(self._eval_batches(0, ids, rows))
+
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        """``values`` summed over every rank (a collective: every rank calls it alike)."""
+        return all_reduce([float(v) for v in values])
+
+    def _on_device(self, rows: Any) -> dict[str, Any]:
+        if isinstance(rows, data_mod.Arrays):
+            rows = {
+                "features": torch.from_numpy(rows.features),
+                "labels": torch.from_numpy(rows.labels),
+            }
+        return {
+            key: value.to(self.device, non_blocking=True)
+            if isinstance(value, torch.Tensor)
+            else value
+            for key, value in rows.items()
+        }
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def report(self, metrics: dict[str, Any] | None = None) -> None:
+        """End the step of the batch ``batches()`` handed out, with rank 0's ``metrics`` (numbers
+        or one-element tensors; give every rank's figure through ``sum_over_ranks``): its row in
+        the history, and a checkpoint when ``checkpoint.every`` steps or the epoch's end (or a
+        drain's notice) say so. Report validation metrics at the epoch's last batch
+        (``end_of_epoch``): the checkpoint of the weights they measured records them."""
+        if not self._open:
+            raise RuntimeError(
+                "report() ends the step of the batch batches() handed out: call it once per "
+                "batch, after the optimizer step"
+            )
+        self._metrics = dict(metrics or {})
+        self._end_step()
+
+    def _end_step(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        assert self.checkpoints is not None
+        self.step += 1
+        self.faults.check(self.step)
+        if self.step == self.resumed_from + 1:  # the optimizer state exists now
+            self.checkpoints.reserve()
+        if self.checkpoints.failed():
+            self.checkpoints.wait()  # raises the checkpoint's error
+        self.timings.num_steps += 1
+        row = {"step": self.step, "epoch": self.epoch, "batch": self._end - 1}
+        row.update(_numbers(self._metrics))
+        self.latest = dict(row)
+        self.unsaved.append({**row, "attempt": self.config.attempt, "time": time.time()})
+        self.relay.send("metrics", rows=[self.unsaved[-1]])
+        due = self.step % self.spec.checkpoint.every == 0 or self.end_of_epoch
+        at_report = due or self.step % self.spec.report.every == 0
+        notice = self.drains.new_notice() if at_report else None
+        if due or notice is not None:
+            self._checkpoint()
+        if notice is not None:
+            self.drains.hold(self.step, notice)
+
+    def _checkpoint(self) -> None:
+        assert self.checkpoints is not None
+        if self.end_of_epoch:
+            self.cursor = data_mod.Cursor(self.epoch + 1, 0)
+        else:
+            self.cursor = data_mod.Cursor(self.epoch, self._end * self.batch_size)
+        meta = {"epoch": self.cursor.epoch, "cursor": self.cursor.to_json(), "metrics": self.latest}
+        rows, self.unsaved = self.unsaved, []
+        self.checkpoints.save(self.step, meta, rows)
+        share_peak_rss(self.relay)
+
+    def finish(self) -> None:
+        """After the loop returns: the last step ended, and checkpointed when it was not (a
+        loop that returns early keeps its work; the run goes on from there next time)."""
+        self._end_step()
+        assert self.checkpoints is not None
+        if self.step > self.checkpoints.last_step:
+            self._checkpoint()
+        share_peak_rss(self.relay)
+        self.checkpoints.wait()
+        if self.step == self.resumed_from and self.step > 0:
+            self.relay.send("already_complete", step=self.step)
+        self.relay.send(
+            "finished",
+            step=self.step,
+            metrics=self.latest,
+            timings=self.timings.to_json(),
+            stopped=False,
+        )
+
+    def close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        for batches in (self._train_batches, self._eval_batches):
+            if batches is not None:
+                batches.close()
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A report's metrics as the history keeps them: numbers and strings (a tensor's item)."""
+    row: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool | int | float | str):
+            row[key] = value
+        else:
+            raise TypeError(
+                f"report() metric {key!r} is a {type(value).__name__}: report numbers, strings "
+                "or one-element tensors"
+            )
+    return row
+
+
+def own_train_loop(config: dict[str, Any]) -> None:
+    """Ray Train ``train_loop_per_worker`` that runs a loop of the user's own on this API."""
+    global _current
+    worker_config = WorkerConfig.from_dict(config)
+    loop = OwnLoop(worker_config)
+    _current = loop
+    try:
+        assert loop.spec.train_loop is not None
+        fn = workloads.resolve_train_loop(loop.spec.train_loop)
+        workloads.call_train_loop(fn, loop.spec.train_loop_config)
+        if loop.checkpoints is None:
+            raise RuntimeError(
+                f"train_loop {loop.spec.train_loop} returned without calling setup(): "
+                "nothing was trained or checkpointed"
+            )
+        loop.finish()
+    except Exception as e:
+        error = e if isinstance(e, RelaytrainError) else _as_worker_error(e, loop)
+        if loop.checkpoints is not None:
+            error = wind_down(error, loop.checkpoints, loop.relay, loop.step, loop.group)
+        if error is e:
+            raise
+        raise error from e
+    finally:
+        _current = None
+        loop.close()
+
+
+def _as_worker_error(error: BaseException, loop: OwnLoop) -> RelaytrainError:
+    step = loop.step + 1 if loop._open else loop.step or None
+    return worker_error(error, where=f"at step {step}", step=step, rank=loop.rank)
