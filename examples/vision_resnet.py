@@ -21,6 +21,7 @@ import io
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image
 from torch import nn
 
@@ -76,3 +77,33 @@ def sample(pixels: np.ndarray, label: int) -> dict[str, Any]:
         "pixel_values": np.ascontiguousarray(pixels, dtype=np.float32) / 255.0,
         "labels": np.int64(label),
     }
+
+
+class MacroF1:
+    """Macro-averaged F1 over the 10 digits, a stateful metric (``metrics:
+    [examples.vision_resnet:MacroF1]``, recorded as ``val_MacroF1``): per-class true positive,
+    false positive and false negative counts, added over batches and over ranks (``merge``),
+    so the figure is that of every validation image, not a mean of per-batch F1s."""
+
+    classes = 10
+
+    def __init__(self) -> None:
+        self.counts = torch.zeros(3, self.classes, dtype=torch.float64)
+
+    def update(self, outputs: Any, batch: dict[str, torch.Tensor]) -> None:
+        predicted = outputs.logits.argmax(dim=-1).cpu()
+        labels = batch["labels"].cpu()
+        one_hot = torch.eye(self.classes, dtype=torch.float64)
+        right = one_hot[predicted] * one_hot[labels]
+        self.counts[0] += right.sum(dim=0)  # true positives
+        self.counts[1] += (one_hot[predicted] - right).sum(dim=0)  # false positives
+        self.counts[2] += (one_hot[labels] - right).sum(dim=0)  # false negatives
+
+    def merge(self, other: MacroF1) -> None:
+        self.counts += other.counts
+
+    def compute(self) -> float:
+        tp, fp, fn = self.counts
+        seen = (tp + fp + fn) > 0  # a class neither predicted nor present does not count
+        f1 = 2 * tp[seen] / (2 * tp[seen] + fp[seen] + fn[seen])
+        return float(f1.mean()) if bool(seen.any()) else 0.0

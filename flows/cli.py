@@ -14,6 +14,7 @@ Credentials for object storage come from the environment (AWS_*, ...), as for tr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from trainer_core.run.report import epoch_table
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    importable_from_working_directory()
     if args and args[0] == "run":  # flows.training owns run's options
         from flows.training import main as run_main
 
@@ -43,6 +45,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SpecError, RelaytrainError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def importable_from_working_directory() -> None:
+    """The project's own modules that a spec names (model, transform, loop) import from the
+    working directory, as under ``python -m``: a console script's ``sys.path`` starts at its
+    own directory instead. (``ray.init`` adds the driver's working directory to its workers'.)"""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
 
 
 def _parser() -> argparse.ArgumentParser:

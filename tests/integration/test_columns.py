@@ -112,8 +112,8 @@ def test_the_vision_example_runs_through_the_flow_and_resumes_after_a_fault(
     relaytrain_ray, relaytrain_prefect, tmp_path
 ):
     """examples/vision_resnet.yaml as a user runs it, 1 epoch on 1 worker: PNG bytes decoded
-    and augmented on the transform threads, transformers' ResNet, a code fault at step 9 and a
-    Prefect retry that resumes from step 8."""
+    and augmented on the transform threads, transformers' ResNet, a stateful metric (macro F1),
+    a code fault at step 9 and a Prefect retry that resumes from step 8."""
     raw = yaml.safe_load((REPO / "examples" / "vision_resnet.yaml").read_text())
     raw["run"] = {"name": "vision", "storage": str(tmp_path)}
     raw["data"]["dataset"] = str(REPO / raw["data"]["dataset"])
@@ -132,6 +132,9 @@ def test_the_vision_example_runs_through_the_flow_and_resumes_after_a_fault(
     assert result.steps_completed == 22
     trained = losses(run_dir_of(spec))
     assert trained[-1][1] < trained[0][1] * 0.9 and 0 < result.final_metrics["val_accuracy"] < 1
+    # The stateful macro F1 is recorded, and (below) is what the driver computes from the
+    # checkpoint's weights over the whole holdout.
+    assert 0 < result.final_metrics["val_MacroF1"] < 1
     measured = measure_checkpoints(spec, run_dir_of(spec))
     assert_records_what_it_measures(measured)
 

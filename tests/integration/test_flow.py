@@ -245,7 +245,7 @@ def start_cli(
         **os.environ,
         "PREFECT_API_URL": PREFECT_API_URL.value(),
         "RAY_ADDRESS": ray_address,
-        "PYTHONPATH": str(REPO),  # the tests' own model (a console script does not add cwd)
+        "PYTHONPATH": str(REPO),  # the tests' own model, whatever the working directory
     }
     launcher = list(command) or [sys.executable, "-m", "flows.training"]
     return subprocess.Popen(
@@ -313,6 +313,32 @@ def test_interrupted_flow_process_resumes_on_rerun(
         committed_before=committed,
         rerun_to_resume_s=round(attempts[-1]["resumed_at"] - rerun_at, 1),
     )
+
+
+def test_the_console_script_imports_the_projects_own_modules():
+    """``relaytrain run`` in a project directory imports the modules its spec names from there,
+    as ``python -m flows.training`` does: examples/own_loop.yaml's loop is found (and the spec
+    then refused for its memory:// storage, before anything runs)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    relaytrain = str(Path(sys.executable).with_name("relaytrain"))
+    done = subprocess.run(
+        [
+            relaytrain,
+            "run",
+            "--config",
+            "examples/own_loop.yaml",
+            "--set",
+            "run.storage=memory://x",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "cannot be imported" not in done.stderr + done.stdout
+    assert "memory:// lives in one process" in done.stderr + done.stdout
 
 
 def test_cli_refuses_a_bad_spec_before_running(capsys):

@@ -5,6 +5,8 @@ failure is a SpecError naming the function, the row and the fix; nothing is writ
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,7 +19,8 @@ from trainer_core.data.transform import as_tensors, column_tensors, concatenate,
 from trainer_core.errors import SpecError
 from trainer_core.spec.imports import import_object
 from trainer_core.spec.run_spec import RunSpec
-from trainer_core.train import workloads
+from trainer_core.spec.sections import metric_name
+from trainer_core.train import validate, workloads
 from trainer_core.train.batch_workload import LABELS, BatchWorkload, logits_of
 
 
@@ -37,16 +40,66 @@ def check_batch_workload(spec: RunSpec, ids: np.ndarray, rows: TableRows, where:
     outputs = _forward(workload, model, batch, spec)
     _check_loss(workload, outputs, batch, spec)
     with torch.no_grad():
+        try:
+            workload.metric_sums(outputs, batch)
+        except Exception as e:
+            i, path = _failing_metric(spec, workload, outputs, batch)
+            raise SpecError(
+                f"metrics.{i} {path!r} raised {type(e).__name__} on the first rows' batch "
+                f"({_shapes(batch)}): {e}. It is called as fn(outputs, batch) and returns "
+                "(sum, count) or the batch's mean",
+                field=f"metrics.{i}",
+            ) from e
         for i, path in enumerate(spec.metrics):
-            try:
-                workload.metric_sums(outputs, batch)
-            except Exception as e:
-                raise SpecError(
-                    f"metrics.{i} {path!r} raised {type(e).__name__} on the first rows' batch "
-                    f"({_shapes(batch)}): {e}. It is called as fn(outputs, batch) and returns "
-                    "(sum, count) or the batch's mean",
-                    field=f"metrics.{i}",
-                ) from e
+            if metric_name(path) in workload.stateful:
+                _check_stateful_metric(
+                    workload.stateful[metric_name(path)], i, path, outputs, batch
+                )
+
+
+def _failing_metric(
+    spec: RunSpec, workload: BatchWorkload, outputs: Any, batch: dict[str, Any]
+) -> tuple[int, str]:
+    """The first of the spec's metric functions that raises on ``batch``."""
+    for i, path in enumerate(spec.metrics):
+        fn = workload.metric_fns.get(metric_name(path))
+        if fn is None:
+            continue
+        try:
+            fn(outputs, batch)
+        except Exception:
+            return i, path
+    return 0, spec.metrics[0] if spec.metrics else "the built-in metrics"
+
+
+def _check_stateful_metric(
+    cls: type, i: int, path: str, outputs: Any, batch: dict[str, Any]
+) -> None:
+    """A stateful metric as validation uses it: a new instance updated with a batch, folded
+    with another rank's (``merge``, unless it syncs itself), computed to one number."""
+    try:
+        metric = cls()
+        metric.update(outputs, batch)
+        if not validate.syncs_itself(metric):
+            other = copy.deepcopy(metric)
+            metric.merge(other)
+        value = metric.compute()
+        number = float(value)
+    except Exception as e:
+        raise SpecError(
+            f"metrics.{i} {path!r} is a class, a stateful metric, and raised "
+            f"{type(e).__name__} on the first rows' batch ({_shapes(batch)}): {e}. relaytrain "
+            "makes one per validation pass with no arguments, calls update(outputs, batch) on "
+            "each batch, merge(other) with every other rank's, then compute(), which returns "
+            "a number",
+            field=f"metrics.{i}",
+        ) from e
+    if not math.isfinite(number):
+        raise SpecError(
+            f"metrics.{i} {path!r} computed {number} on the first rows' batch: compute() must "
+            "return a finite number",
+            field=f"metrics.{i}",
+        )
 
 
 def _batch(spec: RunSpec, ids: np.ndarray, rows: TableRows, where: str) -> dict[str, Any]:

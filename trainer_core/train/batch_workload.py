@@ -18,10 +18,16 @@ metrics, after Composer's ``forward(batch)``/``loss(outputs, batch)`` and Huggin
 - **Metrics.** Sums with counts too, reduced over ranks before dividing: val_loss,
   val_accuracy (per sample, or per labelled token), val_perplexity (exp of val_loss), and the
   spec's ``metrics``, each ``fn(outputs, batch)`` returning ``(sum, count)`` or a mean.
+- **Stateful metrics.** A ``metrics`` entry that names a class (F1, AUC: what no sum of batch
+  figures gives): one instance per validation pass on each rank, ``update(outputs, batch)`` on
+  each batch, then every rank's instance folded into one (``merge(other)``, in rank order) and
+  ``compute()``d: the figure of every validation row. A torchmetrics ``Metric`` (its
+  ``update`` taking ``(outputs, batch)``) syncs its own states in ``compute()``.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -123,9 +129,14 @@ class BatchWorkload:
         )
         self.loss_path = spec.loss
         self.user_loss = import_object(spec.loss, "loss") if spec.loss else None
-        self.metric_fns = {
-            metric_name(p): import_object(p, f"metrics.{i}") for i, p in enumerate(spec.metrics)
-        }
+        #: The spec's metrics: functions of a batch, and classes of stateful metrics.
+        self.metric_fns: dict[str, Callable[..., Any]] = {}
+        self.stateful: dict[str, type] = {}
+        for i, path in enumerate(spec.metrics):
+            found = import_object(path, f"metrics.{i}")
+            target = self.stateful if inspect.isclass(found) else self.metric_fns
+            target[metric_name(path)] = found
+        self.spec_metrics = [metric_name(path) for path in spec.metrics]
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> Any:
         """The model's outputs for ``batch``."""
@@ -150,7 +161,7 @@ class BatchWorkload:
             names.append("val_perplexity")
         if self.task in ("classification", "causal_lm"):
             names.append("val_accuracy")
-        return [*names, *self.metric_fns]
+        return [*names, *self.spec_metrics]
 
     def metric_sums(self, outputs: Any, batch: Batch) -> dict[str, tuple[float, float]]:
         """Each metric's ``(sum, count)`` over a batch (val_perplexity: val_loss's)."""
@@ -170,11 +181,24 @@ class BatchWorkload:
             sums[name] = (float(value), float(items))
         return sums
 
-    def finish(self, totals: dict[str, tuple[float, float]]) -> dict[str, float]:
-        """The metrics from their sums over every rank (empty when nothing was counted)."""
+    def new_states(self) -> dict[str, Any]:
+        """A fresh instance of each stateful metric, for one validation pass."""
+        return {name: cls() for name, cls in self.stateful.items()}
+
+    @staticmethod
+    def update_states(states: dict[str, Any], outputs: Any, batch: Batch) -> None:
+        for metric in states.values():
+            metric.update(outputs, batch)
+
+    def finish(
+        self, totals: dict[str, tuple[float, float]], computed: dict[str, float] | None = None
+    ) -> dict[str, float]:
+        """The metrics from their sums over every rank, with the stateful metrics' ``computed``
+        figures (empty when nothing was counted)."""
         if not totals or totals["val_loss"][1] == 0:
             return {}
         found = {name: total / count for name, (total, count) in totals.items() if count}
+        found.update(computed or {})
         if self.task == "causal_lm":
             found["val_perplexity"] = math.exp(min(found["val_loss"], 700.0))
         return {name: found[name] for name in self.metric_names() if name in found}

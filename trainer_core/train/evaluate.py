@@ -110,12 +110,15 @@ def evaluate(spec: RunSpec, checkpoint_uri: str, rows: Any) -> dict[str, float]:
         model = load_model(spec, checkpoint_uri, 0, 0)
         workload = BatchWorkload(spec)
         totals: dict[str, tuple[float, float]] = {}
+        states = workload.new_states()
         for batch in rows:
-            found = workload.metric_sums(workload.forward(model, batch), batch)
+            outputs = workload.forward(model, batch)
+            found = workload.metric_sums(outputs, batch)
             for name, (total, count) in found.items():
                 before = totals.get(name, (0.0, 0.0))
                 totals[name] = (before[0] + total, before[1] + count)
-        return workload.finish(totals)
+            workload.update_states(states, outputs, batch)
+        return workload.finish(totals, validate.compute_states(states, 1))
     task = spec.data.resolved().task or "classification"
     outputs = int(rows.labels.max()) + 1 if task == "classification" else 1
     info = describe(spec)

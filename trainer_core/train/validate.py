@@ -140,8 +140,13 @@ class BatchValidation:
         ``dummy`` (a batch it trained on) while another still has some."""
         broadcast_buffers(model, self.world_size)
         model.eval()
-        names = [n for n in self.workload.metric_names() if n != "val_perplexity"]
+        names = [
+            n
+            for n in self.workload.metric_names()
+            if n != "val_perplexity" and n not in self.workload.stateful
+        ]
         sums = dict.fromkeys(names, (0.0, 0.0))
+        states = self.workload.new_states()
         for batch in in_step(batches, self.fsdp):
             if batch is None:
                 with self.autocast():
@@ -152,6 +157,28 @@ class BatchValidation:
                 outputs = self.workload.forward(model, batch)
             for name, (total, count) in self.workload.metric_sums(outputs, batch).items():
                 sums[name] = (sums[name][0] + total, sums[name][1] + count)
+            self.workload.update_states(states, outputs, batch)
         flat = all_reduce([value for pair in sums.values() for value in pair])
         totals = {name: (flat[2 * i], flat[2 * i + 1]) for i, name in enumerate(names)}
-        return self.workload.finish(totals)
+        return self.workload.finish(totals, compute_states(states, self.world_size))
+
+
+def compute_states(states: dict[str, Any], world_size: int) -> dict[str, float]:
+    """Each stateful metric's figure over every rank's batches: every rank's instance gathered
+    and folded into rank 0's (``merge``, in rank order, the same on every rank), then
+    ``compute()``d; a metric that syncs itself (torchmetrics') is computed as it is."""
+    found: dict[str, float] = {}
+    for name, metric in states.items():
+        if world_size > 1 and not syncs_itself(metric):
+            gathered: list[Any] = [None] * world_size
+            dist.all_gather_object(gathered, metric)
+            metric = gathered[0]
+            for other in gathered[1:]:
+                metric.merge(other)
+        found[name] = float(metric.compute())
+    return found
+
+
+def syncs_itself(metric: Any) -> bool:
+    """A torchmetrics ``Metric``, which gathers its states across ranks in ``compute()``."""
+    return bool(getattr(metric, "sync_on_compute", False)) and hasattr(metric, "sync")

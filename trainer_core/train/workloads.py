@@ -185,7 +185,18 @@ def loss_function(
 
 def metric_functions(paths: list[str]) -> dict[str, Metric]:
     """The spec's ``metrics`` by the name each is recorded under (``val_<function>``)."""
-    return {metric_name(p): import_object(p, f"metrics.{i}") for i, p in enumerate(paths)}
+    found = {}
+    for i, path in enumerate(paths):
+        fn = import_object(path, f"metrics.{i}")
+        if inspect.isclass(fn):
+            raise SpecError(
+                f"metrics.{i} {path!r} is a class, a stateful metric: those need the columns "
+                "form (data.columns; update(outputs, batch)). In the tabular form a metric is "
+                "fn(output, target) returning the batch's mean",
+                field=f"metrics.{i}",
+            )
+        found[metric_name(path)] = fn
+    return found
 
 
 def check_loss_and_metrics(
