@@ -38,6 +38,58 @@ def decode_raw(row: dict[str, Any], rng: np.random.Generator) -> dict[str, np.nd
     return {"input_ids": ids, "labels": ids}
 
 
+def crop_some_labels(row: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """examples.lm_gpt's random crop, with the labels of a random prefix (0 to half the window,
+    drawn from ``rng``) set to -100: each sample carries its own count of labelled tokens, so
+    micro-batches and ranks count unevenly."""
+    from examples.lm_gpt import crop
+
+    sample = crop(row, rng)
+    labels = sample["labels"].copy()
+    labels[: int(rng.integers(0, len(labels) // 2 + 1))] = -100
+    return {"input_ids": sample["input_ids"], "labels": labels}
+
+
+class RecordingLM(nn.Module):
+    """examples.lm_gpt's GPT that records what each training forward pass saw in a worker: one
+    JSON line ``{"rank", "world_size", "rows"}`` a micro-batch (``rows``: a digest of each
+    sample's input ids, so the row and its augmentation) in ``log_dir/<pid>.jsonl``."""
+
+    def __init__(self, log_dir: str, **kwargs: Any):
+        from examples.lm_gpt import build
+
+        super().__init__()
+        self.inner = build(**kwargs)
+        self.log_dir = log_dir
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        import json
+        import os
+
+        import torch.distributed as dist
+
+        if self.training and dist.is_initialized():
+            line = {
+                "rank": dist.get_rank(),
+                "world_size": dist.get_world_size(),
+                "rows": [sample_digest(row) for row in input_ids],
+            }
+            with open(Path(self.log_dir) / f"{os.getpid()}.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+        return self.inner(input_ids)
+
+
+def recording_lm(**kwargs: Any) -> nn.Module:
+    return RecordingLM(**kwargs)
+
+
+def sample_digest(input_ids: torch.Tensor) -> str:
+    """A sample's input ids in a few bytes: which row, and which crop of it."""
+    import hashlib
+
+    return hashlib.blake2b(input_ids.numpy().tobytes(), digest_size=8).hexdigest()
+
+
 def raises_on_row_2(row: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
     if row["n"] == 2:
         raise ValueError("cannot decode this row")

@@ -180,3 +180,113 @@ def test_hf_gpt2_under_fsdp_resumes_where_ddp_ends_and_reshards(
     )
     third = run_attempt(more)
     assert third.resumed_from_step == 18 and third.steps_completed == 27
+
+
+def test_bf16_accumulation_clipping_and_uneven_tokens_stop_early_and_resume_bit_for_bit(
+    relaytrain_ray, lm_dataset, tmp_path
+):
+    """The LM under bf16 autocast, 2 micro-batches a step whose samples carry uneven counts of
+    labelled tokens (tests.columns_workloads:crop_some_labels), clipping, and early stopping
+    on val_perplexity (patience 1, min_delta 1e6: it stops after epoch 2 of 4). A fault at
+    step 8 (epoch 2) and a resume from step 5 end bit for bit where the uninterrupted run does,
+    stopped after the same epoch."""
+
+    def spec_of(name: str, faults: list) -> object:
+        raw = lm_raw(
+            tmp_path,
+            lm_dataset,
+            name,
+            precision="bf16",
+            optimizer={"name": "adamw", "lr": 0.01, "clip_grad_norm": 0.5, "grad_accumulation": 2},
+            schedule={
+                "epochs": 4,
+                "lr_schedule": "cosine",
+                "warmup_steps": 2,
+                "early_stopping": {"metric": "val_perplexity", "patience": 1, "min_delta": 1e6},
+            },
+            faults=faults,
+        )
+        raw["data"]["transform"] = "tests.columns_workloads:crop_some_labels"
+        return build_spec(raw)
+
+    reference = spec_of("reference", [])
+    assert run_attempt(reference).status == "completed"
+    faulted = spec_of("faulted", [{"kind": "raise", "at_step": 8}])
+    with pytest.raises(TrainingCodeError):
+        run_attempt(faulted)
+    second = run_attempt(faulted)
+    assert second.status == "completed" and second.resumed_from_step == 5
+    for spec in (reference, faulted):
+        newest = run_dir_of(spec).scan().newest
+        # 9 global batches an epoch in steps of 2 micro-batches: 5 steps; stopped after 2.
+        assert newest.step == 10 and newest.manifest["early_stopping"]["stopped"]
+        assert "val_perplexity" in newest.metrics
+    assert_same_tensors(final_state(run_dir_of(faulted)), final_state(run_dir_of(reference)))
+    assert losses(run_dir_of(faulted)) == losses(run_dir_of(reference))
+
+
+def test_lm_samples_and_their_crops_survive_two_workers_then_one_then_two(
+    relaytrain_ray, lm_dataset, tmp_path
+):
+    """2 workers fail at step 6 (resume from 4), 1 worker fails at step 13 (resume from 12), 2
+    workers finish: every global batch the run kept holds the samples, each cropped as its
+    own generator says, that one process reads for it (the oracle: the stream and transform
+    in this process, at 1 worker)."""
+    from tests.columns_workloads import sample_digest
+    from trainer_core.data import footers, rank_stream
+    from trainer_core.data.transform import Batches
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    plan = [(2, 6), (1, 13), (2, None)]
+    faults = [
+        {"kind": "raise", "at_step": at, "attempt": n + 1} for n, (_, at) in enumerate(plan) if at
+    ]
+    model = {
+        "name": "tests.columns_workloads:recording_lm",
+        "kwargs": {"log_dir": str(logs), "block_size": 32, "layers": 1, "heads": 2, "width": 16},
+    }
+    kept: list[list[str]] = []
+    resumed = 0
+    for workers, fails_at in plan:
+        spec = build_spec(
+            lm_raw(tmp_path, lm_dataset, "elastic", model=model, faults=faults),
+            [f"scaling.num_workers={workers}"],
+        )
+        if fails_at is not None:
+            with pytest.raises(TrainingCodeError):
+                run_attempt(spec)
+        else:
+            assert run_attempt(spec).status == "completed"
+        kept = kept[:resumed] + recorded_batches(logs)
+        resumed = run_dir_of(spec).scan().newest.step
+    assert [a["world_size"] for a in run_dir_of(spec).read_attempts()] == [2, 1, 2]
+    assert [a.get("resumed_from_step") for a in run_dir_of(spec).read_attempts()] == [0, 4, 12]
+    data = spec.data.resolved()
+    one = rank_stream.RankStream(footers.scan(data), data, spec.run.seed, 1, 0)
+    batches = Batches(data, spec.run.seed)
+    expected = []
+    for epoch in range(2):
+        ahead = one.epoch(epoch, make_batch=batches)
+        expected += [[sample_digest(row) for row in b["input_ids"]] for _, _, b in ahead]
+        ahead.close()
+    batches.close()
+    assert len(expected) == 18 and kept == expected
+
+
+def recorded_batches(logs: Path) -> list[list[str]]:
+    """The global batches an attempt trained, in order: every rank's recorded slice of each,
+    joined in rank order; the records are taken away. A rank that outlived the failing one
+    may have recorded the failed step's forward: the count is the shortest rank's."""
+    import json
+
+    by_rank: dict[int, list[list[str]]] = {}
+    world_size = 0
+    for path in sorted(logs.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            by_rank.setdefault(record["rank"], []).append(record["rows"])
+            world_size = record["world_size"]
+        path.unlink()
+    count = min(len(slices) for slices in by_rank.values())
+    return [[d for rank in range(world_size) for d in by_rank[rank][n]] for n in range(count)]
