@@ -296,3 +296,46 @@ def test_tensorboard_shows_the_retried_run_as_one_curve(retried, uninterrupted_o
         assert all(shown.values()), shown
     finally:
         stop(process)
+
+
+def test_a_language_model_is_tracked_with_its_perplexity_and_logged_as_a_model(
+    relaytrain_ray, relaytrain_prefect, mlflow_server, tmp_path
+):
+    """examples/lm_gpt.yaml's model on 100 rows of its corpus, 1 worker, 2 epochs, through
+    the flow: MLflow and TensorBoard hold its val_perplexity, and the best checkpoint is an
+    MLflow pytorch model (built from the columns form's fn(**kwargs)) that holds its weights."""
+    import mlflow.pytorch
+    import yaml
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    from tests.columns_workloads import write_lm_dataset
+
+    raw = yaml.safe_load((Path(__file__).parents[2] / "examples" / "lm_gpt.yaml").read_text())
+    raw["run"] = {"name": "tracked-lm", "storage": str(tmp_path)}
+    raw["model"]["kwargs"] |= {"block_size": 32, "layers": 1, "width": 16, "heads": 2}
+    raw["data"] |= {"dataset": write_lm_dataset(tmp_path / "lm.parquet", count=100, group=50)}
+    raw["data"] |= {"batch_size": 16, "validation_fraction": 0.2}
+    raw["checkpoint"] |= {"every": 4}
+    raw["scaling"] = {"num_workers": 1}
+    raw["tracking"] = {"mlflow_uri": mlflow_server.uri}
+    spec = build_spec(raw)
+    state = training(spec, return_state=True)
+    assert state.is_completed(), state
+    result = state.result()
+    client = mlflow_server.client()
+    history = client.get_metric_history(result.mlflow.run_id, "val_perplexity")
+    assert [m.value for m in history][-1] == pytest.approx(result.final_metrics["val_perplexity"])
+    assert result.mlflow.model_uri, result.mlflow
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    model = mlflow.pytorch.load_model(result.mlflow.model_uri)
+    expected = read_model_weights(result.best_checkpoint_uri)
+    for name, tensor in expected.items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    run_dir = run_dir_of(spec)
+    (path,) = tensorboard_log.event_files(run_dir)
+    tags = {
+        value.tag
+        for event in LegacyEventFileLoader(str(Path(run_dir.location.path, path))).Load()
+        for value in event.summary.value
+    }
+    assert {"train/loss", "val/perplexity"} <= tags, tags

@@ -286,7 +286,9 @@ class Tracker:
         if checkpoint is None:
             raise FileNotFoundError(f"checkpoint {uri} is not committed any more")
         info = evaluate.describe(self.spec)
-        model = workloads.build_model(self.spec.model, info.num_features, info.num_outputs)
+        model = workloads.build_model(
+            self.spec.model, info.num_features, info.num_outputs, self.spec.data.columns_form
+        )
         model.load_state_dict(model_weights(self.run_dir, checkpoint))
         model.eval()
         with _use_tracking_uri(self.uri):
