@@ -41,6 +41,7 @@ from trainer_core.spec.sections import (
     RunSection,
     ScheduleSection,
     _Section,
+    import_path,
     metric_name,
     not_parquet_format,
     validate_run_name,
@@ -90,11 +91,7 @@ class RunSpec(_Section):
     @field_validator("train_loop")
     @classmethod
     def _train_loop(cls, value: str | None) -> str | None:
-        if value is not None and not IMPORT_PATH_PATTERN.fullmatch(value):
-            raise ValueError(
-                f"train_loop {value!r} is not an import path: use 'package.module:function'"
-            )
-        return value
+        return import_path(value, "train_loop")
 
     @field_validator("datasets")
     @classmethod
@@ -118,12 +115,9 @@ class RunSpec(_Section):
     @field_validator("loss")
     @classmethod
     def _loss(cls, value: str | None) -> str | None:
-        if value is not None and not IMPORT_PATH_PATTERN.fullmatch(value):
-            raise ValueError(
-                f"loss {value!r} is not an import path: use 'package.module:function', a "
-                "function fn(output, target) returning the batch's mean loss"
-            )
-        return value
+        return import_path(
+            value, "loss", "a function fn(output, target) returning the batch's mean loss"
+        )
 
     @field_validator("metrics")
     @classmethod

@@ -27,6 +27,17 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 IMPORT_PATH_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
+def import_path(value: str | None, field: str, called_as: str = "") -> str | None:
+    """``value`` when it is an import path ``package.module:function`` (or None); otherwise a
+    ValueError naming ``field`` and, in ``called_as``, how the function is called."""
+    if value is not None and not IMPORT_PATH_PATTERN.fullmatch(value):
+        raise ValueError(
+            f"{field} {value!r} is not an import path: use 'package.module:function'"
+            + (f", {called_as}" if called_as else "")
+        )
+    return value
+
+
 BUILTIN_MODELS = ("mlp", "cnn")
 
 
@@ -172,12 +183,9 @@ class ModelSection(_Section):
     @field_validator("forward")
     @classmethod
     def _forward(cls, value: str | None) -> str | None:
-        if value is not None and not IMPORT_PATH_PATTERN.fullmatch(value):
-            raise ValueError(
-                f"model.forward {value!r} is not an import path: use 'package.module:function', "
-                "a function fn(model, batch) returning the model's outputs"
-            )
-        return value
+        return import_path(
+            value, "model.forward", "a function fn(model, batch) returning the model's outputs"
+        )
 
     @field_validator("name")
     @classmethod
@@ -266,12 +274,7 @@ class DataSection(_Section):
     @field_validator("transform", "eval_transform", "collate")
     @classmethod
     def _import_paths(cls, value: str | None, info: Any) -> str | None:
-        if value is not None and not IMPORT_PATH_PATTERN.fullmatch(value):
-            raise ValueError(
-                f"data.{info.field_name} {value!r} is not an import path: use "
-                "'package.module:function'"
-            )
-        return value
+        return import_path(value, f"data.{info.field_name}")
 
     @model_validator(mode="after")
     def _builtin_defaults(self) -> DataSection:
