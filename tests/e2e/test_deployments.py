@@ -22,6 +22,7 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
 from flows.pytest_plugin import tiny_spec_dict
 from tests.conftest import ONE_WORKER
+from tests.e2e.ui import browse
 from tests.net import free_port
 from trainer_core import storage
 from trainer_core.checkpoint.history import read_metrics_history
@@ -30,11 +31,7 @@ from trainer_core.checkpoint.run_directory import RunDirectory
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOTS = REPO / "runs" / "e2e-screenshots"
-#: The Prefect 3.8 UI asks for an icon named "undefined" for each progress artifact in the run
-#: graph (a UI bug, not our data); every other failed request or console error fails the test.
-KNOWN_UI_NOISE = ("/ico/undefined.svg",)
 
 
 @contextlib.contextmanager
@@ -174,81 +171,6 @@ def flow_run_named(server, name: str):
     return runs[0]
 
 
-def browse(server, flow_run, artifacts, shots: Path) -> dict:
-    """Visit the flow run, its train task run and every artifact; return what was seen."""
-    from playwright.sync_api import sync_playwright
-
-    shots.mkdir(parents=True, exist_ok=True)
-    problems: list[str] = []
-    seen: dict = {"artifacts": []}
-    args = [
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ]
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=args)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on(
-            "console",
-            lambda m: (
-                problems.append(f"console: {m.text}")
-                if m.type == "error" and "Failed to load resource" not in m.text
-                else None
-            ),
-        )
-        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-        noise: list[str] = []
-        page.on(
-            "response",
-            lambda r: (
-                (noise if any(k in r.url for k in KNOWN_UI_NOISE) else problems).append(
-                    f"{r.status} {r.url}"
-                )
-                if r.status >= 400
-                else None
-            ),
-        )
-        page.goto(f"{server['ui']}/runs/flow-run/{flow_run.id}", wait_until="networkidle")
-        page.get_by_text("finalize", exact=False).first.wait_for(timeout=30000)
-        seen["run_page"] = page.inner_text("body")
-        page.screenshot(path=str(shots / "flow-run.png"), full_page=True)
-        page.get_by_text("Task Runs", exact=True).first.click()
-        page.wait_for_timeout(1500)
-        seen["task_runs_tab"] = page.inner_text("body")
-        page.screenshot(path=str(shots / "task-runs.png"), full_page=True)
-        seen["known_noise"] = list(noise)
-        for artifact in artifacts:
-            page.goto(f"{server['ui']}/artifacts/artifact/{artifact.id}", wait_until="networkidle")
-            page.get_by_text(artifact.key).first.wait_for(timeout=30000)
-            page.wait_for_timeout(500)
-            images = page.eval_on_selector_all(
-                "img[src^='data:image/png']", "els => els.map(e => e.complete && e.naturalWidth)"
-            )
-            links = page.eval_on_selector_all(
-                "a[href^='file://'], a[href^='s3://']",
-                "els => els.map(e => e.getAttribute('href'))",
-            )
-            seen["artifacts"].append(
-                {
-                    "key": artifact.key,
-                    "text": page.inner_text("body"),
-                    "images": images,
-                    "links": links,
-                }
-            )
-            page.screenshot(
-                path=str(shots / f"{artifact.key}-{artifact.id.hex[:6]}.png"), full_page=True
-            )
-        browser.close()
-    seen["problems"] = problems
-    return seen
-
-
 def test_deployment_run_with_a_fault_shows_everything_in_the_ui(server, worker, database, tmp_path):
     """`make deploy`'s commands and a worker on the PostgreSQL-backed server: a deployment run
     with a fault and its retry, its artifacts read back and seen in the UI, and the rows really
@@ -273,17 +195,7 @@ def run_with_a_fault_and_see_it(server, tmp_path: Path, name: str, shots: Path):
         tmp_path, name, faults=[{"kind": "raise", "at_step": 17}], scaling=ONE_WORKER
     )
     started = time.time()
-    done = prefect(
-        server,
-        "deployment",
-        "run",
-        "training/default",
-        "--param",
-        f"spec={json.dumps(raw)}",
-        "--watch",
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    deployment_run(server, "training/default", raw)
     run_dir = RunDirectory(storage.resolve(str(tmp_path)).child(name))
     first_row = read_metrics_history(run_dir)[0]
     print(
@@ -339,31 +251,46 @@ def run_with_a_fault_and_see_it(server, tmp_path: Path, name: str, shots: Path):
     return flow_run
 
 
-def test_the_vision_deployment_trains_its_own_spec(server, worker, tmp_path):
-    """`prefect deployment run training/vision-resnet` with the deployment's own spec (its data
-    a path in the checkout, PNG bytes decoded and augmented on the workers), shortened to 1
-    epoch on 1 worker and stored under tmp_path."""
-    deployments = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-    (vision,) = [d for d in deployments["deployments"] if d["name"] == "vision-resnet"]
-    raw = vision["parameters"]["spec"]
-    raw["run"] |= {"name": "e2e-vision", "storage": str(tmp_path)}
-    raw["schedule"]["epochs"] = 1
-    raw["scaling"]["num_workers"] = 1
+def deployment_run(server, deployment: str, raw: dict) -> None:
+    """`prefect deployment run DEPLOYMENT --param spec=RAW --watch` on ``server``, which its
+    worker runs: it must complete."""
     done = prefect(
         server,
         "deployment",
         "run",
-        "training/vision-resnet",
+        deployment,
         "--param",
         f"spec={json.dumps(raw)}",
         "--watch",
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary = RunDirectory(storage.resolve(str(tmp_path)).child("e2e-vision"))
-    result = summary.location.child("summary.json").read_json()
-    assert result["status"] == "completed" and result["steps_completed"] == 22
-    assert 0 < result["final_metrics"]["val_accuracy"] < 1
+
+
+@pytest.mark.parametrize(
+    ("deployment", "metric", "low", "high"),
+    [
+        ("vision-resnet", "val_accuracy", 0.1, 1.0),  # above chance's 1 in 10
+        ("lm-gpt", "val_perplexity", 1.0, 256.0),  # below the uniform guess over 256 bytes
+    ],
+)
+def test_a_columns_deployment_trains_its_own_spec(
+    server, worker, tmp_path, deployment, metric, low, high
+):
+    """`prefect deployment run training/<deployment>` with the deployment's own spec (its data
+    a path in the checkout, decoded and augmented on the workers), shortened to 1 epoch on 1
+    worker and stored under tmp_path."""
+    deployments = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    (found,) = [d for d in deployments["deployments"] if d["name"] == deployment]
+    raw = found["parameters"]["spec"]
+    raw["run"] |= {"name": f"e2e-{deployment}", "storage": str(tmp_path)}
+    raw["schedule"]["epochs"] = 1
+    raw["scaling"]["num_workers"] = 1
+    deployment_run(server, f"training/{deployment}", raw)
+    run_dir = RunDirectory(storage.resolve(str(tmp_path)).child(f"e2e-{deployment}"))
+    result = run_dir.location.child("summary.json").read_json()
+    assert result["status"] == "completed" and result["epochs_completed"] == 1
+    assert low < result["final_metrics"][metric] < high
 
 
 def test_a_deployment_whose_checkout_is_gone_fails_naming_the_fix(server, worker, tmp_path):
