@@ -122,6 +122,23 @@ def assert_recovered(
     return attempts
 
 
+def committed_before(run_dir: RunDirectory, when: float) -> int:
+    """The newest step whose commit marker a local run directory got before ``when`` (Unix
+    seconds): what a failure at ``when`` must not lose. (A checkpoint whose write was still in
+    flight then is written again after the resume, so its marker is newer.)"""
+    import os
+
+    found = [
+        c.step
+        for c in run_dir.scan().committed
+        if os.path.getmtime(
+            run_dir.location.child(f"checkpoint-{c.step:09d}").child("COMMITTED").path
+        )
+        < when
+    ]
+    return max(found, default=0)
+
+
 def record_matrix_row(case: str, run_dir: RunDirectory, **extra: Any) -> dict[str, Any]:
     """Append this fault's row (attempts, recovery seconds, steps lost) to the matrix file."""
     summaries = attempt_summaries(read_attempts(run_dir))

@@ -23,6 +23,7 @@ from tests.recovery import (
     run_dir_of,
 )
 from trainer_core.checkpoint.exports import DCP_FORMAT
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import TrainingCodeError
 from trainer_core.run.engine import run_attempt
 from trainer_core.spec.overrides import build_spec
@@ -182,21 +183,23 @@ def test_hf_gpt2_under_fsdp_resumes_where_ddp_ends_and_reshards(
     assert third.resumed_from_step == 18 and third.steps_completed == 27
 
 
-def test_bf16_accumulation_clipping_and_uneven_tokens_stop_early_and_resume_bit_for_bit(
-    relaytrain_ray, lm_dataset, tmp_path
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_accumulation_clipping_and_uneven_tokens_stop_early_and_resume_exactly(
+    relaytrain_ray, lm_dataset, tmp_path, precision
 ):
-    """The LM under bf16 autocast, 2 micro-batches a step whose samples carry uneven counts of
-    labelled tokens (tests.columns_workloads:crop_some_labels), clipping, and early stopping
-    on val_perplexity (patience 1, min_delta 1e6: it stops after epoch 2 of 4). A fault at
-    step 8 (epoch 2) and a resume from step 5 end bit for bit where the uninterrupted run does,
-    stopped after the same epoch."""
+    """The LM under bf16 or fp16 autocast (fp16 with its gradient scaler), 2 micro-batches a
+    step whose samples carry uneven counts of labelled tokens
+    (tests.columns_workloads:crop_some_labels), clipping, and early stopping on val_perplexity
+    (patience 1, min_delta 1e6: it stops after epoch 2 of 4). A fault at step 8 (epoch 2) and
+    a resume from step 5 end bit for bit where the uninterrupted run does, stopped after the
+    same epoch."""
 
     def spec_of(name: str, faults: list) -> object:
         raw = lm_raw(
             tmp_path,
             lm_dataset,
             name,
-            precision="bf16",
+            precision=precision,
             optimizer={"name": "adamw", "lr": 0.01, "clip_grad_norm": 0.5, "grad_accumulation": 2},
             schedule={
                 "epochs": 4,
@@ -290,3 +293,42 @@ def recorded_batches(logs: Path) -> list[list[str]]:
         path.unlink()
     count = min(len(slices) for slices in by_rank.values())
     return [[d for rank in range(world_size) for d in by_rank[rank][n]] for n in range(count)]
+
+
+def test_the_lm_retrains_nightly_warm_started_and_compared_on_perplexity(
+    relaytrain_ray, relaytrain_prefect, tmp_path
+):
+    """Scheduled retraining of the columns form: night 1's LM is promoted; night 2's starts from
+    its weights (a first loss far below night 1's) and both are evaluated on night 2's holdout
+    on val_perplexity, the spec's best_metric; a margin no model meets keeps the champion."""
+    from datetime import UTC, datetime
+
+    from flows.retraining import retraining
+    from trainer_core import storage
+    from trainer_core.checkpoint.registry import Registry
+
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    for day in ("2026-01-01", "2026-01-02"):
+        write_lm_dataset(lake / f"{day}.parquet", count=100, group=50)
+    raw = lm_raw(tmp_path / "runs", str(lake / "{date}.parquet"), "unused")
+    raw["run"].pop("name")
+    raw["scaling"] = {"num_workers": 1}
+    raw["schedule"]["epochs"] = 1
+    spec = build_spec(raw)
+    first = retraining(spec, model_name="nightly-lm", slot=datetime(2026, 1, 1, 2, tzinfo=UTC))
+    assert first.warm_started_from is None and first.comparison.promoted
+    assert first.comparison.metric == "val_perplexity"
+    champion = Registry(storage.resolve(str(tmp_path / "runs")), "nightly-lm").champion()
+    second = retraining(
+        spec, model_name="nightly-lm", promote_margin=1e9, slot=datetime(2026, 1, 2, 2, tzinfo=UTC)
+    )
+    assert second.warm_started_from == champion.checkpoint_uri
+    assert not second.comparison.promoted and "not better" in second.comparison.reason
+    for metrics in (second.comparison.challenger_metrics, second.comparison.champion_metrics):
+        assert math.isclose(metrics["val_perplexity"], math.exp(metrics["val_loss"]))
+    nights = [
+        losses(RunDirectory(storage.resolve(str(tmp_path / "runs")).child(r.training.run_name)))
+        for r in (first, second)
+    ]
+    assert nights[1][0][1] < nights[0][0][1] * 0.9  # the warm start's weights, trained

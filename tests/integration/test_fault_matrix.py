@@ -23,7 +23,13 @@ from flows.pytest_plugin import with_fault
 from flows.training import training
 from tests.conftest import tiny_raw
 from tests.prefect_api import task_runs
-from tests.recovery import REPO, assert_recovered, record_matrix_row, run_dir_of
+from tests.recovery import (
+    REPO,
+    assert_recovered,
+    committed_before,
+    record_matrix_row,
+    run_dir_of,
+)
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.spec.overrides import build_spec
 
@@ -52,6 +58,15 @@ def test_worker_fault_is_retried_and_exact(
     run_dir = run_dir_of(spec)
     # The newest checkpoint an uninterrupted run commits before the fault (it keeps them all).
     committed = max(step for step in uninterrupted["checkpoints"] if step < at_step)
+    if strategy == "fsdp":
+        # A DCP write needs every rank: a rank killed while the asynchronous write of the newest
+        # checkpoint is still in flight (on a loaded machine, 3 steps did not cover it) loses
+        # that write, and the group resumes from the one before. What must not be lost is what
+        # was committed when the rank died, and the loss stays within one interval.
+        (restart,) = run_dir.read_attempts()[0]["restarts"]
+        before = max(step for step in uninterrupted["checkpoints"] if step < committed)
+        committed = committed_before(run_dir, restart["failed_at"])
+        assert committed in (before, max(s for s in uninterrupted["checkpoints"] if s < at_step))
     attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=committed)
     runs = task_runs(state.state_details.flow_run_id)["train"].run_count
     if kind == "kill" and in_place is None:

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ def counting_loop(config: dict[str, Any]) -> None:
     for epoch in range(start, config["num_epochs"]):
         first_time = epoch == config.get("kill_peer_at") and not os.path.exists(config["marker"])
         if rank == 1 and first_time:
+            registered(Path(config["run_dir"]))
             Path(config["marker"]).write_text("killed")
             os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank 1 that died
@@ -86,6 +88,23 @@ def counting_loop(config: dict[str, Any]) -> None:
             ray.train.report(
                 metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if saved else None
             )
+
+
+def registered(run_dir: Path, timeout_s: float = 120) -> None:
+    """Wait until Ray Train's snapshot lists a checkpoint of the run: its controller registers
+    a reported checkpoint when it next polls the workers, and a group lost before that loses
+    the checkpoint with it (Ray's registry; on a loaded machine the kill outran the poll, and
+    the run restarted from scratch). The kill is meant to land after a registered checkpoint."""
+    deadline = time.time() + timeout_s
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    while time.time() < deadline:
+        try:
+            if json.loads(snapshot.read_text()).get("checkpoint_results"):
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint registered in {snapshot} within {timeout_s} s")
 
 
 # -- what the loop says it ran ----------------------------------------------------------------
@@ -274,6 +293,7 @@ def test_a_peer_lost_in_a_collective_is_an_infrastructure_failure(
         checkpoint_every=2,
         kill_peer_at=3,
         marker=str(tmp_path / "killed"),
+        run_dir=str(tmp_path / "peer"),
     )
     result = training(spec, return_state=True).result()
     assert (tmp_path / "killed").exists()
