@@ -52,6 +52,8 @@ def test_worker_fault_is_retried_and_exact(
     raw = tiny_raw(tmp_path, f"matrix-{kind}-{strategy}-{in_place}", scaling={"strategy": strategy})
     if in_place is not None:
         raw["retries"]["in_place"] = in_place
+    if strategy == "fsdp":  # every commit marker kept, to read when each was written
+        raw["checkpoint"]["keep_last"] = None
     spec = with_fault(build_spec(raw), kind, at_step, rank)
     state = training(spec, return_state=True)
     assert state.is_completed(), state
