@@ -1,5 +1,5 @@
 """The built-in loop on one GPU, by hand (CI has no GPU):
-``python tools/gpu_check.py [STORAGE] [ddp|fsdp ...]`` (both strategies when none is named).
+``python tools/gpu_check.py [STORAGE] [ddp|fsdp|lm ...]`` (ddp and fsdp when none is named).
 
 Needs a machine with a CUDA GPU, PyTorch with CUDA, and relaytrain's Python dependencies (Ray
 2.60, pydantic, pyarrow, xxhash, numpy, pyyaml) importable; run it from the checkout's root. It
@@ -15,6 +15,13 @@ prints what it saw:
 3. that run's GPU checkpoint continued on the CPU (``use_gpu`` false, gloo) for 2 more epochs,
    by 2 workers under fsdp (DCP reshards the GPU's one shard over them);
 4. the GPU processes ``nvidia-smi`` listed while training.
+
+``lm`` trains the language model of examples/lm_gpt.yaml at the size of nanoGPT's
+``shakespeare_char`` config (6 layers, 6 heads, 384 wide; 96-token crops of the pydoc rows
+here, where nanoGPT's blocks are 256) on one GPU in bf16 and prints its tokens/s and its model
+FLOPs utilization (nanoGPT's ``estimate_mfu``: 6N + 12·L·d·T FLOPs a token, against the GPU's
+dense bf16 peak). nanoGPT's README trains ``shakespeare_char`` (5,000 iterations of 64 x 256
+tokens) in about 3 minutes on one A100: about 450k tokens/s. A figure to report; no target.
 """
 
 from __future__ import annotations
@@ -114,6 +121,50 @@ def check(root: str, strategy: str) -> None:
     attempts_until_done(cpu, f"3 continued on CPU from step {step}, {workers} worker(s)")
 
 
+#: Dense bf16 peak FLOP/s by GPU name (the vendors' data sheets, without sparsity).
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
+#: The LM check's model: nanoGPT's shakespeare_char size.
+LM_SIZE = {"layers": 6, "heads": 6, "width": 384}
+
+
+def lm_spec(root: str, gpu: bool = True, size: dict[str, int] | None = None) -> RunSpec:
+    kwargs = [f"model.kwargs.{k}={v}" for k, v in (size or LM_SIZE).items()]
+    return load_spec(
+        "examples/lm_gpt.yaml",
+        [
+            f"run.name=lm-{'gpu' if gpu else 'cpu'}",
+            f"run.storage={root}",
+            "scaling.num_workers=1",
+            f"scaling.use_gpu={'true' if gpu else 'false'}",
+            f"precision={'bf16' if gpu else 'fp32'}",
+            "data.batch_size=64",
+            "model.kwargs.dropout=0.0",
+            *kwargs,
+        ],
+    )
+
+
+def lm_check(root: str, gpu: bool = True, size: dict[str, int] | None = None) -> dict[str, float]:
+    """Tokens/s of the training steps (``timings.step_s``) and the model FLOPs utilization."""
+    from examples.lm_gpt import build
+
+    spec = lm_spec(root, gpu, size)
+    assert spec.model is not None and spec.data is not None
+    result = run_attempt(spec)
+    tokens = 96  # examples.lm_gpt:crop keeps 3/4 of each 128-token row
+    per_s = result.timings["num_steps"] * spec.data.batch_size * tokens / result.timings["step_s"]
+    kwargs = spec.model.kwargs
+    params = sum(p.numel() for p in build(**kwargs).parameters())
+    flops = 6 * params + 12 * kwargs["layers"] * kwargs["width"] * tokens
+    name = torch.cuda.get_device_name(0) if gpu else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    found = {"tokens_per_s": per_s, "params": params, "steps": result.timings["num_steps"]}
+    if peak is not None:
+        found["mfu"] = per_s * flops / peak
+    print(f"-- lm on {name}: {found}")
+    return found
+
+
 def main() -> None:
     root = sys.argv[1] if len(sys.argv) > 1 else "/tmp/relaytrain-gpu-check"
     strategies = sys.argv[2:] or ["ddp", "fsdp"]
@@ -123,7 +174,10 @@ def main() -> None:
     stop = threading.Event()
     threading.Thread(target=watch_gpu, args=(seen, stop), daemon=True).start()
     for strategy in strategies:
-        check(root, strategy)
+        if strategy == "lm":
+            lm_check(root)
+        else:
+            check(root, strategy)
     stop.set()
     print("GPU processes seen while training:", sorted(seen))
     ray.shutdown()
