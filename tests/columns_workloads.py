@@ -90,6 +90,24 @@ def sample_digest(input_ids: torch.Tensor) -> str:
     return hashlib.blake2b(input_ids.numpy().tobytes(), digest_size=8).hexdigest()
 
 
+def recorded_batches(logs: Path) -> list[list[str]]:
+    """The global batches an attempt trained, in order: every rank's recorded slice of each,
+    joined in rank order; the records are taken away. A rank that outlived the failing one
+    may have recorded the failed step's forward: the count is the shortest rank's."""
+    import json
+
+    by_rank: dict[int, list[list[str]]] = {}
+    world_size = 0
+    for path in sorted(logs.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            by_rank.setdefault(record["rank"], []).append(record["rows"])
+            world_size = record["world_size"]
+        path.unlink()
+    count = min(len(slices) for slices in by_rank.values())
+    return [[d for rank in range(world_size) for d in by_rank[rank][n]] for n in range(count)]
+
+
 def raises_on_row_2(row: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
     if row["n"] == 2:
         raise ValueError("cannot decode this row")
@@ -145,3 +163,35 @@ def noisy_batched(rows: dict[str, list[Any]], rngs: list[np.random.Generator]) -
         "n": np.asarray(rows["n"], dtype=np.int64),
         "draw": np.asarray([rng.random() for rng in rngs]),
     }
+
+
+def own_lm_loop(config: dict[str, Any]) -> None:
+    """A loop of the user's own on relaytrain's API over the columns form: examples.lm_gpt's
+    GPT on the batches ``batches()`` hands out (crops made by ``data.transform``), each
+    rank's samples recorded as ``RecordingLM`` records them (``config["log_dir"]``)."""
+    import json
+    import os
+
+    from examples.lm_gpt import build
+    from trainer_core.train import own_loop
+
+    run = own_loop.session()
+    model = build(block_size=32, layers=1, heads=2, width=16, dropout=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model = run.setup(model, optimizer)
+    for batch in run.batches():
+        line = {
+            "rank": run.rank,
+            "world_size": run.world_size,
+            "rows": [sample_digest(row) for row in batch["input_ids"]],
+        }
+        with open(Path(config["log_dir"]) / f"{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        logits = model(batch["input_ids"])
+        loss = nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1)
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        run.report({"loss": loss.item()})

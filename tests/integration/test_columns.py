@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from flows.training import training
-from tests.columns_workloads import write_lm_dataset
+from tests.columns_workloads import recorded_batches, write_lm_dataset
 from tests.conftest import reference_of
 from tests.recovery import (
     assert_records_what_it_measures,
@@ -275,24 +275,6 @@ def test_lm_samples_and_their_crops_survive_two_workers_then_one_then_two(
         ahead.close()
     batches.close()
     assert len(expected) == 18 and kept == expected
-
-
-def recorded_batches(logs: Path) -> list[list[str]]:
-    """The global batches an attempt trained, in order: every rank's recorded slice of each,
-    joined in rank order; the records are taken away. A rank that outlived the failing one
-    may have recorded the failed step's forward: the count is the shortest rank's."""
-    import json
-
-    by_rank: dict[int, list[list[str]]] = {}
-    world_size = 0
-    for path in sorted(logs.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            by_rank.setdefault(record["rank"], []).append(record["rows"])
-            world_size = record["world_size"]
-        path.unlink()
-    count = min(len(slices) for slices in by_rank.values())
-    return [[d for rank in range(world_size) for d in by_rank[rank][n]] for n in range(count)]
 
 
 def test_the_lm_retrains_nightly_warm_started_and_compared_on_perplexity(

@@ -109,3 +109,65 @@ def test_an_own_loop_that_fails_mid_epoch_resumes_bit_for_bit_through_the_flow(
     measured = measure(spec)
     assert measured[result.best_checkpoint_uri][2] == max(a for _, _, a in measured.values())
     assert result.best_model_uri is not None
+
+
+def test_an_own_loop_that_returns_early_goes_on_from_there_next_time(own_reference, tmp_path):
+    """The example's loop returns after step 12 (not a checkpoint step), holding a 13th batch it
+    never reports: the attempt completes with step 12 checkpointed, and running the spec again
+    trains the rest, ending bit for bit where the uninterrupted run does."""
+    raw = own_raw(tmp_path, "returns")
+    raw["train_loop"] = "tests.helpers:own_loop_that_returns_at"
+    raw["train_loop_config"] |= {"stop_at": 12, "marker": str(tmp_path / "returned")}
+    spec = build_spec(raw)
+    first = run_attempt(spec)
+    assert first.status == "completed" and first.steps_completed == 12
+    assert run_dir_of(spec).scan().newest.step == 12
+    second = run_attempt(spec)
+    assert second.resumed_from_step == 12 and second.steps_completed == 42
+    assert_same_tensors(final_state(run_dir_of(spec)), own_reference["state"])
+    assert losses(run_dir_of(spec)) == own_reference["losses"]
+
+
+def test_an_own_loop_on_the_columns_form_resumes_on_the_same_crops(relaytrain_ray, tmp_path):
+    """tests.columns_workloads:own_lm_loop on the LM's token rows, random-cropped by
+    data.transform, 2 workers: a fault at step 6 and a resume from step 4 train, step for step,
+    the global batches (each sample and its crop) one process reads for the run."""
+    from tests.columns_workloads import recorded_batches, sample_digest, write_lm_dataset
+    from trainer_core.data import footers, rank_stream
+    from trainer_core.data.transform import Batches
+    from trainer_core.errors import TrainingCodeError
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    raw = {
+        "run": {"name": "own-lm", "storage": str(tmp_path), "seed": 2},
+        "train_loop": "tests.columns_workloads:own_lm_loop",
+        "train_loop_api": "relaytrain",
+        "train_loop_config": {"log_dir": str(logs)},
+        "data": {
+            "dataset": write_lm_dataset(tmp_path / "lm.parquet", count=120, group=40),
+            "columns": ["tokens"],
+            "transform": "examples.lm_gpt:crop",
+            "batch_size": 16,
+            "validation_fraction": 0,
+        },
+        "schedule": {"epochs": 1},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"every": 4, "best_metric": "loss"},
+        "retries": {"delay_s": 0, "jitter": 0},
+        "faults": [{"kind": "raise", "at_step": 6, "attempt": 1}],
+    }
+    spec = build_spec(raw)
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    kept = recorded_batches(logs)[:4]
+    assert run_attempt(spec).resumed_from_step == 4
+    kept += recorded_batches(logs)
+    data = spec.data.resolved()
+    one = rank_stream.RankStream(footers.scan(data), data, spec.run.seed, 1, 0)
+    batches = Batches(data, spec.run.seed)
+    ahead = one.epoch(0, make_batch=batches)
+    expected = [[sample_digest(row) for row in b["input_ids"]] for _, _, b in ahead]
+    ahead.close()
+    batches.close()
+    assert len(expected) == 7 and kept == expected

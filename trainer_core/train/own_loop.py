@@ -106,6 +106,7 @@ class OwnLoop:
         self._end = 0
         self.end_of_epoch = False
         self._open = False
+        self._after = data_mod.Cursor(0, 0)
         self._metrics: dict[str, Any] = {}
         self.latest: dict[str, Any] = {}
         self.unsaved: list[dict[str, Any]] = []
@@ -184,7 +185,8 @@ class OwnLoop:
         epoch, on this worker's device: the columns form's dict of tensors (through
         ``data.transform`` and ``data.collate``), or ``{"features", "labels"}`` for the tabular
         form. ``epoch`` and ``end_of_epoch`` say where the batch lies; ``report`` ends its step
-        (a batch not reported is ended, with no metrics, when the next is asked for)."""
+        (a batch not reported is ended, with no metrics, when the next is asked for; one not
+        reported when the loop returns is not counted)."""
         if self.checkpoints is None:
             raise RuntimeError(
                 "batches() before setup(): call setup(model, optimizer, scheduler) first: it "
@@ -261,6 +263,12 @@ class OwnLoop:
         if self.checkpoints.failed():
             self.checkpoints.wait()  # raises the checkpoint's error
         self.timings.num_steps += 1
+        #: Where the next batch after this step is: the cursor of its checkpoint.
+        self._after = (
+            data_mod.Cursor(self.epoch + 1, 0)
+            if self.end_of_epoch
+            else data_mod.Cursor(self.epoch, self._end * self.batch_size)
+        )
         row = {"step": self.step, "epoch": self.epoch, "batch": self._end - 1}
         row.update(_numbers(self._metrics))
         self.latest = dict(row)
@@ -276,19 +284,18 @@ class OwnLoop:
 
     def _checkpoint(self) -> None:
         assert self.checkpoints is not None
-        if self.end_of_epoch:
-            self.cursor = data_mod.Cursor(self.epoch + 1, 0)
-        else:
-            self.cursor = data_mod.Cursor(self.epoch, self._end * self.batch_size)
+        self.cursor = self._after  # not the batch handed out since, when it was not reported
         meta = {"epoch": self.cursor.epoch, "cursor": self.cursor.to_json(), "metrics": self.latest}
         rows, self.unsaved = self.unsaved, []
         self.checkpoints.save(self.step, meta, rows)
         share_peak_rss(self.relay)
 
     def finish(self) -> None:
-        """After the loop returns: the last step ended, and checkpointed when it was not (a
-        loop that returns early keeps its work; the run goes on from there next time)."""
-        self._end_step()
+        """After the loop returns: its last step checkpointed when it was not (a loop that
+        returns early keeps its work; the run goes on from there next time). A batch handed
+        out but not reported (the loop broke out of ``batches()`` first) is not counted: the
+        next run trains it."""
+        self._open = False
         assert self.checkpoints is not None
         if self.step > self.checkpoints.last_step:
             self._checkpoint()
