@@ -90,24 +90,6 @@ def sample_digest(input_ids: torch.Tensor) -> str:
     return hashlib.blake2b(input_ids.numpy().tobytes(), digest_size=8).hexdigest()
 
 
-def recorded_batches(logs: Path) -> list[list[str]]:
-    """The global batches an attempt trained, in order: every rank's recorded slice of each,
-    joined in rank order; the records are taken away. A rank that outlived the failing one
-    may have recorded the failed step's forward: the count is the shortest rank's."""
-    import json
-
-    by_rank: dict[int, list[list[str]]] = {}
-    world_size = 0
-    for path in sorted(logs.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            by_rank.setdefault(record["rank"], []).append(record["rows"])
-            world_size = record["world_size"]
-        path.unlink()
-    count = min(len(slices) for slices in by_rank.values())
-    return [[d for rank in range(world_size) for d in by_rank[rank][n]] for n in range(count)]
-
-
 def raises_on_row_2(row: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
     if row["n"] == 2:
         raise ValueError("cannot decode this row")

@@ -173,33 +173,23 @@ def steps_by_process(log_dir: str | Path, rank: int = 0) -> list[int]:
 
 def own_loop_that_returns_at(config: dict) -> None:
     """examples/own_loop.py's loop, which returns after reporting step ``config["stop_at"]``
-    the first time through (a marker file says it did), having taken one more batch that it
-    does not report. Every rank returns at the same step, as a DDP loop's ranks must."""
-    import torch
-    from torch import nn
-
-    from examples.own_loop import build, evaluate
+    the first time through (a marker file says it did), holding one more batch it never
+    trains or reports: its ``batches()`` ends there, as a ``break`` out of it would. Every rank
+    returns at the same step, as a DDP loop's ranks must."""
+    from examples.own_loop import train
     from trainer_core.train import own_loop
 
     run = own_loop.session()
-    model = build(int(config.get("hidden", 64)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=float(config.get("lr", 3e-3)))
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=run.total_steps)
-    model = run.setup(model, optimizer, scheduler)
-    # Decided before training, the same on every rank (rank 0 writes the marker at the stop).
-    stops = not Path(config["marker"]).exists()
-    for batch in run.batches():
-        if stops and run.step == config["stop_at"]:
-            if run.rank == 0:
-                Path(config["marker"]).write_text("returned")
-            return  # the batch just handed out is neither trained nor reported
-        model.train()
-        loss = nn.functional.cross_entropy(model(batch["features"]), batch["labels"])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        metrics = {"loss": loss.item()}
-        if run.end_of_epoch:
-            metrics.update(evaluate(run, model))
-        run.report(metrics)
+    stops = not Path(config["marker"]).exists()  # decided before training, alike on every rank
+    every_batch = run.batches
+
+    def batches():
+        for batch in every_batch():
+            if stops and run.step == config["stop_at"]:
+                if run.rank == 0:
+                    Path(config["marker"]).write_text("returned")
+                return
+            yield batch
+
+    run.batches = batches  # type: ignore[method-assign]
+    train(config)

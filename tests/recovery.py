@@ -122,6 +122,26 @@ def assert_recovered(
     return attempts
 
 
+def recorded_batches(logs: Path, key: str) -> list[list[Any]]:
+    """The global batches an attempt trained, in order, from what a recording model or loop
+    wrote (``{"rank", "world_size", key}`` JSON lines, a file per process): every rank's slice
+    of each micro-batch, joined in rank order (rank r's slice is positions r*B//W.. of the
+    batch). The records are taken away, so the next attempt's start empty. A rank that outlived
+    the failing one may have recorded the failed step's forward: the count is the shortest
+    rank's."""
+    by_rank: dict[int, list[list[Any]]] = {}
+    world_size = 0
+    for path in sorted(logs.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            by_rank.setdefault(record["rank"], []).append(record[key])
+            world_size = record["world_size"]
+        path.unlink()
+    assert sorted(by_rank) == list(range(world_size))
+    count = min(len(slices) for slices in by_rank.values())
+    return [[i for rank in range(world_size) for i in by_rank[rank][n]] for n in range(count)]
+
+
 def committed_before(run_dir: RunDirectory, when: float) -> int:
     """The newest step whose commit marker a local run directory got before ``when`` (Unix
     seconds): what a failure at ``when`` must not lose. (A checkpoint whose write was still in

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from flows.training import training
-from tests.columns_workloads import recorded_batches, write_lm_dataset
+from tests.columns_workloads import write_lm_dataset
 from tests.conftest import reference_of
 from tests.recovery import (
     assert_records_what_it_measures,
@@ -20,6 +20,7 @@ from tests.recovery import (
     final_state,
     losses,
     measure_checkpoints,
+    recorded_batches,
     run_dir_of,
 )
 from trainer_core.checkpoint.exports import DCP_FORMAT
@@ -261,7 +262,7 @@ def test_lm_samples_and_their_crops_survive_two_workers_then_one_then_two(
                 run_attempt(spec)
         else:
             assert run_attempt(spec).status == "completed"
-        kept = kept[:resumed] + recorded_batches(logs)
+        kept = kept[:resumed] + recorded_batches(logs, "rows")
         resumed = run_dir_of(spec).scan().newest.step
     assert [a["world_size"] for a in run_dir_of(spec).read_attempts()] == [2, 1, 2]
     assert [a.get("resumed_from_step") for a in run_dir_of(spec).read_attempts()] == [0, 4, 12]

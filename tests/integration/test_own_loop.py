@@ -132,7 +132,8 @@ def test_an_own_loop_on_the_columns_form_resumes_on_the_same_crops(relaytrain_ra
     """tests.columns_workloads:own_lm_loop on the LM's token rows, random-cropped by
     data.transform, 2 workers: a fault at step 6 and a resume from step 4 train, step for step,
     the global batches (each sample and its crop) one process reads for the run."""
-    from tests.columns_workloads import recorded_batches, sample_digest, write_lm_dataset
+    from tests.columns_workloads import sample_digest, write_lm_dataset
+    from tests.recovery import recorded_batches
     from trainer_core.data import footers, rank_stream
     from trainer_core.data.transform import Batches
     from trainer_core.errors import TrainingCodeError
@@ -160,9 +161,9 @@ def test_an_own_loop_on_the_columns_form_resumes_on_the_same_crops(relaytrain_ra
     spec = build_spec(raw)
     with pytest.raises(TrainingCodeError):
         run_attempt(spec)
-    kept = recorded_batches(logs)[:4]
+    kept = recorded_batches(logs, "rows")[:4]
     assert run_attempt(spec).resumed_from_step == 4
-    kept += recorded_batches(logs)
+    kept += recorded_batches(logs, "rows")
     data = spec.data.resolved()
     one = rank_stream.RankStream(footers.scan(data), data, spec.run.seed, 1, 0)
     batches = Batches(data, spec.run.seed)

@@ -5,7 +5,6 @@ dataset's feature 0 is the row id)."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from flows.training import training
 from tests.conftest import ONE_WORKER, tiny_raw
 from tests.prefect_api import task_runs
-from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
+from tests.recovery import assert_same_tensors, final_state, losses, recorded_batches, run_dir_of
 from trainer_core import storage
 from trainer_core.data import footers, rank_stream
 from trainer_core.errors import SpecError, TrainingCodeError
@@ -77,24 +76,6 @@ def spec_for(tmp_path: Path, dataset: str, logs: Path, workers: int, faults: lis
     return build_spec(raw, [f"scaling.num_workers={workers}"])
 
 
-def trained(logs: Path) -> list[list[int]]:
-    """The global batches an attempt trained, in order: every rank's recorded slices of each
-    micro-batch, joined in rank order (rank r's slice is positions r*B//W.. of the batch).
-    The records are taken away, so the next attempt's start empty."""
-    by_rank: dict[int, list[list[int]]] = {}
-    world_size = 0
-    for path in sorted(logs.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            by_rank.setdefault(record["rank"], []).append(record["ids"])
-            world_size = record["world_size"]
-        path.unlink()
-    assert sorted(by_rank) == list(range(world_size))
-    # A rank that outlived the failing one may have recorded the failed step's forward.
-    count = min(len(slices) for slices in by_rank.values())
-    return [[i for rank in range(world_size) for i in by_rank[rank][n]] for n in range(count)]
-
-
 def expected_batches(spec: RunSpec, epochs: int = EPOCHS) -> list[list[int]]:
     """The uninterrupted run's global batches of ``epochs``, as one worker reads them."""
     assert spec.data is not None
@@ -129,12 +110,12 @@ def run_attempts(
         if fails_at is not None:
             with pytest.raises(TrainingCodeError):
                 run_attempt(spec)
-            batches = trained(logs)
+            batches = recorded_batches(logs, "ids")
             assert len(batches) >= fails_at - 1 - resumed
         else:
             result = run_attempt(spec)
             assert result.status == "completed"
-            batches = trained(logs)
+            batches = recorded_batches(logs, "ids")
         kept = kept[:resumed] + batches
         resumed = run_dir_of(spec).scan().newest.step if fails_at is not None else resumed
     assert spec is not None
