@@ -143,6 +143,10 @@ def test_a_binary_column_without_a_transform_names_the_fix(tmp_path, lm_file):
         ),
         ({"loss": "tests.columns_workloads:sum_without_count"}, r"returned a count str"),
         ({"data": {"columns": ["raw", "pixels"]}}, r"no column\(s\) \['pixels'\].*data.columns"),
+        (
+            {"metrics": ["tests.columns_workloads:needs_pixels"]},
+            r"metrics.0 .*needs_pixels.* raised KeyError .*fn\(outputs, batch\)",
+        ),
     ],
     ids=[
         "raises",
@@ -153,6 +157,7 @@ def test_a_binary_column_without_a_transform_names_the_fix(tmp_path, lm_file):
         "per-sample",
         "count",
         "missing-column",
+        "metric",
     ],
 )
 def test_a_bad_workload_is_refused_in_setup(tmp_path, lm_file, changes, message):

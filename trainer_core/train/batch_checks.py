@@ -21,7 +21,7 @@ from trainer_core.spec.imports import import_object
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.spec.sections import metric_name
 from trainer_core.train import validate, workloads
-from trainer_core.train.batch_workload import LABELS, BatchWorkload, logits_of
+from trainer_core.train.batch_workload import LABELS, BatchWorkload, as_sum, logits_of
 
 
 def check_batch_workload(spec: RunSpec, ids: np.ndarray, rows: TableRows, where: str) -> None:
@@ -40,36 +40,20 @@ def check_batch_workload(spec: RunSpec, ids: np.ndarray, rows: TableRows, where:
     outputs = _forward(workload, model, batch, spec)
     _check_loss(workload, outputs, batch, spec)
     with torch.no_grad():
-        try:
-            workload.metric_sums(outputs, batch)
-        except Exception as e:
-            i, path = _failing_metric(spec, workload, outputs, batch)
-            raise SpecError(
-                f"metrics.{i} {path!r} raised {type(e).__name__} on the first rows' batch "
-                f"({_shapes(batch)}): {e}. It is called as fn(outputs, batch) and returns "
-                "(sum, count) or the batch's mean",
-                field=f"metrics.{i}",
-            ) from e
         for i, path in enumerate(spec.metrics):
-            if metric_name(path) in workload.stateful:
-                _check_stateful_metric(
-                    workload.stateful[metric_name(path)], i, path, outputs, batch
-                )
-
-
-def _failing_metric(
-    spec: RunSpec, workload: BatchWorkload, outputs: Any, batch: dict[str, Any]
-) -> tuple[int, str]:
-    """The first of the spec's metric functions that raises on ``batch``."""
-    for i, path in enumerate(spec.metrics):
-        fn = workload.metric_fns.get(metric_name(path))
-        if fn is None:
-            continue
-        try:
-            fn(outputs, batch)
-        except Exception:
-            return i, path
-    return 0, spec.metrics[0] if spec.metrics else "the built-in metrics"
+            name = metric_name(path)
+            if name in workload.stateful:
+                _check_stateful_metric(workload.stateful[name], i, path, outputs, batch)
+                continue
+            try:
+                as_sum(workload.metric_fns[name](outputs, batch), batch)
+            except Exception as e:
+                raise SpecError(
+                    f"metrics.{i} {path!r} raised {type(e).__name__} on the first rows' batch "
+                    f"({_shapes(batch)}): {e}. It is called as fn(outputs, batch) and returns "
+                    "(sum, count) or the batch's mean",
+                    field=f"metrics.{i}",
+                ) from e
 
 
 def _check_stateful_metric(
