@@ -99,6 +99,7 @@ class OwnLoop:
         self.group = 0
         #: The steps done (the last reported), where the next batch is, where this group began.
         self.step = 0
+        #: Where this worker group's batches begin (the restored checkpoint's cursor).
         self.cursor = data_mod.Cursor(0, 0)
         self.resumed_from = 0
         #: The batch handed out: its epoch, the index after it in its epoch, whether it ends it.
@@ -284,8 +285,8 @@ class OwnLoop:
 
     def _checkpoint(self) -> None:
         assert self.checkpoints is not None
-        self.cursor = self._after  # not the batch handed out since, when it was not reported
-        meta = {"epoch": self.cursor.epoch, "cursor": self.cursor.to_json(), "metrics": self.latest}
+        after = self._after  # not the batch handed out since, when it was not reported
+        meta = {"epoch": after.epoch, "cursor": after.to_json(), "metrics": self.latest}
         rows, self.unsaved = self.unsaved, []
         self.checkpoints.save(self.step, meta, rows)
         share_peak_rss(self.relay)
