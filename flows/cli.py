@@ -2,7 +2,8 @@
 
     relaytrain run --config SPEC.yaml [--set key=value ...] [--run-name NAME] [--result-json PATH]
     relaytrain runs [STORAGE]                 the runs in a storage (default ./runs)
-    relaytrain show RUN                       attempts, checkpoints and metrics of one run
+    relaytrain show RUN [--time]              attempts, checkpoints and metrics of one run
+                                              (--time: where its step time went)
     relaytrain export RUN [--best | --latest | --step N] OUT.pt
     relaytrain sync RUN                       log to MLflow what its tracking server missed
 
@@ -20,12 +21,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from trainer_core import storage
+from trainer_core import step_time, storage
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import stored_spec
 from trainer_core.errors import RelaytrainError, SpecError
 from trainer_core.run import catalog
 from trainer_core.run.report import epoch_table
+from trainer_core.run.summary import time_account
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     runs.set_defaults(handler=_runs)
     show = commands.add_parser("show", help="one run: attempts, checkpoints, metric table")
     show.add_argument("run", help="a run directory (path or URI) or a run name under ./runs")
+    show.add_argument(
+        "--time",
+        action="store_true",
+        help="where the time went: each part of a step per attempt and rank, goodput, "
+        "stragglers and advice",
+    )
     show.set_defaults(handler=_show)
     export = commands.add_parser("export", help="write a checkpoint's model as one .pt file")
     export.add_argument("run", help="a run directory (path or URI) or a run name under ./runs")
@@ -124,6 +132,8 @@ def _runs(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     run_dir = resolve_run(args.run)
+    if args.time:
+        return _show_time(run_dir)
     v = catalog.view(run_dir)
     result = v.result
     print(f"run {v.name}: {v.status}")
@@ -173,6 +183,60 @@ def _show(args: argparse.Namespace) -> int:
     print("\nmetrics per epoch")
     table = epoch_table(read_metrics_history(run_dir))
     print(_table([{k: _number(val) for k, val in row.items()} for row in table]) or "  none")
+    return 0
+
+
+def _show_time(run_dir: Any) -> int:
+    """``show --time``: the breakdown per attempt and rank (ms per step), then the run's
+    account of its time, stragglers and advice."""
+    v = catalog.view(run_dir)
+    history = read_metrics_history(run_dir)
+    totals = step_time.per_rank(history)
+    steps = step_time.steps_per_rank(history)
+    # A summary from before the breakdown, or a run still going: from the history.
+    account = v.result.time or time_account(history, v.result.attempts, v.result.wall_time_s)
+    print(f"run {v.name}: {v.status}, where the time went")
+    if account is None or not totals:
+        print("  no step was measured (a loop on Ray's own API reports no breakdown)")
+        return 0
+    print("\nms per step, by attempt and rank")
+    rows = [
+        {
+            "attempt": attempt,
+            "rank": rank,
+            "steps": steps[(attempt, rank)],
+            "step": f"{1000 * figures[0] / steps[(attempt, rank)]:.2f}",
+            **{
+                name: f"{1000 * figures[1 + i] / steps[(attempt, rank)]:.2f}"
+                for i, name in enumerate(step_time.PARTS)
+            },
+        }
+        for (attempt, rank), figures in totals.items()
+    ]
+    print(_table(rows))
+    share = account.productive_share
+    r = account.restarts
+    print("\ntime")
+    print(
+        f"  productive:   {account.productive_s:.1f} s of {account.wall_s:.1f} s wall"
+        + (f" ({share:.1%})" if share is not None else "")
+    )
+    print(f"  data wait:    {account.data_wait_s:.1f} s")
+    print(f"  checkpoints:  {account.checkpoint_blocked_s:.1f} s blocked")
+    print(f"  validation:   {account.validation_s:.1f} s")
+    print(
+        f"  restarts:     {r.total_s:.1f} s (detection {r.detection_s:.1f}, new groups "
+        f"{r.new_group_s:.1f}, recomputed steps {r.recompute_s:.1f})"
+    )
+    print(f"  the rest:     {account.overhead_s:.1f} s (start-up, restore, finishing)")
+    for s in account.stragglers:
+        print(
+            f"  straggler:    rank {s['rank']} on node {s['node']} (attempt {s['attempt']}): "
+            f"{s['ratio']:.2f}x its peers' median, {s['windows']} windows from step "
+            f"{s['from_step']}"
+        )
+    for line in account.advice:
+        print(f"  advice:       {line}")
     return 0
 
 

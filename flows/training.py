@@ -125,7 +125,17 @@ def print_summary(result: TrainingResult) -> None:
     )
     print(f"  best checkpoint:  {result.best_checkpoint_uri} {best}")
     print(f"  best model file:  {result.best_model_uri}  (torch.load(path, weights_only=True))")
-    print(f"  run directory:    {result.run_uri}  (summary.json, loss_curve.png, metrics/)")
+    print(
+        f"  run directory:    {result.run_uri}  (summary.json, loss_curve.png, step_time.png, "
+        "metrics/)"
+    )
+    if result.time is not None and result.time.productive_share is not None:
+        print(
+            f"  time:             {result.time.productive_share:.0%} of the wall time trained "
+            f"kept steps; `relaytrain show {result.run_uri} --time` has the breakdown"
+        )
+        for line in result.time.advice:
+            print(f"  advice:           {line}")
     print(f"  inspect it:       relaytrain show {result.run_uri}")
     print(f"  TensorBoard:      tensorboard --logdir {result.storage_uri}")
     if result.mlflow is not None:

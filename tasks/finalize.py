@@ -67,6 +67,9 @@ def publish(
     data: URL, which the UI's <img> renders without any file server."""
     name = prepared.run_name
     table = epoch_table(history)
+    bars = plots.run_step_time_png(history, f"{name}: where each step's time went")
+    if bars is not None:
+        run_dir.step_time_file.write_bytes(bars)
     if table:
         create_table_artifact(
             table=table,
@@ -74,7 +77,9 @@ def publish(
             description=f"Metrics per epoch of {name}",
         )
     create_markdown_artifact(
-        markdown=render_markdown(spec, result, prepared.plan_reason),
+        markdown=render_markdown(
+            spec, result, prepared.plan_reason, plots.data_uri(bars) if bars else None
+        ),
         key=artifact_key(name, "summary"),
         description=f"Run summary of {name}",
     )

@@ -13,6 +13,7 @@ from prefect.states import State
 
 from tasks.naming import artifact_key
 from tasks.setup import Prepared
+from trainer_core import step_time
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import LeaseLostError, RelaytrainError
 from trainer_core.run import attempts, engine, jobs, lease
@@ -121,6 +122,16 @@ class ProgressRelay:
                 event["step"],
                 event["wait_s"],
                 event["since_s"],
+            )
+        if kind == "straggler":
+            self.logger.warning(
+                "rank %s on node %s is a straggler: its steps take %.2fx its peers' median "
+                "(over %sx for %s report windows in a row; the run's summary has the breakdown)",
+                event["rank"],
+                event["node"],
+                event["ratio"],
+                step_time.RATIO,
+                step_time.WINDOWS,
             )
         if kind == "dataset_added":
             self.logger.info(

@@ -15,9 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TOP = ("trainer_core", "tasks", "flows", "deployments")
-#: Modules of trainer_core that every package may import: the error hierarchy, and what a
-#: recorded number is.
-BASE = ("errors", "numbers", "tensors")
+#: Modules of trainer_core that every package may import: the error hierarchy, what a
+#: recorded number is, and what a step-time record holds (the workers write it, the driver
+#: reads it).
+BASE = ("errors", "numbers", "tensors", "step_time")
 #: trainer_core's packages, lowest first.
 LAYERS = (
     *BASE,

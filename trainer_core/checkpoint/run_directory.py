@@ -7,7 +7,8 @@ Nobody else builds these paths. Layout::
       attempts.jsonl                    one record per attempt
       metrics/segment-a{A}-{first}-{last}.jsonl   per-step rows, merged by step
       checkpoint-{step:09d}/            files, manifest.json, then COMMITTED (last)
-      summary.json, loss_curve.png      written by finalize
+      summary.json, loss_curve.png,     written by finalize
+      step_time.png
       lock.json                         the lease of the flow driving the run
       (Ray's own snapshot and marker files sit beside these)
 
@@ -64,6 +65,7 @@ DATASET_FILE = "dataset.json"
 ATTEMPTS_FILE = "attempts.jsonl"
 SUMMARY_FILE = "summary.json"
 CURVE_FILE = "loss_curve.png"
+STEP_TIME_FILE = "step_time.png"
 LEASE_FILE = "lock.json"
 METRICS_DIR = "metrics"
 MANIFEST_FILE = "manifest.json"
@@ -109,6 +111,10 @@ class RunDirectory:
     @property
     def curve_file(self) -> Location:
         return self.location.child(CURVE_FILE)
+
+    @property
+    def step_time_file(self) -> Location:
+        return self.location.child(STEP_TIME_FILE)
 
     @property
     def lease_file(self) -> Location:

@@ -30,6 +30,11 @@ def node_rank() -> int:
     return int(ray.train.get_context().get_node_rank())
 
 
+def node_ip() -> str:
+    """This worker's node, by its IP address (as the Ray dashboard names nodes)."""
+    return str(ray.util.get_node_ip_address())
+
+
 def device() -> torch.device:
     """Where this worker's model and batches live (its GPU with ``use_gpu``, else the CPU)."""
     return ray.train.torch.get_device()

@@ -99,6 +99,15 @@ def all_reduce(values: list[float], op: Any = None) -> list[float]:
     return tensor.tolist()
 
 
+def gather_nodes(world_size: int) -> list[str]:
+    """Each rank's node (its IP address), in rank order: one collective, when a group starts."""
+    if world_size == 1:
+        return [worker_api.node_ip()]
+    nodes: list[Any] = [None] * world_size
+    dist.all_gather_object(nodes, worker_api.node_ip())
+    return [str(node) for node in nodes]
+
+
 def all_ok(ok: bool) -> bool:
     return all_reduce([1.0 if ok else 0.0], dist.ReduceOp.MIN)[0] == 1.0
 

@@ -35,6 +35,8 @@ class AttemptRecord:
     #: rank's ``restore_s``.
     restore: dict[str, Any] | None = None
     last_step: int | None = None
+    #: When the workers last relayed progress (a metric row): a failure is noticed after it.
+    last_progress_at: float | None = None
     #: In-place restarts of the worker group within the attempt (resizes of an elastic run):
     #: reason, world sizes, steps and seconds, as ``live_state.LiveState`` recorded them.
     restarts: list[dict[str, Any]] = field(default_factory=list)

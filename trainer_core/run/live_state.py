@@ -12,6 +12,8 @@ class LiveState:
     """What the driver knows of a running attempt, folded from the relayed events."""
 
     step: int = 0
+    #: When the newest metric row was published (worker clock).
+    progress_at: float | None = None
     resumed_from: int | None = None
     #: When the workers had loaded their start point (worker clock): training resumes here.
     resumed_at: float | None = None
@@ -36,6 +38,7 @@ class LiveState:
         return {
             "resumed_from_step": self.resumed_from,
             "resumed_at": self.resumed_at,
+            "last_progress_at": self.progress_at,
             "restore": self.restore,
             "restarts": self.restarts,
             "world_size": self.world_size,
@@ -60,6 +63,7 @@ class LiveState:
             )
         if kind == "metrics" and event["rows"]:
             self.step = max(self.step, event["rows"][-1]["step"])
+            self.progress_at = event["rows"][-1].get("time", event.get("time"))
             self.metrics = {**self.metrics, **event["rows"][-1]}
         elif kind == "preemption_notice":
             self.notice = {
@@ -108,6 +112,7 @@ class LiveState:
                 "reason": reason,
                 "failed_at": event["time"],
                 "last_step": self.step,
+                "last_progress_at": self.progress_at,
                 "world_size_before": self.world_size,
                 "error_class": event["error_class"],
                 "error_message": event["error_message"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from trainer_core import step_time
 from trainer_core.numbers import is_finite_number
 from trainer_core.run.summary import TrainingResult
 from trainer_core.spec.run_spec import RunSpec
@@ -34,8 +35,14 @@ def epoch_table(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
-def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | None = None) -> str:
-    """The run summary a person reads in the UI."""
+def render_markdown(
+    spec: RunSpec,
+    result: TrainingResult,
+    plan_reason: str | None = None,
+    step_time_image: str | None = None,
+) -> str:
+    """The run summary a person reads in the UI (``step_time_image``: the URL of the
+    step-time bars, shown under "Where the time went")."""
     lines = [
         f"# Run `{result.run_name}`: {result.status}",
         "",
@@ -48,6 +55,7 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
         "|---|---|---|---|---|---|---|",
         *_attempt_rows(result),
         "",
+        *time_lines(result, step_time_image),
         "## Checkpoints",
         "",
         f"- best: `{result.best_checkpoint_uri}` {_metrics(result.best_metrics)}",
@@ -68,6 +76,49 @@ def render_markdown(spec: RunSpec, result: TrainingResult, plan_reason: str | No
             f"- latest: `{result.latest_model_uri}`",
         ]
     return "\n".join(lines) + "\n"
+
+
+def time_lines(result: TrainingResult, image: str | None = None) -> list[str]:
+    """ "Where the time went": goodput, the parts of a step (mean over ranks), the stragglers
+    and the advice; nothing when no step was measured."""
+    account = result.time
+    if account is None:
+        return []
+    share = f"{account.productive_share:.0%}" if account.productive_share is not None else "-"
+    r = account.restarts
+    lines = [
+        "## Where the time went",
+        "",
+        f"- productive training: {account.productive_s:.1f} s of {account.wall_s:.1f} s wall "
+        f"time ({share}); start-up, restore and finishing {account.overhead_s:.1f} s",
+        f"- waiting for data {account.data_wait_s:.1f} s, blocked on checkpoints "
+        f"{account.checkpoint_blocked_s:.1f} s, validation {account.validation_s:.1f} s",
+        f"- lost to restarts: {r.total_s:.1f} s (detection {r.detection_s:.1f} s, new worker "
+        f"groups {r.new_group_s:.1f} s, steps recomputed {r.recompute_s:.1f} s)",
+        "",
+        f"Per step, mean over ranks, {account.steps_measured} steps measured:",
+        "",
+        "| part | ms per step | share |",
+        "|---|---|---|",
+        *(
+            f"| {step_time.LABELS[name]} | {1000 * seconds:.2f} | "
+            f"{account.shares.get(name, 0.0):.1%} |"
+            for name, seconds in account.per_step_s.items()
+        ),
+        "",
+    ]
+    for s in account.stragglers:
+        lines.append(
+            f"- straggler: rank {s['rank']} on node {s['node']} (attempt {s['attempt']}), "
+            f"{s['ratio']:.2f}x its peers' median in {s['windows']} windows from step "
+            f"{s['from_step']}"
+        )
+    lines += [f"- advice: {line}" for line in account.advice]
+    if account.stragglers or account.advice:
+        lines.append("")
+    if image:
+        lines += [f"![where each step's time went, per attempt and rank]({image})", ""]
+    return lines
 
 
 def _setup_lines(spec: RunSpec) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from trainer_core import step_time
 from trainer_core.checkpoint import exports
 from trainer_core.checkpoint.files import CheckpointInfo
 from trainer_core.checkpoint.history import read_metrics_history
@@ -50,6 +51,8 @@ class InPlaceRestart(_Frozen):
     resumed_from_step: int | None = None
     steps_lost: int | None = None
     recovery_s: float | None = None
+    #: Seconds from the workers' last relayed progress to the failure being reported.
+    detection_s: float | None = None
 
 
 class AttemptSummary(_Frozen):
@@ -63,6 +66,8 @@ class AttemptSummary(_Frozen):
     steps_lost: int | None = None
     #: Seconds from this attempt's failure to the next attempt's workers resuming.
     recovery_s: float | None = None
+    #: Seconds from the workers' last relayed progress to the failure being recorded.
+    detection_s: float | None = None
     duration_s: float | None = None
     retry_decision: str | None = None
     #: In-place restarts of the worker group within this attempt: resizes of an elastic run,
@@ -73,6 +78,48 @@ class AttemptSummary(_Frozen):
     #: checkpoint or its end.
     world_size: int | None = None
     peak_worker_rss_mb: float | None = None
+
+
+class RestartCost(_Frozen):
+    """Seconds restarts cost, every attempt's and in-place restart's together."""
+
+    #: From the workers' last relayed progress to the failure being reported.
+    detection_s: float = 0.0
+    #: From the failure to a new worker group resuming (start, restore).
+    new_group_s: float = 0.0
+    #: Steps run again from the resume point, at the run's mean step time.
+    recompute_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.detection_s + self.new_group_s + self.recompute_s
+
+
+class TimeAccount(_Frozen):
+    """Where a run's time went, from its kept steps' report windows (each part the mean over
+    the ranks; ``step_time`` has the rules) and its attempts."""
+
+    wall_s: float
+    #: Steps the windows measured, and their seconds.
+    steps_measured: int
+    training_s: float
+    #: Seconds the kept steps spent stepping (not waiting for data or checkpoints, not
+    #: validating), and their share of the wall time.
+    productive_s: float
+    productive_share: float | None
+    data_wait_s: float
+    checkpoint_blocked_s: float
+    validation_s: float
+    restarts: RestartCost
+    #: The rest of the wall time: starting the cluster and worker groups, restoring, finishing
+    #: (and steps no window measured: a failed attempt's after its last checkpoint).
+    overhead_s: float
+    #: Mean seconds per step of each part, and each part's share of the step time.
+    per_step_s: dict[str, float]
+    shares: dict[str, float]
+    #: Ranks the straggler rule named: attempt, rank, node, windows, from_step, ratio.
+    stragglers: list[dict[str, Any]] = []
+    advice: list[str] = []
 
 
 class TrainingResult(_Frozen):
@@ -103,6 +150,8 @@ class TrainingResult(_Frozen):
     #: them the result keeps: ``steps_completed / steps_computed``.
     steps_computed: int | None = None
     goodput: float | None = None
+    #: Where the time went (None when no step was measured: a user's loop on Ray's API).
+    time: TimeAccount | None = None
     #: Where the run is in MLflow and whether everything reached it (None: no MLflow).
     mlflow: mlflow_state.MlflowState | None = None
     #: A user's own loop's ``train_loop_config`` as the run had it: a finished run is finished
@@ -115,11 +164,13 @@ def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
     summaries = []
     for index, record in enumerate(records):
         following = records[index + 1] if index + 1 < len(records) else None
-        lost = recovery = None
+        lost = recovery = detection = None
         if record.status == "failed" and following is not None:
             lost = _steps_lost(record.last_step, following.resumed_from_step)
             if following.resumed_at and record.ended_at:
                 recovery = following.resumed_at - record.ended_at
+            if record.last_progress_at and record.ended_at:
+                detection = max(record.ended_at - record.last_progress_at, 0.0)
         started, ended = record.started_at, record.ended_at
         summaries.append(
             AttemptSummary(
@@ -132,6 +183,7 @@ def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
                 last_step=record.last_step,
                 steps_lost=lost,
                 recovery_s=recovery,
+                detection_s=detection,
                 duration_s=(ended - started) if started and ended else None,
                 retry_decision=record.retry_decision,
                 restarts=[_restart(r) for r in record.restarts],
@@ -171,6 +223,7 @@ def _steps_lost(last_step: Any, resumed_from: Any) -> int | None:
 def _restart(record: dict[str, Any]) -> InPlaceRestart:
     last, resumed = record.get("last_step"), record.get("resumed_from_step")
     failed, back = record.get("failed_at"), record.get("resumed_at")
+    progress = record.get("last_progress_at")
     return InPlaceRestart(
         reason=record.get("reason"),
         world_size_before=record.get("world_size_before"),
@@ -181,6 +234,56 @@ def _restart(record: dict[str, Any]) -> InPlaceRestart:
         resumed_from_step=resumed,
         steps_lost=_steps_lost(last, resumed),
         recovery_s=(back - failed) if failed and back else None,
+        detection_s=max(failed - progress, 0.0) if failed and progress else None,
+    )
+
+
+def time_account(
+    history: Sequence[dict[str, Any]], attempts: Sequence[AttemptSummary], wall_s: float
+) -> TimeAccount | None:
+    """What the history's report windows and the attempts say of where the time went."""
+    rows = list(history)
+    steps, total = step_time.run_totals(rows)
+    if not steps:
+        return None
+    seconds = dict(zip(step_time.PARTS, total[1:], strict=True))
+    training = total[0]
+    waits = seconds["data_wait"] + seconds["checkpoint"] + seconds["validation"]
+    productive = max(training - waits, 0.0)
+    step_s = training / steps
+    restarts = [r for a in attempts for r in a.restarts]
+    failed = [a for a in attempts if a.status == "failed"]
+    lost = sum(a.steps_lost or 0 for a in failed) + sum(r.steps_lost or 0 for r in restarts)
+    cost = RestartCost(
+        detection_s=round(
+            sum(a.detection_s or 0.0 for a in failed) + sum(r.detection_s or 0.0 for r in restarts),
+            3,
+        ),
+        new_group_s=round(
+            sum(a.recovery_s or 0.0 for a in failed) + sum(r.recovery_s or 0.0 for r in restarts),
+            3,
+        ),
+        recompute_s=round(lost * step_s, 3),
+    )
+    shares = {
+        name: round(value / training, 4) if training else 0.0 for name, value in seconds.items()
+    }
+    stragglers = step_time.stragglers_seen(rows)
+    return TimeAccount(
+        wall_s=wall_s,
+        steps_measured=steps,
+        training_s=round(training, 3),
+        productive_s=round(productive, 3),
+        productive_share=round(productive / wall_s, 4) if wall_s > 0 else None,
+        data_wait_s=round(seconds["data_wait"], 3),
+        checkpoint_blocked_s=round(seconds["checkpoint"], 3),
+        validation_s=round(seconds["validation"], 3),
+        restarts=cost,
+        overhead_s=round(max(wall_s - training - cost.total_s, 0.0), 3),
+        per_step_s={name: round(value / steps, 6) for name, value in seconds.items()},
+        shares=shares,
+        stragglers=stragglers,
+        advice=step_time.advice(shares, stragglers, cost.total_s / wall_s if wall_s > 0 else 0.0),
     )
 
 
@@ -250,6 +353,7 @@ def build_result(
         epochs_done = int(newest.manifest.get("epoch", 0)) if newest else 0
         done = newest.step if newest else 0
     computed = steps_computed(attempts)
+    wall = round(ended - started, 3)
     return TrainingResult(
         run_name=spec.run.name or run_dir.location.path.rsplit("/", 1)[-1],
         storage_uri=storage_uri,
@@ -264,7 +368,8 @@ def build_result(
         latest_checkpoint_uri=newest.uri if newest else None,
         best_model_uri=model_uris.get(best.step) if best else None,
         latest_model_uri=model_uris.get(newest.step) if newest else None,
-        wall_time_s=round(ended - started, 3),
+        wall_time_s=wall,
+        time=time_account(history, attempts, wall),
         steps_computed=computed,
         goodput=round(done / computed, 4) if computed else None,
         storage_bytes=storage_bytes(run_dir),

@@ -8,7 +8,9 @@ from urllib.parse import urlsplit
 
 from pydantic import (
     Field,
+    PositiveFloat,
     field_validator,
+    model_validator,
 )
 
 from trainer_core.spec.sections import (
@@ -174,7 +176,21 @@ class RetriesSection(_Section):
 
 
 class FaultSection(_Section):
-    kind: Literal["raise", "kill"]
+    """A fault to inject (tests, the chaos campaign): ``raise`` an error or ``kill`` the worker
+    at ``at_step``, or make the rank ``slow``: ``seconds`` of sleep in each of its steps from
+    ``at_step`` on (a straggler)."""
+
+    kind: Literal["raise", "kill", "slow"]
     at_step: PositiveInt
     rank: NonNegativeInt = 0
     attempt: PositiveInt = 1
+    seconds: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _seconds_with_slow(self) -> FaultSection:
+        if (self.kind == "slow") != (self.seconds is not None):
+            raise ValueError(
+                f"fault kind {self.kind!r} with seconds={self.seconds}: a slow fault needs "
+                "seconds (its sleep per step), and only a slow fault takes them"
+            )
+        return self

@@ -254,10 +254,15 @@ class Tracker:
         rows = read_metrics_history(self.run_dir) if history is None else history
         if rows:
             png = plots.curve_png(rows, f"{result.run_name}: loss and validation metrics")
+            bars = plots.run_step_time_png(rows, f"{result.run_name}: where each step's time went")
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp, "loss_curve.png")
                 path.write_bytes(png)
                 client.log_artifact(run_id, str(path))
+                if bars is not None:
+                    path = Path(tmp, "step_time.png")
+                    path.write_bytes(bars)
+                    client.log_artifact(run_id, str(path))
         self._log_model(client, result)
 
     def _log_model(self, client: Any, result: Any) -> None:

@@ -39,7 +39,9 @@ NOT_SCALARS = ("step", "epoch", "batch", "attempt", "time", "schema")
 
 def tag(key: str) -> str:
     """The TensorBoard tag of a history key: ``val_loss`` -> ``val/loss``, ``loss`` ->
-    ``train/loss``."""
+    ``train/loss``; the step-time breakdown's ``time/data_wait`` stays itself."""
+    if key.startswith("time/"):
+        return key
     if key.startswith("val_") and len(key) > 4:
         return f"val/{key[4:]}"
     return f"train/{key}"

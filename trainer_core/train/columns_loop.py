@@ -50,15 +50,18 @@ class ColumnsLoop(BuiltinLoop):
 
     def _gradients(self, model: torch.nn.Module, micro_batches: list[Any]) -> float:
         self.last_batch = micro_batches[0]
-        return summed_gradients(
-            model,
-            [self._batch_to_device(b) for b in micro_batches],
-            self._forward_loss,
-            self.data_spec.batch_size * self.accumulation,
-            self.world_size,
-            self.precision.autocast,
-            self.precision.scale(),
-        )
+        with self.clock.part("h2d"):
+            batches = [self._batch_to_device(b) for b in micro_batches]
+        with self.clock.part("forward_backward"):
+            return summed_gradients(
+                model,
+                batches,
+                self._forward_loss,
+                self.data_spec.batch_size * self.accumulation,
+                self.world_size,
+                self.precision.autocast,
+                self.precision.scale(),
+            )
 
     def _forward_loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
         return self.workload.loss(self.workload.forward(model, batch), batch)

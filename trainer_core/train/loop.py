@@ -31,12 +31,19 @@ from trainer_core.data import arrays as data_mod
 from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_config import WorkerConfig
-from trainer_core.execution.worker_group import Relay, Timings, all_reduce, share_peak_rss
+from trainer_core.execution.worker_group import (
+    Relay,
+    Timings,
+    all_reduce,
+    gather_nodes,
+    share_peak_rss,
+)
 from trainer_core.spec.imports import import_object
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import validate, workloads
 from trainer_core.train.metric_rows import MetricRows
 from trainer_core.train.preemption import DrainWatch
+from trainer_core.train.step_clock import StepClock
 from trainer_core.train.steps import (
     Precision,
     accumulate_gradients,
@@ -97,7 +104,9 @@ class BuiltinLoop:
         self.current_step = 0
         self.completed_step = 0
         self.timings = Timings()
-        self.rows = MetricRows(self.relay, self.timings, self.world_size, config.attempt)
+        self.rows = MetricRows(self.relay, self.timings, self.world_size, config.attempt, self.rank)
+        #: Where each report window's time goes (restarted when training begins).
+        self.clock = StepClock(self.device, self.timings)
         self.checkpoints = CheckpointManager(
             self.run_dir,
             self.spec.checkpoint,
@@ -216,6 +225,9 @@ class BuiltinLoop:
         self.model.to(self.device)
         self.restore()
         ddp_model = self.model if self.fsdp else worker_api.prepare_model(self.model)
+        self.rows.watch_stragglers(gather_nodes(self.world_size))
+        self.clock = StepClock(self.device, self.timings)
+        self.clock.watch_allreduce(ddp_model)
         schedule = self.spec.schedule
         assert schedule is not None
         cursor = self.progress.cursor
@@ -292,8 +304,9 @@ class BuiltinLoop:
         extra: dict[str, float] = {}
         stop = False
         if end_of_epoch:
-            extra = self._validate()
-            stop = self._should_stop(epoch, extra)
+            with self.clock.part("validation"):
+                extra = self._validate()
+                stop = self._should_stop(epoch, extra)
             ddp_model.train()
         # A validation is followed by a checkpoint of the weights it measured: only those
         # checkpoints carry val_* metrics, so only they are ranked (keep_best, best exports).
@@ -307,7 +320,7 @@ class BuiltinLoop:
         should_checkpoint = should_checkpoint or notice is not None
         if at_report:
             started = time.perf_counter()
-            self.rows.aggregate(extra, flush=should_checkpoint)
+            self.rows.aggregate(extra, flush=should_checkpoint, times=self.clock.window())
             self.timings.aggregate_s += time.perf_counter() - started
             self.timings.num_aggregates += 1
         if should_checkpoint:
@@ -338,24 +351,33 @@ class BuiltinLoop:
         self.optimizer.zero_grad(set_to_none=True)
         value = self._gradients(model, micro_batches)
         self.checkpoints.before_optimizer_step()
-        grad_norm = optimizer_step(
-            self.optimizer, self.model, self.spec.optimizer.clip_grad_norm, self.precision.scaler
-        )
-        self.scheduler.step()
+        with self.clock.part("optimizer"):
+            grad_norm = optimizer_step(
+                self.optimizer,
+                self.model,
+                self.spec.optimizer.clip_grad_norm,
+                self.precision.scaler,
+            )
+            self.scheduler.step()
         self.precision.check_loss(value, step, self.rank)
         return value, grad_norm
 
     def _gradients(self, model: torch.nn.Module, micro_batches: list[Any]) -> float:
         """The step's gradients over its micro-batches; returns the step's loss."""
-        loss = accumulate_gradients(
-            model,
-            [(self._to_device(m.features), self._to_device(m.labels)) for m in micro_batches],
-            self.loss_fn,
-            self.precision.autocast,
-            self.precision.scale(),
-            self.data.weight,
-        )
-        return loss.item()
+        with self.clock.part("h2d"):
+            batches = [
+                (self._to_device(m.features), self._to_device(m.labels)) for m in micro_batches
+            ]
+        with self.clock.part("forward_backward"):
+            loss = accumulate_gradients(
+                model,
+                batches,
+                self.loss_fn,
+                self.precision.autocast,
+                self.precision.scale(),
+                self.data.weight,
+            )
+            return loss.item()
 
     def _epoch(self, epoch: int, first: int) -> Any:
         """Global batches ``first..`` of ``epoch``, this rank's slice of each, read ahead."""

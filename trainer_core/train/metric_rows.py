@@ -1,6 +1,12 @@
 """The built-in loop's metric rows: each optimizer step's loss averaged across ranks without
 blocking the step, published to the driver, and kept for the next checkpoint's segment of the
-metrics history."""
+metrics history.
+
+A report window's last row also says where the window's time went (``step_clock``): the mean
+over ranks of each part's seconds per step as ``time/<part>`` (with ``time/step``), every rank's
+figures under ``step_time``, and the ranks straggling under ``stragglers``. The per-rank figures
+travel in the window's one collective: each rank fills its own row of a zero matrix and the
+sum gathers them."""
 
 from __future__ import annotations
 
@@ -11,19 +17,25 @@ import torch
 import torch.distributed as dist
 
 from trainer_core.execution.worker_group import Relay, Timings, collective_device
+from trainer_core.step_time import Stragglers, own_row, window_fields
 
 
 class MetricRows:
     """One rank's rows: pending (not yet averaged), in flight (being averaged), unsaved (not yet
     in a metrics segment)."""
 
-    def __init__(self, relay: Relay, timings: Timings, world_size: int, attempt: int):
+    def __init__(
+        self, relay: Relay, timings: Timings, world_size: int, attempt: int, rank: int = 0
+    ):
         self.relay = relay
         self.timings = timings
         self.world_size = world_size
         self.attempt = attempt
+        self.rank = rank
         self.pending: list[dict[str, Any]] = []
         self.in_flight: list[tuple[Any, torch.Tensor, list[dict[str, Any]], dict]] = []
+        #: Each rank's node (``watch_stragglers``); None: no straggler rule.
+        self.stragglers: Stragglers | None = None
         self.unsaved: list[dict[str, Any]] = []
         #: The newest step's metrics alone: a checkpoint's manifest records these, so a
         #: validation's figures never outlive the weights they were measured on.
@@ -33,40 +45,64 @@ class MetricRows:
         """A step's row, its loss this rank's own."""
         self.pending.append(row)
 
-    def aggregate(self, extra: dict[str, float], *, flush: bool = False) -> None:
+    def watch_stragglers(self, nodes: list[str]) -> None:
+        """Apply the straggler rule to the windows from now on (``nodes``: each rank's)."""
+        self.stragglers = Stragglers(nodes)
+
+    def aggregate(
+        self, extra: dict[str, float], *, flush: bool = False, times: list[float] | None = None
+    ) -> None:
         """Average the pending per-step losses across ranks: one collective per window, with
-        ``extra`` (a validation's metrics) on the window's last row.
+        ``extra`` (a validation's metrics) on the window's last row, and with ``times`` (this
+        rank's ``StepClock.window()``) every rank's.
 
         The collective runs asynchronously (gloo's thread) and is completed at the next window,
         so training does not wait for it; ``flush`` completes everything (before a checkpoint
         records its metrics, and at the end).
         """
         if self.pending:
-            losses = torch.tensor(
-                [row["loss"] for row in self.pending],
-                dtype=torch.float64,
-                device=collective_device(),
-            )
+            values = [row["loss"] for row in self.pending]
+            if times is not None:
+                values += own_row(times, self.rank, self.world_size)
+            losses = torch.tensor(values, dtype=torch.float64, device=collective_device())
             work = dist.all_reduce(losses, async_op=True)
             self.in_flight.append((work, losses, self.pending, extra))
             self.pending = []
         while self.in_flight and (flush or len(self.in_flight) > 1):
             work, losses, rows, window_extra = self.in_flight.pop(0)
             work.wait()
-            self._publish(rows, (losses / self.world_size).tolist(), window_extra)
+            values = losses.tolist()
+            means = [v / self.world_size for v in values[: len(rows)]]
+            timing = self._window_times(values[len(rows) :], len(rows))
+            self._publish(rows, means, window_extra, timing)
+
+    def _window_times(self, matrix: list[float], steps: int) -> dict[str, Any]:
+        if not matrix:
+            return {}
+        fields, new = window_fields(matrix, self.world_size, steps, self.stragglers)
+        for found in new:
+            self.relay.send("straggler", **found)
+        return fields
 
     def take_unsaved(self) -> list[dict[str, Any]]:
         """The rows since the last checkpoint (for the next one's metrics segment)."""
         rows, self.unsaved = self.unsaved, []
         return rows
 
-    def _publish(self, pending: list[dict[str, Any]], means: list[float], extra: dict) -> None:
+    def _publish(
+        self,
+        pending: list[dict[str, Any]],
+        means: list[float],
+        extra: dict,
+        timing: dict[str, Any] | None = None,
+    ) -> None:
         now = time.time()
         rows = [
             {**row, "loss": mean, "attempt": self.attempt, "time": now}
             for row, mean in zip(pending, means, strict=True)
         ]
         rows[-1].update(extra)
+        rows[-1].update(timing or {})  # in the history, not in a checkpoint's metrics
         self.unsaved.extend(rows)
         self.latest = {
             "step": rows[-1]["step"],

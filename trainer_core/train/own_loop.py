@@ -34,11 +34,19 @@ from trainer_core.data.transform import Batches
 from trainer_core.errors import RelaytrainError
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_config import WorkerConfig
-from trainer_core.execution.worker_group import Relay, Timings, all_reduce, share_peak_rss
+from trainer_core.execution.worker_group import (
+    Relay,
+    Timings,
+    all_reduce,
+    gather_nodes,
+    share_peak_rss,
+)
 from trainer_core.spec.run_spec import RunSpec
+from trainer_core.step_time import Stragglers, own_row, window_fields
 from trainer_core.train import workloads
 from trainer_core.train.loop import rank_data
 from trainer_core.train.preemption import DrainWatch
+from trainer_core.train.step_clock import StepClock
 from trainer_core.train.worker import Faults, resume_candidates, wind_down, worker_error
 
 logger = logging.getLogger("relaytrain.own_loop")
@@ -83,6 +91,11 @@ class OwnLoop:
         self.relay = Relay(config.relay, self.rank)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.timings = Timings()
+        #: Where each report window's time goes; the straggler rule over the windows.
+        self.clock = StepClock(self.device, self.timings)
+        self.stragglers: Stragglers | None = None
+        self._window_steps = 0
+        self._optimizer_started: Any = None
         data_spec = self.spec.data.resolved()
         self.batch_size = data_spec.batch_size
         self.data, _ = rank_data(config, data_spec, self.spec.run.seed, self.world_size, self.rank)
@@ -143,11 +156,26 @@ class OwnLoop:
         # the optimizer waits for it before it changes them.
         checkpoints = self.checkpoints
         optimizer.register_step_pre_hook(lambda *_: checkpoints.before_optimizer_step())
+        optimizer.register_step_pre_hook(lambda *_: self._optimizer_step_begins())
+        optimizer.register_step_post_hook(lambda *_: self._optimizer_step_ends())
         self.drains = DrainWatch(
             self.config.watch_preemption, self.rank, self.relay, checkpoints, self.timings
         )
         self._restore(checkpoints)
-        return worker_api.prepare_model(model)
+        wrapped = worker_api.prepare_model(model)
+        self.stragglers = Stragglers(gather_nodes(self.world_size))
+        self.clock = StepClock(self.device, self.timings)  # the first window starts here
+        self.clock.watch_allreduce(wrapped)
+        return wrapped
+
+    def _optimizer_step_begins(self) -> None:
+        self.clock.allreduce_waited()
+        self._optimizer_started = self.clock.start()
+
+    def _optimizer_step_ends(self) -> None:
+        if self._optimizer_started is not None:
+            self.clock.stop("optimizer", self._optimizer_started)
+            self._optimizer_started = None
 
     def _restore(self, checkpoints: CheckpointManager) -> None:
         self.group, candidates = resume_candidates(self.config, self.relay, self.run_dir)
@@ -203,7 +231,9 @@ class OwnLoop:
                     self.epoch, self._end = epoch, index + 1
                     self.end_of_epoch = self._end == self.batches_per_epoch
                     self._open, self._metrics = True, {}
-                    yield self._on_device(rows)
+                    with self.clock.part("h2d"):
+                        batch = self._on_device(rows)
+                    yield batch
             finally:
                 ahead.close()
         self._end_step()
@@ -212,12 +242,16 @@ class OwnLoop:
         """This rank's share of the validation rows, in batches on this worker's device
         (through ``data.eval_transform``). Sum what you measure and its count over the ranks
         with ``sum_over_ranks``: the figure is then that of every validation row."""
-        if self._eval_batches is None:
-            for rows in self.data.validation():
-                yield self._on_device(rows)
-            return
-        for ids, rows in self.data.validation_with_ids():
-            yield self._on_device(self._eval_batches(0, ids, rows))
+        started = self.clock.start()
+        try:
+            if self._eval_batches is None:
+                for rows in self.data.validation():
+                    yield self._on_device(rows)
+                return
+            for ids, rows in self.data.validation_with_ids():
+                yield self._on_device(self._eval_batches(0, ids, rows))
+        finally:
+            self.clock.stop("validation", started)
 
     def sum_over_ranks(self, values: list[float]) -> list[float]:
         """``values`` summed over every rank (a collective: every rank calls it alike)."""
@@ -273,15 +307,28 @@ class OwnLoop:
         row = {"step": self.step, "epoch": self.epoch, "batch": self._end - 1}
         row.update(_numbers(self._metrics))
         self.latest = dict(row)
-        self.unsaved.append({**row, "attempt": self.config.attempt, "time": time.time()})
-        self.relay.send("metrics", rows=[self.unsaved[-1]])
         due = self.step % self.spec.checkpoint.every == 0 or self.end_of_epoch
         at_report = due or self.step % self.spec.report.every == 0
+        self._window_steps += 1
+        timing = self._window() if at_report else {}
+        self.unsaved.append({**row, "attempt": self.config.attempt, "time": time.time(), **timing})
+        self.relay.send("metrics", rows=[self.unsaved[-1]])
         notice = self.drains.new_notice() if at_report else None
         if due or notice is not None:
             self._checkpoint()
         if notice is not None:
             self.drains.hold(self.step, notice)
+
+    def _window(self) -> dict[str, Any]:
+        """The report window ending at this step: every rank's breakdown (one collective),
+        the history's fields for it; a new straggler is told to the driver."""
+        times = self.clock.window(rest="forward_backward")
+        matrix = all_reduce(own_row(times, self.rank, self.world_size))
+        fields, new = window_fields(matrix, self.world_size, self._window_steps, self.stragglers)
+        self._window_steps = 0
+        for found in new:
+            self.relay.send("straggler", **found)
+        return fields
 
     def _checkpoint(self) -> None:
         assert self.checkpoints is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -61,6 +62,13 @@ class Faults:
         if self.group:
             return
         for fault in self.faults:
+            if fault.kind == "slow" and fault.seconds is not None:
+                if (fault.attempt, fault.rank) == (
+                    self.attempt,
+                    self.rank,
+                ) and step >= fault.at_step:
+                    time.sleep(fault.seconds)
+                continue
             if (fault.attempt, fault.rank, fault.at_step) != (self.attempt, self.rank, step):
                 continue
             if fault.kind == "kill":
