@@ -3,7 +3,8 @@
 - ``relaytrain_ray``: one real local Ray cluster for the whole test session.
 - ``relaytrain_prefect``: Prefect's test harness (a temporary API) for the whole session.
 - ``relaytrain_spec``: a factory of tiny real specs that train in seconds on 2 gloo workers.
-- ``with_fault(spec, kind, at_step, rank=0, attempt=1)``: the spec with one more fault.
+- ``with_fault(spec, kind, at_step, rank=0, attempt=1, seconds=None)``: the spec with one more
+  fault (``slow``: ``seconds`` of sleep per step, a straggler).
 
 Example::
 
@@ -50,13 +51,21 @@ def tiny_spec_dict(storage: str | Path, name: str, **sections: Any) -> dict[str,
     return raw
 
 
-def with_fault(spec: RunSpec, kind: str, at_step: int, rank: int = 0, attempt: int = 1) -> RunSpec:
-    """``spec`` with one more injected fault (``raise`` or ``kill``) on the given attempt."""
+def with_fault(
+    spec: RunSpec,
+    kind: str,
+    at_step: int,
+    rank: int = 0,
+    attempt: int = 1,
+    seconds: float | None = None,
+) -> RunSpec:
+    """``spec`` with one more injected fault on the given attempt: ``raise`` or ``kill`` at
+    ``at_step``, or ``slow``: ``seconds`` of sleep in each of the rank's steps from it on."""
     raw = spec.model_dump(mode="json")
-    raw["faults"] = [
-        *raw["faults"],
-        {"kind": kind, "at_step": at_step, "rank": rank, "attempt": attempt},
-    ]
+    fault = {"kind": kind, "at_step": at_step, "rank": rank, "attempt": attempt}
+    if seconds is not None:
+        fault["seconds"] = seconds
+    raw["faults"] = [*raw["faults"], fault]
     return RunSpec.model_validate(raw)
 
 

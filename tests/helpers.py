@@ -193,3 +193,15 @@ def own_loop_that_returns_at(config: dict) -> None:
 
     run.batches = batches  # type: ignore[method-assign]
     train(config)
+
+
+#: What ``slow_crop`` sleeps per row.
+SLOW_TRANSFORM_S = 0.008
+
+
+def slow_crop(row: dict, rng) -> dict:
+    """examples/lm_gpt.py's ``crop`` after a sleep: a transform too slow to keep the step fed."""
+    from examples.lm_gpt import crop
+
+    time.sleep(SLOW_TRANSFORM_S)
+    return crop(row, rng)

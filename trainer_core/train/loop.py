@@ -237,7 +237,9 @@ class BuiltinLoop:
         for epoch in range(first_epoch, schedule.epochs):
             first = cursor.batch(self.data_spec.batch_size) if epoch == cursor.epoch else 0
             ddp_model.train()
-            ahead = self._epoch(epoch, first)
+            started = time.perf_counter()
+            ahead = self._epoch(epoch, first)  # the stream's first reads: waiting for data
+            self.timings.data_wait_s += time.perf_counter() - started
             try:
                 steps = self.timings.waited(optimizer_steps(ahead, self.accumulation))
                 for end, micro_batches in steps:
@@ -246,7 +248,9 @@ class BuiltinLoop:
                     if self.stopping.stopped:
                         break
             finally:
+                started = time.perf_counter()
                 ahead.close()
+                self.timings.data_wait_s += time.perf_counter() - started
             if self.stopping.stopped:
                 break
         self.rows.aggregate({}, flush=True)
@@ -329,7 +333,8 @@ class BuiltinLoop:
                 if end_of_epoch
                 else data_mod.Cursor(epoch, end * self.data_spec.batch_size)
             )
-            self._checkpoint(step, next_cursor)
+            with self.clock.part("checkpoint"):
+                self._checkpoint(step, next_cursor)
         if notice is not None:
             self.drains.hold(step, notice)
 

@@ -315,7 +315,8 @@ class OwnLoop:
         self.relay.send("metrics", rows=[self.unsaved[-1]])
         notice = self.drains.new_notice() if at_report else None
         if due or notice is not None:
-            self._checkpoint()
+            with self.clock.part("checkpoint"):
+                self._checkpoint()
         if notice is not None:
             self.drains.hold(self.step, notice)
 
