@@ -81,5 +81,5 @@ def test_a_slow_fault_needs_its_seconds_and_only_it_takes_them():
     assert FaultSection(kind="slow", at_step=1, seconds=0.5).seconds == 0.5
     with pytest.raises(ValidationError, match="a slow fault needs seconds"):
         FaultSection(kind="slow", at_step=1)
-    with pytest.raises(ValidationError, match="seconds=0.5"):
+    with pytest.raises(ValidationError, match=r"seconds=0\.5"):
         FaultSection(kind="raise", at_step=1, seconds=0.5)
