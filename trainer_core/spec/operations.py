@@ -91,6 +91,10 @@ class CheckpointSection(_Section):
 class ReportSection(_Section):
     #: Aggregate per-step losses across ranks and stream them to the driver every N steps.
     every: PositiveInt = 10
+    #: Split each report window's time per rank (data wait, forward and backward, all-reduce
+    #: wait, ...) and name stragglers. False leaves the step untimed (no DDP communication
+    #: hook) and the views without the breakdown.
+    step_time: bool = True
 
 
 def tracking_uri_problem(uri: str) -> str | None:

@@ -226,7 +226,7 @@ class BuiltinLoop:
         self.restore()
         ddp_model = self.model if self.fsdp else worker_api.prepare_model(self.model)
         self.rows.watch_stragglers(gather_nodes(self.world_size))
-        self.clock = StepClock(self.device, self.timings)
+        self.clock = StepClock(self.device, self.timings, self.spec.report.step_time)
         self.clock.watch_allreduce(ddp_model)
         schedule = self.spec.schedule
         assert schedule is not None

@@ -164,7 +164,8 @@ class OwnLoop:
         self._restore(checkpoints)
         wrapped = worker_api.prepare_model(model)
         self.stragglers = Stragglers(gather_nodes(self.world_size))
-        self.clock = StepClock(self.device, self.timings)  # the first window starts here
+        # The first window starts here.
+        self.clock = StepClock(self.device, self.timings, self.spec.report.step_time)
         self.clock.watch_allreduce(wrapped)
         return wrapped
 
@@ -324,6 +325,8 @@ class OwnLoop:
         """The report window ending at this step: every rank's breakdown (one collective),
         the history's fields for it; a new straggler is told to the driver."""
         times = self.clock.window(rest="forward_backward")
+        if times is None:
+            return {}
         matrix = all_reduce(own_row(times, self.rank, self.world_size))
         fields, new = window_fields(matrix, self.world_size, self._window_steps, self.stragglers)
         self._window_steps = 0

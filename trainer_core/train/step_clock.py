@@ -29,7 +29,9 @@ from trainer_core.step_time import PARTS
 class StepClock:
     """One rank's clock of its report windows."""
 
-    def __init__(self, device: torch.device, timings: Timings):
+    def __init__(self, device: torch.device, timings: Timings, enabled: bool = True):
+        #: False (``report.step_time: false``): nothing is timed, windows are None.
+        self.enabled = enabled
         self.cuda = device.type == "cuda"
         self.timings = timings
         self.seconds = dict.fromkeys(PARTS, 0.0)
@@ -62,6 +64,9 @@ class StepClock:
     def part(self, name: str) -> Iterator[None]:
         """Time the block as part ``name``. For ``forward_backward``, the wait for an all-reduce
         the DDP hook launched within it moves to ``allreduce_wait``."""
+        if not self.enabled:
+            yield
+            return
         if name == "checkpoint":  # host work, some of it counted by Timings already
             with self._host_checkpoint():
                 yield
@@ -91,10 +96,11 @@ class StepClock:
 
     def start(self) -> Any:
         """A part begins (a loop of the user's own, timed from hooks): ``stop`` ends it."""
-        return self._now()
+        return self._now() if self.enabled else None
 
     def stop(self, name: str, start: Any) -> None:
-        self._add(name, start, self._now())
+        if start is not None:
+            self._add(name, start, self._now())
 
     def allreduce_waited(self) -> None:
         """The gradients are needed now (a user's loop's optimizer step): the time since the
@@ -106,7 +112,7 @@ class StepClock:
     def watch_allreduce(self, model: torch.nn.Module) -> None:
         """Time the waits for DDP's gradient all-reduce (a no-op for a model DDP does not
         wrap): the default all-reduce, through a hook that notes each bucket's launch."""
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        if not self.enabled or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -117,9 +123,12 @@ class StepClock:
 
         model.register_comm_hook(None, hook)
 
-    def window(self, rest: str = "other") -> list[float]:
-        """The window ending now: ``[wall, *PARTS]`` in seconds; starts the next one. The part
-        ``rest`` gets what no other part measured (a user's loop: its forward and backward)."""
+    def window(self, rest: str = "other") -> list[float] | None:
+        """The window ending now: ``[wall, *PARTS]`` in seconds (None when disabled); starts
+        the next one. The part ``rest`` gets what no other part measured (a user's loop: its
+        forward and backward)."""
+        if not self.enabled:
+            return None
         now = time.perf_counter()
         marks = self._marks()
         seconds = self.seconds
