@@ -21,6 +21,7 @@ from tests.net import free_port, stop, wait_until_answers
 from tests.prefect_api import artifacts
 from tests.recovery import losses, run_dir_of
 from trainer_core.checkpoint.exports import read_model_weights
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.spec.overrides import build_spec
 from trainer_core.tracking import mlflow_state, tensorboard_log
 
@@ -73,6 +74,10 @@ def test_tensorboard_holds_one_value_per_step_after_a_retry(retried, uninterrupt
     assert series["train/loss"] == expected
     assert {"train/lr", "val/loss"} <= set(series)
     assert len(series["val/loss"]) == spec.schedule.epochs
+    # The step-time breakdown under time/*, at each kept report window of the history.
+    windows = [r for r in read_metrics_history(run_dir) if "step_time" in r]
+    assert [step for step, _ in series["time/step"]] == [r["step"] for r in windows]
+    assert all(value > 0 for _, value in series["time/forward_backward"])
 
 
 def test_mlflow_continues_one_run_across_the_retry(
@@ -98,6 +103,9 @@ def test_mlflow_continues_one_run_across_the_retry(
     assert sorted((m.step, m.value) for m in history) == uninterrupted_one_worker["losses"]
     assert len({m.step for m in history}) == len(history)
     assert len(client.get_metric_history(run.info.run_id, "val_loss")) == spec.schedule.epochs
+    windows = [r["step"] for r in read_metrics_history(run_dir) if "step_time" in r]
+    timed = client.get_metric_history(run.info.run_id, "time/step")
+    assert sorted(m.step for m in timed) == windows
     # the spec as params; the attempts and their errors as tags
     params = run.data.params
     assert params["scaling.num_workers"] == "1" and params["optimizer.lr"] == "0.01"
@@ -119,7 +127,7 @@ def test_mlflow_continues_one_run_across_the_retry(
     for name, tensor in expected.items():
         assert torch.equal(loaded[name], tensor), name
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"loss_curve.png", "summary.json"} <= names
+    assert {"loss_curve.png", "step_time.png", "summary.json"} <= names
     png = client.download_artifacts(run.info.run_id, "loss_curve.png")
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # and the run's summary says where

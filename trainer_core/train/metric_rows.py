@@ -77,7 +77,7 @@ class MetricRows:
             self._publish(rows, means, window_extra, timing)
 
     def _window_times(self, matrix: list[float], steps: int) -> dict[str, Any]:
-        if not matrix:
+        if not matrix or self.rank != 0:  # rank 0 writes the history and relays
             return {}
         fields, new = window_fields(matrix, self.world_size, steps, self.stragglers)
         for found in new:
