@@ -195,10 +195,14 @@ RESTARTS_SHARE = 0.20
 
 
 def advice(
-    shares: dict[str, float], stragglers: list[dict[str, Any]], restarts_share: float = 0.0
+    shares: dict[str, float],
+    stragglers: list[dict[str, Any]],
+    restarts_share: float = 0.0,
+    restarts: dict[str, float] | None = None,
 ) -> list[str]:
     """One line per rule a run's figures break (the README lists the rules); ``shares``: each
-    part's share of the step time."""
+    part's share of the step time; ``restarts``: the seconds restarts cost by part
+    (``detection_s``, ``new_group_s``, ``recompute_s``)."""
     lines = [
         f"rank {s['rank']} on node {s['node']} is {s['ratio']:.1f}x slower than its peers "
         f"(attempt {s['attempt']}, {s['windows']} report windows from step {s['from_step']}): "
@@ -212,9 +216,18 @@ def advice(
         if share >= threshold:
             lines.append(text.format(share=f"{share:.0%}"))
     if restarts_share >= RESTARTS_SHARE:
+        costs = restarts or {}
+        most = max(costs, key=costs.__getitem__) if costs else "recompute_s"
+        fix = {
+            "recompute_s": "most of it steps run again: checkpoint more often (`checkpoint.every`)",
+            "new_group_s": "most of it starting new worker groups: let Ray Train restart "
+            "the group in place (`retries.in_place`) rather than a Prefect retry",
+            "detection_s": "most of it noticing the failure: a lower "
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S notices a lost worker sooner",
+        }[most]
         lines.append(
-            f"restarts cost {restarts_share:.0%} of the wall time: checkpoint more often "
-            "(`checkpoint.every`) to recompute less, and see the attempts for their causes"
+            f"restarts cost {restarts_share:.0%} of the wall time, {fix}; the attempts say "
+            "what failed"
         )
     return lines
 

@@ -147,6 +147,14 @@ def test_raise_fault_is_retried_and_resume_is_exact(happy, tmp_path):
     assert result.attempts[0].steps_lost == 4  # failed at 17, resumed from 13 (validated)
     # 17 steps, then 14-39 again from the checkpoint at 13: 43 computed for 39 kept
     assert result.steps_computed == 17 + 26 and result.goodput == round(39 / 43, 4)
+    # Where the time went counts each kept step once (the history holds no lost step), and
+    # the retry cost time in each of its three parts, within the wall time.
+    account = result.time
+    assert account is not None and account.steps_measured == 39
+    lost = account.restarts
+    assert lost.detection_s > 0 and lost.new_group_s > 0 and lost.recompute_s > 0
+    assert lost.new_group_s < result.attempts[1].duration_s
+    assert lost.total_s + account.training_s < result.wall_time_s
     assert_same_tensors(final_state(run_dir_of(spec)), reference["state"])
     assert losses(run_dir_of(spec)) == reference["losses"]
 

@@ -15,8 +15,10 @@ import yaml
 from flows.training import training
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
 from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.run.engine import run_attempt
 from trainer_core.spec.overrides import build_spec
+from trainer_core.step_time import PARTS
 from trainer_core.train import evaluate
 
 pytestmark = pytest.mark.integration
@@ -64,6 +66,25 @@ def test_an_own_loop_trains_and_checkpoints_in_the_committed_format(own_referenc
     for checkpoint, loss, accuracy in measured.values():
         assert math.isclose(checkpoint.metrics["val_loss"], loss, rel_tol=1e-5), checkpoint.step
         assert math.isclose(checkpoint.metrics["val_accuracy"], accuracy), checkpoint.step
+
+
+def test_an_own_loop_reports_where_each_step_went_on_every_rank(own_reference):
+    """The breakdown of a loop of the user's own: every report window (each checkpoint, every 5
+    steps here, and each epoch's end, 21 and 42) has both ranks' figures; validation time shows
+    exactly where the example validates (the epoch ends), the optimizer's hooks time its step,
+    and the parts add up to each window's step time."""
+    spec = own_reference["spec"]
+    windows = [r for r in read_metrics_history(run_dir_of(spec)) if "step_time" in r]
+    assert [w["step"] for w in windows] == [5, 10, 15, 20, 21, 25, 30, 35, 40, 42]
+    for window in windows:
+        ranks = window["step_time"]["ranks"]
+        assert len(ranks) == 2
+        for wall, *parts in ranks:
+            named = dict(zip(PARTS, parts, strict=True))
+            assert (named["validation"] > 0) == (window["step"] in (21, 42)), window
+            assert named["optimizer"] > 0 and named["forward_backward"] > 0
+            assert math.isclose(sum(parts), wall, rel_tol=1e-3, abs_tol=1e-5)
+    assert own_reference["result"].status == "completed"
 
 
 def measure(spec) -> dict[str, tuple]:

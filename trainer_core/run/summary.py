@@ -283,7 +283,12 @@ def time_account(
         per_step_s={name: round(value / steps, 6) for name, value in seconds.items()},
         shares=shares,
         stragglers=stragglers,
-        advice=step_time.advice(shares, stragglers, cost.total_s / wall_s if wall_s > 0 else 0.0),
+        advice=step_time.advice(
+            shares,
+            stragglers,
+            cost.total_s / wall_s if wall_s > 0 else 0.0,
+            {k: v for k, v in cost.model_dump().items() if k.endswith("_s")},
+        ),
     )
 
 
