@@ -43,6 +43,20 @@ class Arrays:
         return Arrays(self.features[index], self.labels[index])
 
     @staticmethod
+    def take_parts(parts: list[tuple[np.ndarray, Arrays, np.ndarray]], count: int) -> Arrays:
+        """``count`` rows from ``(positions, rows, index)`` parts: rows ``index`` of each part's
+        rows go to its positions, copied once (no part is taken out first)."""
+        if not parts:
+            return Arrays(np.zeros((0, 0), np.float32), np.zeros(0, np.float32))
+        first = parts[0][1]
+        features = np.empty((count, first.features.shape[1]), np.float32)
+        labels = np.empty(count, first.labels.dtype)
+        for where, rows, index in parts:
+            features[where] = rows.features[index]
+            labels[where] = rows.labels[index]
+        return Arrays(features, labels)
+
+    @staticmethod
     def gather(parts: list[tuple[np.ndarray, Arrays]], count: int) -> Arrays:
         """``count`` rows from ``(positions, rows)`` parts: part rows go to their positions."""
         if not parts:

@@ -215,16 +215,26 @@ class Reader:
         in that order."""
         groups = np.asarray(groups)
         ids = np.empty(len(groups), dtype=np.int64)
-        parts: list[tuple[np.ndarray, Any]] = []
-        for group in dict.fromkeys(groups.tolist()):  # first-seen order: few row groups a batch
-            in_group = np.flatnonzero(groups == group)
+        parts: list[tuple[np.ndarray, Any, np.ndarray]] = []
+        # The positions of each row group's rows, found in one sort (a batch's rows come from
+        # a few row groups, each in many places); row groups in first-seen order.
+        found, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
+        by_group = np.argsort(inverse, kind="stable")
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(inverse, minlength=len(found)))])
+        for k in np.argsort(first).tolist():
+            group = int(found[k])
+            in_group = by_group[bounds[k] : bounds[k + 1]]
             rows = self.train_rows(group)[train_index[in_group]]
             ids[in_group] = self.layout.row_groups[group].first_row + rows
+            if not self.slices.is_sliced(group):  # the usual case: one slice, the row group
+                parts.append((in_group, self.slice(group, 0), rows))
+                continue
             slices = self.slices.slice_of(rows, group)
             for index in dict.fromkeys(slices.tolist()):
-                within = rows[slices == index] - self.slices.start(group, index)
-                parts.append((in_group[slices == index], self.slice(group, index).take(within)))
-        return ids, self.rows_type.gather(parts, len(groups))
+                chosen = slices == index
+                within = rows[chosen] - self.slices.start(group, index)
+                parts.append((in_group[chosen], self.slice(group, index), within))
+        return ids, self.rows_type.take_parts(parts, len(groups))
 
     def validation_parts(self, group: int) -> Iterator[tuple[np.ndarray, Rows]]:
         """Row group ``group``'s validation rows with their row ids, a slice at a time (not

@@ -44,6 +44,12 @@ class TableRows:
         return self.table.to_pydict()
 
     @staticmethod
+    def take_parts(parts: list[tuple[np.ndarray, TableRows, np.ndarray]], count: int) -> TableRows:
+        """``count`` rows from ``(positions, rows, index)`` parts: rows ``index`` of each part's
+        rows go to its positions."""
+        return TableRows.gather([(where, rows.take(index)) for where, rows, index in parts], count)
+
+    @staticmethod
     def gather(parts: list[tuple[np.ndarray, TableRows]], count: int) -> TableRows:
         """``count`` rows from ``(positions, rows)`` parts: part rows go to their positions."""
         if not parts:
