@@ -4,6 +4,7 @@ order, read ahead in a thread (``Prefetcher``), and the validation rows."""
 from __future__ import annotations
 
 import functools
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -133,13 +134,13 @@ class Prefetcher:
         asked: set[tuple[int, int]] = set()
         try:
             for index in range(first, order.steps):
-                # The row groups of each partition's current and next window, read ahead.
-                for partition in partitions:
-                    window = index * int(order.shares[partition]) // order.window
-                    for ahead in (window, window + 1):
-                        if (partition, ahead) not in asked:
-                            asked.add((partition, ahead))
-                            reader.prefetch(reader.slice_keys(*order.window_rows(partition, ahead)))
+                # The row groups of each partition's current window, then of its next, read
+                # ahead (every current window before any next: the batch needs them all).
+                for step_ahead, partition in itertools.product((0, 1), partitions):
+                    ahead = index * int(order.shares[partition]) // order.window + step_ahead
+                    if (partition, ahead) not in asked:
+                        asked.add((partition, ahead))
+                        reader.prefetch(reader.slice_keys(*order.window_rows(partition, ahead)))
                 groups, rows = order.locate(order.rank_positions(index, world_size, rank))
                 ids, taken = reader.take(groups, rows)
                 if self._make_batch is not None:

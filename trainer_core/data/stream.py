@@ -70,6 +70,8 @@ class Reader:
         #: Slices being read ahead (``prefetch``), by two threads: decoding overlaps use.
         self._pending: dict[Key, concurrent.futures.Future[Rows]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        #: Each file's footer, once read (the reading threads share it; a race reads it twice).
+        self._footers: dict[str, pq.FileMetaData] = {}
         self.row_groups_read = 0  # slices decoded, whole row groups or parts
 
     def _row_ids(self, group: int) -> np.ndarray:
@@ -131,10 +133,19 @@ class Reader:
             table = self.layout.table.slice(g.first_row, g.rows)
         else:
             with self._open(group) as f:
-                table = pq.ParquetFile(f).read_row_group(
+                table = self._parquet(f, g.file).read_row_group(
                     g.index, columns=columns_of(self.data), use_threads=False
                 )
         return self.to_rows(table)
+
+    def _parquet(self, f: pa.NativeFile, name: str) -> pq.ParquetFile:
+        """``f`` as a Parquet file, its footer read once per file and kept (a row group read
+        from object storage is then its column chunks' ranges alone, fetched coalesced)."""
+        assert self.layout.location is not None
+        remote = not self.layout.location.is_local
+        parquet = pq.ParquetFile(f, metadata=self._footers.get(name), pre_buffer=remote)
+        self._footers.setdefault(name, parquet.metadata)
+        return parquet
 
     def _stream(self, group: int) -> Iterator[pa.RecordBatch]:
         """Row group ``group``'s record batches, about ``STREAM_BATCH_BYTES`` each."""
