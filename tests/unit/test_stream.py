@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -245,3 +246,40 @@ def test_slices_fit_the_memory_bound():
         held = (partitions * (2 * window + 3 * rows) + 12 * rows) * row
         held += row_slices.READER_OVERHEAD_MB * 2**20
         assert held <= 512 * 2**20 or rows == min(largest, 256)
+
+
+def test_epochs_read_the_next_epoch_ahead_and_give_each_epochs_own_batches(dataset):
+    """Against each epoch read alone (the oracle): the same batches, epoch by epoch, from a
+    resume point in the first. The next epoch's first batches are read while this epoch's end
+    is still being worked on: once its last batch is taken, they are waiting."""
+    data = section(dataset, validation_fraction=0.2, batch_size=16, partitions=2, prefetch=2)
+    layout = footers.scan(data)
+    alone = rank_stream.RankStream(layout, data, 4, 2, 1)
+    expected = [_epoch(alone, 1, first=3), _epoch(alone, 2), _epoch(alone, 3)]
+    chained = rank_stream.RankStream(layout, data, 4, 2, 1)
+    epochs = chained.epochs(1, 3, 4)
+    seen = []
+    try:
+        for epoch, ahead in epochs:
+            rows = [(i, ids.tolist(), r.features.tolist()) for i, ids, r in ahead]
+            seen.append(rows)
+            if epoch < 3:  # the reading thread ended after starting the next epoch's
+                following = ahead.finish()
+                assert following is not None
+                deadline = time.monotonic() + 10
+                while following._queue.qsize() < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert following._queue.qsize() == 2  # data.prefetch batches ready
+    finally:
+        epochs.close()
+    assert seen == expected
+
+
+def test_epochs_closed_mid_epoch_stop_reading(dataset):
+    data = section(dataset, validation_fraction=0, batch_size=16, partitions=2)
+    epochs = rank_stream.RankStream(footers.scan(data), data, 4, 1, 0).epochs(0, 0, 5)
+    for _, ahead in epochs:
+        next(iter(ahead))
+        break
+    epochs.close()
+    assert epochs.current is None

@@ -74,6 +74,18 @@ class RankStream:
             make_batch=None if make_batch is None else functools.partial(make_batch, epoch),
         )
 
+    def epochs(
+        self,
+        first_epoch: int,
+        first: int,
+        stop_epoch: int,
+        make_batch: Callable[[int, np.ndarray, Any], Any] | None = None,
+    ) -> Epochs:
+        """Epochs ``first_epoch..stop_epoch - 1`` (from global batch ``first`` of the first),
+        each ``epoch``'s stream; the next epoch's reading starts as soon as this one's ends
+        (``Epochs``)."""
+        return Epochs(self, first_epoch, first, stop_epoch, make_batch)
+
     def validation(self, chunk: int = 256) -> Iterator[Any]:
         """This rank's validation rows in chunks of at most ``chunk``, a row group at a time
         (not cached: the training windows keep theirs)."""
@@ -88,6 +100,54 @@ class RankStream:
                 for start in range(0, len(rows), chunk):
                     index = np.arange(start, min(start + chunk, len(rows)))
                     yield ids[index], rows.take(index)
+
+
+class Epochs:
+    """Iterate for ``(epoch, its Prefetcher)``. An epoch's read-ahead thread, once it has read
+    the epoch's last batch (which then waits in memory, ``data.prefetch`` at most), starts the
+    next epoch's: the first batches of the next epoch are read and transformed while this one's
+    last steps, validation and checkpoint run, not after. ``close`` stops what is reading
+    (also mid-epoch: a loop that stops early)."""
+
+    def __init__(
+        self,
+        stream: RankStream,
+        first_epoch: int,
+        first: int,
+        stop_epoch: int,
+        make_batch: Callable[[int, np.ndarray, Any], Any] | None,
+    ):
+        self.stream, self.stop_epoch, self.make_batch = stream, stop_epoch, make_batch
+        self.first_epoch, self.first = first_epoch, first
+        self.current: Prefetcher | None = None
+
+    def _start(self, epoch: int, first: int) -> Prefetcher:
+        ahead = self.stream.epoch(epoch, first, self.make_batch)
+        if epoch + 1 < self.stop_epoch:
+            ahead.then = functools.partial(self._start, epoch + 1, 0)
+        return ahead
+
+    def __iter__(self) -> Iterator[tuple[int, Prefetcher]]:
+        if self.first_epoch >= self.stop_epoch:
+            return
+        ahead = self.current = self._start(self.first_epoch, self.first)
+        for epoch in range(self.first_epoch, self.stop_epoch):
+            yield epoch, ahead
+            following = ahead.finish()
+            ahead.close(reader=False)
+            self.current = following
+            if following is None:
+                return
+            ahead = following
+
+    def close(self) -> None:
+        if self.current is not None:
+            following = self.current.finish(stop=True)
+            if following is not None:
+                following.close(reader=False)
+            self.current.close()
+            self.current = None
+        self.stream.reader.close()
 
 
 _END = object()
@@ -112,6 +172,10 @@ class Prefetcher:
     ):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        #: Called by the reading thread once it has read the last batch (``Epochs``: it
+        #: starts the next epoch's read-ahead); what it returns is ``finish()``'s.
+        self.then: Callable[[], Prefetcher] | None = None
+        self._following: Prefetcher | None = None
         self._reader = reader
         self._make_batch = make_batch
         self._thread = threading.Thread(
@@ -150,6 +214,8 @@ class Prefetcher:
         except BaseException as error:  # handed to the consumer
             self._put(error)
             return
+        if self.then is not None and not self._stop.is_set():
+            self._following = self.then()
         self._put(_END)
 
     def _put(self, item: Any) -> bool:
@@ -170,8 +236,18 @@ class Prefetcher:
                 raise item
             yield item
 
-    def close(self) -> None:
-        """Stop reading ahead and let the thread end (also mid-epoch)."""
+    def finish(self, stop: bool = False) -> Prefetcher | None:
+        """Wait for the reading thread to end (``stop``: stop it first); the next epoch's
+        read-ahead it started, if any."""
+        if stop:
+            self._stop.set()
+        self._thread.join(timeout=10)
+        return self._following
+
+    def close(self, reader: bool = True) -> None:
+        """Stop reading ahead and let the thread end (also mid-epoch); ``reader``: stop the
+        reader's own read-ahead too (not when the next epoch reads on)."""
         self._stop.set()
         self._thread.join(timeout=10)
-        self._reader.close()
+        if reader:
+            self._reader.close()

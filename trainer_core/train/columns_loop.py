@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from trainer_core.data import arrays as data_mod
+from trainer_core.data import rank_stream
 from trainer_core.data.transform import Batches
 from trainer_core.train import validate, workloads
 from trainer_core.train.batch_workload import Batch, BatchWorkload
@@ -45,8 +46,9 @@ class ColumnsLoop(BuiltinLoop):
         )
         self.last_batch: Batch | None = None
 
-    def _epoch(self, epoch: int, first: int) -> Any:
-        return self.data.epoch(epoch, first, make_batch=self.batches)
+    def _epochs(self, first_epoch: int, first: int) -> rank_stream.Epochs:
+        assert self.spec.schedule is not None
+        return self.data.epochs(first_epoch, first, self.spec.schedule.epochs, self.batches)
 
     def _gradients(self, model: torch.nn.Module, micro_batches: list[Any]) -> float:
         self.last_batch = micro_batches[0]

@@ -234,25 +234,22 @@ class BuiltinLoop:
         step = self.progress.step
         # An early-stopped run's last checkpoint says so: nothing is left to train.
         first_epoch = schedule.epochs if self.stopping.stopped else cursor.epoch
-        for epoch in range(first_epoch, schedule.epochs):
-            first = cursor.batch(self.data_spec.batch_size) if epoch == cursor.epoch else 0
-            ddp_model.train()
-            started = time.perf_counter()
-            ahead = self._epoch(epoch, first)  # the stream's first reads: waiting for data
-            self.timings.data_wait_s += time.perf_counter() - started
-            try:
+        epochs = self._epochs(first_epoch, cursor.batch(self.data_spec.batch_size))
+        try:
+            for epoch, ahead in self.timings.waited(iter(epochs)):
+                ddp_model.train()
                 steps = self.timings.waited(optimizer_steps(ahead, self.accumulation))
                 for end, micro_batches in steps:
                     step += 1
                     self._train_step(ddp_model, step, epoch, end, micro_batches)
                     if self.stopping.stopped:
                         break
-            finally:
-                started = time.perf_counter()
-                ahead.close()
-                self.timings.data_wait_s += time.perf_counter() - started
-            if self.stopping.stopped:
-                break
+                if self.stopping.stopped:
+                    break
+        finally:
+            started = time.perf_counter()
+            epochs.close()
+            self.timings.data_wait_s += time.perf_counter() - started
         self.rows.aggregate({}, flush=True)
         share_peak_rss(self.relay)
         started = time.perf_counter()
@@ -384,9 +381,12 @@ class BuiltinLoop:
             )
             return loss.item()
 
-    def _epoch(self, epoch: int, first: int) -> Any:
-        """Global batches ``first..`` of ``epoch``, this rank's slice of each, read ahead."""
-        return self.data.epoch(epoch, first)
+    def _epochs(self, first_epoch: int, first: int) -> rank_stream.Epochs:
+        """The run's epochs from global batch ``first`` of ``first_epoch`` on, this rank's
+        slice of each batch, read ahead (the next epoch's first batches during this one's end:
+        ``rank_stream.Epochs``)."""
+        assert self.spec.schedule is not None
+        return self.data.epochs(first_epoch, first, self.spec.schedule.epochs)
 
     def _validate(self) -> dict[str, float]:
         """The validation metrics over every rank's validation rows."""

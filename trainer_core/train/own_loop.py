@@ -222,11 +222,10 @@ class OwnLoop:
                 "batches() before setup(): call setup(model, optimizer, scheduler) first: it "
                 "restores the newest checkpoint and the cursor the batches start from"
             )
-        for epoch in range(self.cursor.epoch, self.epochs):
-            first = self.cursor.batch(self.batch_size) if epoch == self.cursor.epoch else 0
-            make_batch = self._train_batches
-            ahead = self.data.epoch(epoch, first, make_batch=make_batch)
-            try:
+        first = self.cursor.batch(self.batch_size)
+        epochs = self.data.epochs(self.cursor.epoch, first, self.epochs, self._train_batches)
+        try:
+            for epoch, ahead in self.timings.waited(iter(epochs)):
                 for index, _, rows in self.timings.waited(iter(ahead)):
                     self._end_step()
                     self.epoch, self._end = epoch, index + 1
@@ -235,8 +234,8 @@ class OwnLoop:
                     with self.clock.part("h2d"):
                         batch = self._on_device(rows)
                     yield batch
-            finally:
-                ahead.close()
+        finally:
+            epochs.close()
         self._end_step()
 
     def validation(self) -> Iterator[Any]:
