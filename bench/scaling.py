@@ -15,7 +15,9 @@ Variants, alternated in one process (one local Ray cluster):
 - ``checkpoint/<size>MB``: relaytrain's checkpoint path (``bench.checkpoints``), local disk.
 
 Figures: steps/s over rank 0's first to last step, ``samples_per_s`` = steps/s x workers x
-batch, ``compute_samples_per_s`` from the optimizer-step time alone. Target: relaytrain
+batch, ``compute_samples_per_s`` from the optimizer-step time alone; relaytrain's
+``data_wait_share``: rank 0's share of its step time spent waiting for data (under 2%: the
+reader keeps the step fed). Target: relaytrain
 samples/s with 2 workers / 1 worker >= 1.6. Checkpoint growth: a least-squares line of blocked
 seconds against MB.
 """
@@ -52,6 +54,7 @@ COLUMNS = [
     "samples_per_s",
     "steps_per_s",
     "compute_samples_per_s",
+    "data_wait_share",
     "wall_s",
     "blocked_s",
     "background_s",
@@ -98,7 +101,11 @@ def measure_relaytrain(spec: RunSpec) -> Sample:
     started = time.time()
     _, events = harness.run_engine(spec)
     timings = harness.finished_timings(events)
-    return throughput(spec, time.time() - started, timings.get("step_s"))
+    sample = throughput(spec, time.time() - started, timings.get("step_s"))
+    step_s, wait_s = timings.get("step_s"), timings.get("data_wait_s")
+    if step_s and wait_s is not None:  # rank 0's share of step time spent waiting for data
+        sample["data_wait_share"] = wait_s / (step_s + wait_s)
+    return sample
 
 
 def measure_plain(spec: RunSpec, root: Path, sync_gradients: bool = True) -> Sample:
