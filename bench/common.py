@@ -98,6 +98,15 @@ class VariantRecord:
         }
 
 
+def portable(text: str) -> str:
+    """``text`` (a traceback) without this machine's paths: the repository's files relative to
+    it, the interpreter's and its packages' under ``<python>``."""
+    text = text.replace(f"{REPO}/", "")
+    for prefix in sorted({sys.prefix, sys.base_prefix}, key=len, reverse=True):
+        text = text.replace(f"{prefix}/", "<python>/")
+    return text
+
+
 def alternate(
     variants: list[Variant],
     repetitions: int,
@@ -130,7 +139,7 @@ def alternate(
                 log(f"[bench] {variant.name}: not available yet: {e}")
                 continue
             except Exception as e:
-                record.errors.append("".join(traceback.format_exception(e))[-4000:])
+                record.errors.append(portable("".join(traceback.format_exception(e)))[-4000:])
                 log(f"[bench] {variant.name}: FAILED: {type(e).__name__}: {e}")
                 continue
             record.samples.append(sample)

@@ -27,7 +27,7 @@ from trainer_core.checkpoint.run_directory import stored_spec
 from trainer_core.errors import RelaytrainError, SpecError
 from trainer_core.run import catalog
 from trainer_core.run.report import epoch_table
-from trainer_core.run.summary import time_account
+from trainer_core.run.time_account import time_account
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ retry decision, the result, and what a storage holds.
 - ``lease``: one live flow drives a run at a time (``lock.json``).
 - ``retry``: retry or stop, from the error and the records.
 - ``summary``: the typed result, finalize.
+- ``time_account``: where the run's time went (goodput, restarts, stragglers, advice).
 - ``report``: what a person reads: the per-epoch table and the markdown summary.
 - ``catalog``: the runs a storage holds, read from their directories alone.
 

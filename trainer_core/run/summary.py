@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from trainer_core import step_time
 from trainer_core.checkpoint import exports
 from trainer_core.checkpoint.files import CheckpointInfo
 from trainer_core.checkpoint.history import read_metrics_history
@@ -24,6 +23,7 @@ from trainer_core.errors import CheckpointCorruptError, SpecError
 from trainer_core.numbers import is_finite_number
 from trainer_core.run.attempts import AttemptRecord
 from trainer_core.run.attempts import read as read_attempts
+from trainer_core.run.time_account import TimeAccount, time_account
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.storage.locations import walk_files
 from trainer_core.tracking import mlflow_log, mlflow_state, tensorboard_log
@@ -78,48 +78,6 @@ class AttemptSummary(_Frozen):
     #: checkpoint or its end.
     world_size: int | None = None
     peak_worker_rss_mb: float | None = None
-
-
-class RestartCost(_Frozen):
-    """Seconds restarts cost, every attempt's and in-place restart's together."""
-
-    #: From the workers' last relayed progress to the failure being reported.
-    detection_s: float = 0.0
-    #: From the failure to a new worker group resuming (start, restore).
-    new_group_s: float = 0.0
-    #: Steps run again from the resume point, at the run's mean step time.
-    recompute_s: float = 0.0
-
-    @property
-    def total_s(self) -> float:
-        return self.detection_s + self.new_group_s + self.recompute_s
-
-
-class TimeAccount(_Frozen):
-    """Where a run's time went, from its kept steps' report windows (each part the mean over
-    the ranks; ``step_time`` has the rules) and its attempts."""
-
-    wall_s: float
-    #: Steps the windows measured, and their seconds.
-    steps_measured: int
-    training_s: float
-    #: Seconds the kept steps spent stepping (not waiting for data or checkpoints, not
-    #: validating), and their share of the wall time.
-    productive_s: float
-    productive_share: float | None
-    data_wait_s: float
-    checkpoint_blocked_s: float
-    validation_s: float
-    restarts: RestartCost
-    #: The rest of the wall time: starting the cluster and worker groups, restoring, finishing
-    #: (and steps no window measured: a failed attempt's after its last checkpoint).
-    overhead_s: float
-    #: Mean seconds per step of each part, and each part's share of the step time.
-    per_step_s: dict[str, float]
-    shares: dict[str, float]
-    #: Ranks the straggler rule named: attempt, rank, node, windows, from_step, ratio.
-    stragglers: list[dict[str, Any]] = []
-    advice: list[str] = []
 
 
 class TrainingResult(_Frozen):
@@ -235,60 +193,6 @@ def _restart(record: dict[str, Any]) -> InPlaceRestart:
         steps_lost=_steps_lost(last, resumed),
         recovery_s=(back - failed) if failed and back else None,
         detection_s=max(failed - progress, 0.0) if failed and progress else None,
-    )
-
-
-def time_account(
-    history: Sequence[dict[str, Any]], attempts: Sequence[AttemptSummary], wall_s: float
-) -> TimeAccount | None:
-    """What the history's report windows and the attempts say of where the time went."""
-    rows = list(history)
-    steps, total = step_time.run_totals(rows)
-    if not steps:
-        return None
-    seconds = dict(zip(step_time.PARTS, total[1:], strict=True))
-    training = total[0]
-    waits = seconds["data_wait"] + seconds["checkpoint"] + seconds["validation"]
-    productive = max(training - waits, 0.0)
-    step_s = training / steps
-    restarts = [r for a in attempts for r in a.restarts]
-    failed = [a for a in attempts if a.status == "failed"]
-    lost = sum(a.steps_lost or 0 for a in failed) + sum(r.steps_lost or 0 for r in restarts)
-    cost = RestartCost(
-        detection_s=round(
-            sum(a.detection_s or 0.0 for a in failed) + sum(r.detection_s or 0.0 for r in restarts),
-            3,
-        ),
-        new_group_s=round(
-            sum(a.recovery_s or 0.0 for a in failed) + sum(r.recovery_s or 0.0 for r in restarts),
-            3,
-        ),
-        recompute_s=round(lost * step_s, 3),
-    )
-    shares = {
-        name: round(value / training, 4) if training else 0.0 for name, value in seconds.items()
-    }
-    stragglers = step_time.stragglers_seen(rows)
-    return TimeAccount(
-        wall_s=wall_s,
-        steps_measured=steps,
-        training_s=round(training, 3),
-        productive_s=round(productive, 3),
-        productive_share=round(productive / wall_s, 4) if wall_s > 0 else None,
-        data_wait_s=round(seconds["data_wait"], 3),
-        checkpoint_blocked_s=round(seconds["checkpoint"], 3),
-        validation_s=round(seconds["validation"], 3),
-        restarts=cost,
-        overhead_s=round(max(wall_s - training - cost.total_s, 0.0), 3),
-        per_step_s={name: round(value / steps, 6) for name, value in seconds.items()},
-        shares=shares,
-        stragglers=stragglers,
-        advice=step_time.advice(
-            shares,
-            stragglers,
-            cost.total_s / wall_s if wall_s > 0 else 0.0,
-            {k: v for k, v in cost.model_dump().items() if k.endswith("_s")},
-        ),
     )
 
 
