@@ -284,6 +284,11 @@ def test_tensorboard_shows_the_retried_run_as_one_curve(retried, uninterrupted_o
         assert [step for _, step, _ in served] == [
             step for step, _ in uninterrupted_one_worker["losses"]
         ]
+        # The step-time breakdown is served too (its own time/* group, before train/ and val/:
+        # the page below filters to the training curves, which the cards of time/* would push
+        # out of view).
+        tags = requests.get(f"{url}/data/plugin/scalars/tags", timeout=10).json()["tracked"]
+        assert {"time/step", "time/forward_backward", "time/data_wait"} <= set(tags)
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         with sync_playwright() as p:
             browser = p.chromium.launch(
@@ -291,7 +296,7 @@ def test_tensorboard_shows_the_retried_run_as_one_curve(retried, uninterrupted_o
                 args=["--no-sandbox", "--disable-gpu", "--no-first-run"],
             )
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{url}/?darkMode=false#scalars&_smoothingWeight=0")
+            page.goto(f"{url}/?darkMode=false#scalars&_smoothingWeight=0&tagFilter=loss%7Clr")
             page.get_by_text("train/loss", exact=True).first.wait_for(timeout=60000)
             page.wait_for_timeout(2000)  # the charts draw after their data arrives
             page.screenshot(path=str(SCREENSHOTS / "tensorboard-scalars.png"), full_page=True)
