@@ -4,14 +4,11 @@ ranks of each part, ``trainer_core.step_time``), what restarts cost, stragglers 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from trainer_core import step_time
-
-if TYPE_CHECKING:
-    from trainer_core.run.summary import AttemptSummary
 
 
 class _Frozen(BaseModel):
@@ -61,9 +58,10 @@ class TimeAccount(_Frozen):
 
 
 def time_account(
-    history: Sequence[dict[str, Any]], attempts: Sequence[AttemptSummary], wall_s: float
+    history: Sequence[dict[str, Any]], attempts: Sequence[Any], wall_s: float
 ) -> TimeAccount | None:
-    """What the history's report windows and the attempts say of where the time went."""
+    """What the history's report windows and the attempts (``summary.AttemptSummary``, with
+    their restarts) say of where the time went."""
     rows = list(history)
     steps, total = step_time.run_totals(rows)
     if not steps:
