@@ -192,7 +192,6 @@ def _show_time(run_dir: Any) -> int:
     v = catalog.view(run_dir)
     history = read_metrics_history(run_dir)
     totals = step_time.per_rank(history)
-    steps = step_time.steps_per_rank(history)
     # A summary from before the breakdown, or a run still going: from the history.
     account = v.result.time or time_account(history, v.result.attempts, v.result.wall_time_s)
     print(f"run {v.name}: {v.status}, where the time went")
@@ -204,14 +203,14 @@ def _show_time(run_dir: Any) -> int:
         {
             "attempt": attempt,
             "rank": rank,
-            "steps": steps[(attempt, rank)],
-            "step": f"{1000 * figures[0] / steps[(attempt, rank)]:.2f}",
+            "steps": steps,
+            "step": f"{1000 * figures[0] / steps:.2f}",
             **{
-                name: f"{1000 * figures[1 + i] / steps[(attempt, rank)]:.2f}"
+                name: f"{1000 * figures[1 + i] / steps:.2f}"
                 for i, name in enumerate(step_time.PARTS)
             },
         }
-        for (attempt, rank), figures in totals.items()
+        for (attempt, rank), (steps, figures) in totals.items()
     ]
     print(_table(rows))
     share = account.productive_share

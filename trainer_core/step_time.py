@@ -120,15 +120,19 @@ def windows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in history if isinstance(r.get("step_time"), dict)]
 
 
-def per_rank(history: list[dict[str, Any]]) -> dict[tuple[int, int], list[float]]:
-    """Seconds ``[wall, *PARTS]`` by (attempt, rank), over the history's windows."""
-    totals: dict[tuple[int, int], list[float]] = {}
+def per_rank(history: list[dict[str, Any]]) -> dict[tuple[int, int], tuple[int, list[float]]]:
+    """By (attempt, rank), over the history's windows: the steps measured and their seconds
+    ``[wall, *PARTS]``."""
+    totals: dict[tuple[int, int], tuple[int, list[float]]] = {}
     for row in windows(history):
         steps = row["step_time"]["steps"]
         for rank, figures in enumerate(row["step_time"]["ranks"]):
-            total = totals.setdefault((int(row.get("attempt", 1)), rank), [0.0] * len(figures))
-            for i, value in enumerate(figures):
-                total[i] += value * steps
+            key = (int(row.get("attempt", 1)), rank)
+            counted, total = totals.get(key, (0, [0.0] * len(figures)))
+            totals[key] = (
+                counted + steps,
+                [t + v * steps for t, v in zip(total, figures, strict=True)],
+            )
     return dict(sorted(totals.items()))
 
 
@@ -230,13 +234,3 @@ def advice(
             "what failed"
         )
     return lines
-
-
-def steps_per_rank(history: list[dict[str, Any]]) -> dict[tuple[int, int], int]:
-    """Steps measured by (attempt, rank), as ``per_rank`` keys them."""
-    steps: dict[tuple[int, int], int] = {}
-    for row in windows(history):
-        for rank in range(len(row["step_time"]["ranks"])):
-            key = (int(row.get("attempt", 1)), rank)
-            steps[key] = steps.get(key, 0) + row["step_time"]["steps"]
-    return steps

@@ -69,7 +69,7 @@ def test_the_slow_rank_is_named_a_straggler_and_no_other(straggling, capsys):
     assert f"straggler:    rank 1 on node {named['node']}" in shown
 
 
-def test_each_part_holds_the_time_put_there_and_the_parts_add_up(straggling):
+def test_each_part_holds_the_time_put_there_and_the_parts_cover_the_step(straggling):
     """Against the injected sleep: rank 1 spends it in its step's own code (``other``, where
     the fault sleeps), rank 0 waits it out for the gradients' all-reduce. Rank 0, which sleeps
     nowhere, has its window measured by its parts: what no part measured is under a tenth."""
@@ -81,8 +81,8 @@ def test_each_part_holds_the_time_put_there_and_the_parts_add_up(straggling):
         assert SLEEP_S <= part(slow, "other") < 2 * SLEEP_S, window
         assert part(fast, "allreduce_wait") > 0.6 * SLEEP_S, window
         assert part(slow, "allreduce_wait") < 0.3 * SLEEP_S, window
-        for figures in (fast, slow):  # the parts add up to the window's step time
-            assert sum(figures[1:]) == pytest.approx(figures[0], rel=1e-3, abs=1e-5)
+        # ``other`` is what no part measured: on the rank that sleeps nowhere, the measured
+        # parts account for nine tenths of each window at least.
         assert part(fast, "other") < 0.1 * fast[0], window
         # Both ranks wait for each other at every step: their step times agree.
         assert fast[0] == pytest.approx(slow[0], rel=0.1)

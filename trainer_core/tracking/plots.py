@@ -70,19 +70,16 @@ def run_step_time_png(history: Sequence[dict[str, Any]], title: str) -> bytes | 
     totals = step_time.per_rank(rows)
     if not totals:
         return None
-    return step_time_png(
-        totals, step_time.steps_per_rank(rows), step_time.stragglers_seen(rows), title
-    )
+    return step_time_png(totals, step_time.stragglers_seen(rows), title)
 
 
 def step_time_png(
-    per_rank: dict[tuple[int, int], list[float]],
-    steps: dict[tuple[int, int], int],
+    per_rank: dict[tuple[int, int], tuple[int, list[float]]],
     stragglers: Sequence[dict[str, Any]],
     title: str,
 ) -> bytes:
     """A stacked bar per attempt and rank: milliseconds per step of each part of the step
-    time (``step_time.per_rank``'s seconds over ``steps``); a straggler's bar is marked."""
+    time (``step_time.per_rank``'s seconds over its steps); a straggler's bar is marked."""
     from trainer_core.step_time import LABELS, PARTS
 
     keys = list(per_rank)
@@ -90,7 +87,7 @@ def step_time_png(
     figure, ax = plt.subplots(figsize=(max(7.0, 4.0 + 0.8 * len(keys)), 3.8), dpi=100)
     bottoms = [0.0] * len(keys)
     for i, part in enumerate(PARTS):
-        heights = [1000 * per_rank[k][1 + i] / max(steps[k], 1) for k in keys]
+        heights = [1000 * per_rank[k][1][1 + i] / max(per_rank[k][0], 1) for k in keys]
         ax.bar(
             range(len(keys)),
             heights,
