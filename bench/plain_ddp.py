@@ -2,8 +2,9 @@
 
 Each process trains the same model on the same batches as relaytrain's loop (``Workload``),
 with the same cadence of extra work: a synchronous all-reduce of the window's losses every
-``report.every`` steps, a validation pass at the end of every epoch, and every
-``checkpoint.every`` steps (and at the end) a checkpoint: rank 0 ``torch.save`` s model,
+``report.every`` steps, a validation pass at the end of every epoch, and a checkpoint every
+``checkpoint.every`` steps, after every validation (relaytrain checkpoints the weights each
+validation measured, for ``keep_best``) and at the end: rank 0 ``torch.save`` s model,
 optimizer and schedule, every rank its RNG states, to a local directory, then a barrier. No
 manifest, hashes, commit marker, metrics history or retention beyond keeping the newest.
 
@@ -97,7 +98,7 @@ def ray_train_loop(config: dict[str, Any]) -> None:
 def _train(
     spec: RunSpec, rank: int, world_size: int, checkpoint_dir: Path, sync_gradients: bool
 ) -> None:
-    assert spec.schedule is not None and spec.run.name is not None
+    assert spec.schedule is not None and spec.data is not None and spec.run.name is not None
     work = Workload(spec, rank, world_size)
     model: torch.nn.Module = work.model
     if world_size > 1:  # as Ray's prepare_model: DDP only with more than one worker
@@ -126,7 +127,8 @@ def _train(
                 losses = torch.tensor(pending, dtype=torch.float64)
                 dist.all_reduce(losses)
                 pending = []
-            if step % spec.checkpoint.every == 0 or last:
+            validated = end_of_epoch and spec.data.validation_fraction > 0
+            if step % spec.checkpoint.every == 0 or validated or last:
                 _checkpoint(work, step, rank, checkpoint_dir)
     probe.done(timings={"step_s": step_s})
 
