@@ -6,7 +6,7 @@ import pytest
 from tests.conftest import tiny_raw
 from trainer_core.errors import SpecError
 from trainer_core.spec.overrides import build_spec
-from trainer_core.train import own_loop
+from trainer_core.train import metric_rows, own_loop
 
 LOOP = {"train_loop": "examples.own_loop:train", "train_loop_api": "relaytrain"}
 
@@ -71,10 +71,10 @@ def test_the_api_outside_a_run_says_how_to_get_one():
 def test_a_report_of_something_not_a_number_names_it():
     import torch
 
-    assert own_loop._numbers({"loss": torch.tensor(0.5), "note": "x", "n": 3}) == {
+    assert metric_rows.report_row({"loss": torch.tensor(0.5), "note": "x", "n": 3}) == {
         "loss": 0.5,
         "note": "x",
         "n": 3,
     }
     with pytest.raises(TypeError, match="metric 'logits' is a Tensor"):
-        own_loop._numbers({"logits": torch.zeros(3)})
+        metric_rows.report_row({"logits": torch.zeros(3)})

@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
+from trainer_core import storage
 from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.files import FILE_DIGEST, CheckpointInfo, HashingWriter, matches
 from trainer_core.checkpoint.ray_checkpoints import RAY_FORMAT
-from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, open_checkpoint
+from trainer_core.checkpoint.run_directory import CHECKPOINT_PATTERN, SCHEMA_VERSION, RunDirectory
 from trainer_core.errors import CheckpointCorruptError, SpecError
 from trainer_core.storage.locations import Location
 
@@ -273,3 +274,31 @@ def _record_of(record: Location, checkpoint: CheckpointInfo) -> dict[str, Any] |
     if not isinstance(entry, dict) or FILE_DIGEST not in entry:
         return None
     return entry
+
+
+def open_checkpoint(uri: str) -> tuple[RunDirectory, CheckpointInfo]:
+    """The committed checkpoint at ``uri`` (a ``.../checkpoint-NNNNNNNNN`` directory)."""
+    run_location, name = storage.parent(storage.resolve(uri))
+    match = CHECKPOINT_PATTERN.fullmatch(name)
+    if not match:
+        raise SpecError(
+            f"run.init_from {uri!r} is not a checkpoint directory: point it at a committed "
+            "{run}/checkpoint-NNNNNNNNN directory",
+            field="run.init_from",
+        )
+    run_dir = RunDirectory(run_location)
+    try:
+        info = run_dir.read_committed(int(match.group(1)))
+    except CheckpointCorruptError as e:
+        raise SpecError(
+            f"run.init_from checkpoint {uri} is damaged: {e}. Point it at another committed "
+            "checkpoint.",
+            field="run.init_from",
+        ) from e
+    if info is None:
+        raise SpecError(
+            f"run.init_from checkpoint {uri} does not exist or is not committed (no valid "
+            "marker): point it at a committed {run}/checkpoint-NNNNNNNNN directory",
+            field="run.init_from",
+        )
+    return run_dir, info

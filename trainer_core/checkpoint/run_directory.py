@@ -376,31 +376,3 @@ def stored_spec(run_dir: RunDirectory) -> RunSpec | None:
             return RunSpec.model_validate(record.get("spec") or {})
     except (ValidationError, SpecError, ValueError):
         return None
-
-
-def open_checkpoint(uri: str) -> tuple[RunDirectory, CheckpointInfo]:
-    """The committed checkpoint at ``uri`` (a ``.../checkpoint-NNNNNNNNN`` directory)."""
-    run_location, name = storage.parent(storage.resolve(uri))
-    match = CHECKPOINT_PATTERN.fullmatch(name)
-    if not match:
-        raise SpecError(
-            f"run.init_from {uri!r} is not a checkpoint directory: point it at a committed "
-            "{run}/checkpoint-NNNNNNNNN directory",
-            field="run.init_from",
-        )
-    run_dir = RunDirectory(run_location)
-    try:
-        info = run_dir.read_committed(int(match.group(1)))
-    except CheckpointCorruptError as e:
-        raise SpecError(
-            f"run.init_from checkpoint {uri} is damaged: {e}. Point it at another committed "
-            "checkpoint.",
-            field="run.init_from",
-        ) from e
-    if info is None:
-        raise SpecError(
-            f"run.init_from checkpoint {uri} does not exist or is not committed (no valid "
-            "marker): point it at a committed {run}/checkpoint-NNNNNNNNN directory",
-            field="run.init_from",
-        )
-    return run_dir, info

@@ -256,3 +256,13 @@ def _improves(value: float, best: float, section: EarlyStoppingSection) -> bool:
     if section.mode == "min":
         return value < best - section.min_delta
     return value > best + section.min_delta
+
+
+class NoSchedule:
+    """What a loop without a learning-rate schedule checkpoints in its place."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

@@ -10,13 +10,12 @@ A second call on the same run resumes from the newest committed checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,8 +23,9 @@ import pyarrow
 import torch
 
 from trainer_core import __version__, storage
+from trainer_core.checkpoint.exports import open_checkpoint
 from trainer_core.checkpoint.files import Scan
-from trainer_core.checkpoint.run_directory import RunDirectory, open_checkpoint
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
 from trainer_core.data.table_rows import TableRows
@@ -317,9 +317,9 @@ def run_attempt(
     started = time.time()
     checked = preflight(spec, attempt)  # bad input names itself before the run directory
     run_dir, pinned = checked.run_dir, checked.pinned
-    plan = dataclasses.replace(checked.plan, lease_owner=lease_owner)
+    plan = replace(checked.plan, lease_owner=lease_owner)
     if pinned is not None:
-        plan = dataclasses.replace(plan, dataset=pinned.for_workers())
+        plan = replace(plan, dataset=pinned.for_workers())
         if pinned.added and on_event is not None:
             on_event({"kind": "dataset_added", "files": pinned.added, "uri": pinned.layout.uri})
     with cluster.ray_cluster():
@@ -335,7 +335,7 @@ def run_attempt(
 
         def handle(event: dict[str, Any]) -> None:
             if live.apply(event):  # a worker group ended or began: the record says so now
-                attempts.write(run_dir, dataclasses.replace(record, restarts=live.restarts))
+                attempts.write(run_dir, replace(record, restarts=live.restarts))
             if on_event is not None:
                 on_event(event)
 

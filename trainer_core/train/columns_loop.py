@@ -23,7 +23,7 @@ from trainer_core.data.transform import Batches
 from trainer_core.train import validate, workloads
 from trainer_core.train.batch_workload import Batch, BatchWorkload
 from trainer_core.train.loop import BuiltinLoop
-from trainer_core.train.steps import summed_gradients
+from trainer_core.train.steps import batch_to_device, summed_gradients
 
 
 class ColumnsLoop(BuiltinLoop):
@@ -73,12 +73,7 @@ class ColumnsLoop(BuiltinLoop):
         return self.batch_validation.run(self.model, batches, dummy=self.last_batch)
 
     def _batch_to_device(self, batch: Batch) -> Batch:
-        return {
-            key: value.to(self.device, non_blocking=True)
-            if isinstance(value, torch.Tensor)
-            else value
-            for key, value in batch.items()
-        }
+        return batch_to_device(batch, self.device)
 
     def close(self) -> None:
         super().close()

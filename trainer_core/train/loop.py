@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
+from trainer_core.data import rank_stream
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.execution.worker_group import (
@@ -50,30 +49,9 @@ from trainer_core.train.steps import (
     optimizer_step,
     optimizer_steps,
 )
-from trainer_core.train.worker import Faults, resume_candidates
+from trainer_core.train.worker import Faults, Progress, rank_data, resume_candidates
 
 logger = logging.getLogger("relaytrain.worker")
-
-
-@dataclass
-class Progress:
-    step: int = 0
-    cursor: data_mod.Cursor = field(default_factory=lambda: data_mod.Cursor(0, 0))
-    resumed_from: int | None = None
-
-
-def rank_data(
-    config: WorkerConfig, data_spec: Any, seed: int, world_size: int, rank: int
-) -> tuple[rank_stream.RankStream, data_mod.DatasetInfo]:
-    """This rank's stream of the run's dataset snapshot (``seed``: the run's), as the driver
-    pinned it (no rank lists the dataset), and the dataset's info."""
-    if config.dataset is not None:
-        layout = dataset_snapshot.from_json(config.dataset["snapshot"], data_spec)
-        info = data_mod.DatasetInfo(**config.dataset["info"])
-    else:  # generated data
-        layout = footers.scan(data_spec)
-        info = stream.describe(layout, data_spec)
-    return rank_stream.RankStream(layout, data_spec, seed, world_size, rank), info
 
 
 class BuiltinLoop:

@@ -113,3 +113,19 @@ class MetricRows:
         started = time.perf_counter()
         self.relay.send("metrics", rows=rows)
         self.timings.relay_s += time.perf_counter() - started
+
+
+def report_row(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A report's metrics as the history keeps them: numbers and strings (a tensor's item)."""
+    row: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool | int | float | str):
+            row[key] = value
+        else:
+            raise TypeError(
+                f"report() metric {key!r} is a {type(value).__name__}: report numbers, strings "
+                "or one-element tensors"
+            )
+    return row

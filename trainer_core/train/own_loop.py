@@ -44,10 +44,17 @@ from trainer_core.execution.worker_group import (
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.step_time import Stragglers, own_row, window_fields
 from trainer_core.train import workloads
-from trainer_core.train.loop import rank_data
+from trainer_core.train.metric_rows import report_row
 from trainer_core.train.preemption import DrainWatch
 from trainer_core.train.step_clock import StepClock
-from trainer_core.train.worker import Faults, resume_candidates, wind_down, worker_error
+from trainer_core.train.steps import batch_to_device
+from trainer_core.train.worker import (
+    Faults,
+    rank_data,
+    resume_candidates,
+    wind_down,
+    worker_error,
+)
 
 logger = logging.getLogger("relaytrain.own_loop")
 
@@ -65,16 +72,6 @@ def session() -> OwnLoop:
             "ray.train's API with train_loop_api: ray"
         )
     return _current
-
-
-class _NoSchedule:
-    """What a loop without a learning-rate schedule checkpoints in its place."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 class OwnLoop:
@@ -144,7 +141,7 @@ class OwnLoop:
         self.checkpoints = CheckpointManager(
             self.run_dir,
             self.spec.checkpoint,
-            TrainingState(model, optimizer, scheduler or _NoSchedule()),
+            TrainingState(model, optimizer, scheduler or training_state.NoSchedule()),
             rank=self.rank,
             world_size=self.world_size,
             attempt=self.config.attempt,
@@ -263,12 +260,7 @@ class OwnLoop:
                 "features": torch.from_numpy(rows.features),
                 "labels": torch.from_numpy(rows.labels),
             }
-        return {
-            key: value.to(self.device, non_blocking=True)
-            if isinstance(value, torch.Tensor)
-            else value
-            for key, value in rows.items()
-        }
+        return batch_to_device(rows, self.device)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -305,7 +297,7 @@ class OwnLoop:
             else data_mod.Cursor(self.epoch, self._end * self.batch_size)
         )
         row = {"step": self.step, "epoch": self.epoch, "batch": self._end - 1}
-        row.update(_numbers(self._metrics))
+        row.update(report_row(self._metrics))
         self.latest = dict(row)
         due = self.step % self.spec.checkpoint.every == 0 or self.end_of_epoch
         at_report = due or self.step % self.spec.report.every == 0
@@ -373,22 +365,6 @@ class OwnLoop:
                 batches.close()
 
 
-def _numbers(metrics: dict[str, Any]) -> dict[str, Any]:
-    """A report's metrics as the history keeps them: numbers and strings (a tensor's item)."""
-    row: dict[str, Any] = {}
-    for key, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool | int | float | str):
-            row[key] = value
-        else:
-            raise TypeError(
-                f"report() metric {key!r} is a {type(value).__name__}: report numbers, strings "
-                "or one-element tensors"
-            )
-    return row
-
-
 def own_train_loop(config: dict[str, Any]) -> None:
     """Ray Train ``train_loop_per_worker`` that runs a loop of the user's own on this API."""
     global _current
@@ -406,7 +382,12 @@ def own_train_loop(config: dict[str, Any]) -> None:
             )
         loop.finish()
     except Exception as e:
-        error = e if isinstance(e, RelaytrainError) else _as_worker_error(e, loop)
+        step = loop.step + 1 if loop._open else loop.step or None
+        error = (
+            e
+            if isinstance(e, RelaytrainError)
+            else worker_error(e, where=f"at step {step}", step=step, rank=loop.rank)
+        )
         if loop.checkpoints is not None:
             error = wind_down(error, loop.checkpoints, loop.relay, loop.step, loop.group)
         if error is e:
@@ -415,8 +396,3 @@ def own_train_loop(config: dict[str, Any]) -> None:
     finally:
         _current = None
         loop.close()
-
-
-def _as_worker_error(error: BaseException, loop: OwnLoop) -> RelaytrainError:
-    step = loop.step + 1 if loop._open else loop.step or None
-    return worker_error(error, where=f"at step {step}", step=step, rank=loop.rank)

@@ -19,6 +19,14 @@ from trainer_core.execution.worker_group import all_reduce
 from trainer_core.tensors import is_dtensor, is_fsdp_module
 
 
+def batch_to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``batch``'s tensors on ``device``, copied without blocking; its other values as they are."""
+    return {
+        key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+        for key, value in batch.items()
+    }
+
+
 def accumulate_gradients(
     model: torch.nn.Module,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],

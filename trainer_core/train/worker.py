@@ -9,12 +9,15 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
 from trainer_core.checkpoint.manager import CheckpointManager
 from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.data import arrays as data_mod
+from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
 from trainer_core.errors import (
     InfrastructureError,
     InjectedFault,
@@ -121,3 +124,26 @@ def resume_candidates(
     found = [[c.step for c in reversed(run_dir.scan().committed)]]
     dist.broadcast_object_list(found, src=0)
     return group, list(found[0])
+
+
+@dataclass
+class Progress:
+    """Where a worker's training stands: its step, the data cursor, the step resumed from."""
+
+    step: int = 0
+    cursor: data_mod.Cursor = field(default_factory=lambda: data_mod.Cursor(0, 0))
+    resumed_from: int | None = None
+
+
+def rank_data(
+    config: WorkerConfig, data_spec: Any, seed: int, world_size: int, rank: int
+) -> tuple[rank_stream.RankStream, data_mod.DatasetInfo]:
+    """This rank's stream of the run's dataset snapshot (``seed``: the run's), as the driver
+    pinned it (no rank lists the dataset), and the dataset's info."""
+    if config.dataset is not None:
+        layout = dataset_snapshot.from_json(config.dataset["snapshot"], data_spec)
+        info = data_mod.DatasetInfo(**config.dataset["info"])
+    else:  # generated data
+        layout = footers.scan(data_spec)
+        info = stream.describe(layout, data_spec)
+    return rank_stream.RankStream(layout, data_spec, seed, world_size, rank), info
