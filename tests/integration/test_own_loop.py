@@ -72,19 +72,20 @@ def test_an_own_loop_reports_where_each_step_went_on_every_rank(own_reference):
     """The breakdown of a loop of the user's own: every report window (each checkpoint, every 5
     steps here, and each epoch's end, 21 and 42) has both ranks' figures; validation time shows
     exactly where the example validates (the epoch ends), the optimizer's hooks time its step,
-    and the loop's own forward and backward (what the hooks leave) is most of each step but
-    not all of it."""
+    ``batches()`` its data wait, and what they leave (the loop's own forward and backward) is
+    positive on every rank: the timed parts never overcount a window."""
     spec = own_reference["spec"]
     windows = [r for r in read_metrics_history(run_dir_of(spec)) if "step_time" in r]
     assert [w["step"] for w in windows] == [5, 10, 15, 20, 21, 25, 30, 35, 40, 42]
     for window in windows:
         ranks = window["step_time"]["ranks"]
         assert len(ranks) == 2
-        for wall, *parts in ranks:
+        for _, *parts in ranks:
             named = dict(zip(PARTS, parts, strict=True))
             assert (named["validation"] > 0) == (window["step"] in (21, 42)), window
             assert named["optimizer"] > 0 and named["data_wait"] > 0
-            assert 0 < named["forward_backward"] < wall
+            # What the timed parts leave of the window: 11-49% of it in this tiny example.
+            assert named["forward_backward"] > 0
     assert own_reference["result"].status == "completed"
 
 
