@@ -4,11 +4,32 @@ ranks of each part, ``trainer_core.step_time``), what restarts cost, stragglers 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from trainer_core import step_time
+
+
+class Cost(Protocol):
+    """What a failure cost, as an in-place restart (``summary.InPlaceRestart``) records it."""
+
+    @property
+    def steps_lost(self) -> int | None: ...
+    @property
+    def detection_s(self) -> float | None: ...
+    @property
+    def recovery_s(self) -> float | None: ...
+
+
+class Attempt(Cost, Protocol):
+    """An attempt as ``summary.AttemptSummary`` records it: its cost when it failed, and its
+    in-place restarts'."""
+
+    @property
+    def status(self) -> str: ...
+    @property
+    def restarts(self) -> Sequence[Cost]: ...
 
 
 class _Frozen(BaseModel):
@@ -58,10 +79,9 @@ class TimeAccount(_Frozen):
 
 
 def time_account(
-    history: Sequence[dict[str, Any]], attempts: Sequence[Any], wall_s: float
+    history: Sequence[dict[str, Any]], attempts: Sequence[Attempt], wall_s: float
 ) -> TimeAccount | None:
-    """What the history's report windows and the attempts (``summary.AttemptSummary``, with
-    their restarts) say of where the time went."""
+    """What the history's report windows and the attempts say of where the time went."""
     rows = list(history)
     steps, total = step_time.run_totals(rows)
     if not steps:
@@ -71,7 +91,7 @@ def time_account(
     waits = seconds["data_wait"] + seconds["checkpoint"] + seconds["validation"]
     productive = max(training - waits, 0.0)
     step_s = training / steps
-    restarts = [r for a in attempts for r in a.restarts]
+    restarts: list[Cost] = [r for a in attempts for r in a.restarts]
     failed = [a for a in attempts if a.status == "failed"]
     lost = sum(a.steps_lost or 0 for a in failed) + sum(r.steps_lost or 0 for r in restarts)
     cost = RestartCost(
