@@ -88,11 +88,12 @@ def test_run_on_gcs_is_exact_and_lives_on_the_server(gcs_runs, uninterrupted_one
         ("bucket does not exist", StorageAccessError, "its bucket does not exist"),
     ],
 )
-def test_bad_gcs_storage_is_refused_in_setup(gcs_runs, gcs, case, error_class, words):
+def test_bad_gcs_storage_is_refused_in_setup(gcs_runs, gcs, monkeypatch, case, error_class, words):
     """Refused by setup with its class (nothing retried), leaving the finished run alone."""
     existing = "runs-pyarrow/pyarrow/"
     before = gcs.objects(existing)
     if case == "unreachable endpoint":
+        monkeypatch.setenv("RELAYTRAIN_STORAGE_SETUP_WAIT_S", "2")  # 30 s by default
         uri = gcs.uri("runs-pyarrow", port=free_port())
     else:
         uri = f"gs://no-such-bucket/runs?endpoint_override={gcs.endpoint}&scheme=http"

@@ -185,6 +185,11 @@ def _wrong_secret(monkeypatch, s3_server) -> None:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-" + "x" * 24)
 
 
+def _short_setup_wait(monkeypatch, s3_server) -> None:
+    """Setup waits 2 s for the dead endpoint (30 s by default: a store that comes back)."""
+    monkeypatch.setenv("RELAYTRAIN_STORAGE_SETUP_WAIT_S", "2")
+
+
 def _unknown_key(monkeypatch, s3_server) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA" + "0" * 16)
 
@@ -194,9 +199,9 @@ BAD_INPUTS = {
     "unreachable endpoint": (
         "s3://{bucket}/runs-pyarrow?endpoint_override=127.0.0.1:{dead_port}&scheme=http",
         None,
-        None,
+        _short_setup_wait,
         "run.storage",
-        "could not be reached",
+        "could not be reached in 2 s (RELAYTRAIN_STORAGE_SETUP_WAIT_S)",
     ),
     "wrong secret key": (
         "{uri}",
@@ -332,6 +337,25 @@ def test_fault5_s3_outage_during_checkpoint_upload(
         outcome=outcome,
         storage="s3 (moto) via pyarrow",
     )
+
+
+def test_a_flow_launched_while_s3_is_down_waits_for_it_in_setup(relaytrain_prefect, s3):
+    """A flow launched while its store is unreachable (a relaunch during a blip: the chaos
+    campaign met one) waits for the store in setup, within RELAYTRAIN_STORAGE_SETUP_WAIT_S,
+    instead of failing at once: setup runs once, and the run trains to its end."""
+    with OutageProxy(s3.port) as proxy:
+        proxy.down()
+        threading.Timer(8.0, proxy.up).start()
+        spec = build_spec(
+            tiny_raw(s3.uri("late-store", port=proxy.port), "late-store", scaling=ONE_WORKER)
+        )
+        state = training(spec, return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    assert [why for _, why in proxy.events][:3] == ["up", "down", "up"]
+    result = state.result()
+    assert result.status == "completed" and result.epochs_completed == result.target_epochs
+    runs = task_runs(state.state_details.flow_run_id)
+    assert runs["setup"].run_count == 1 and runs["train"].run_count == 1
 
 
 # -- fault 7: permission denied, storage full ---------------------------------------------------

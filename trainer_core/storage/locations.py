@@ -86,6 +86,11 @@ CREDENTIAL_ENV_VARS = (
 #: Seconds a remote call keeps retrying a connection failure before it gives up (env override).
 PATIENCE_ENV_VAR = "RELAYTRAIN_STORAGE_PATIENCE_S"
 DEFAULT_PATIENCE_S = 5.0
+#: Seconds setup waits for a remote store it cannot reach before it refuses the run (env
+#: override): a flow launched during a short outage rides it out, a wrong endpoint is refused
+#: after the wait with the same error. Setup is not retried, so no retry is spent either way.
+SETUP_WAIT_ENV_VAR = "RELAYTRAIN_STORAGE_SETUP_WAIT_S"
+DEFAULT_SETUP_WAIT_S = 30.0
 #: Some stores answer a request without credentials with an error that looks like an outage.
 NO_CREDENTIALS_HINT = (
     " No storage credentials are set in this process: if the store needs them, set "
@@ -105,10 +110,20 @@ def credential_env() -> dict[str, str]:
 
 def patience_s() -> float:
     """How long a remote call retries a connection failure (``RELAYTRAIN_STORAGE_PATIENCE_S``)."""
+    return _seconds(PATIENCE_ENV_VAR, DEFAULT_PATIENCE_S)
+
+
+def setup_wait_s() -> float:
+    """How long setup waits for a remote store it cannot reach
+    (``RELAYTRAIN_STORAGE_SETUP_WAIT_S``)."""
+    return _seconds(SETUP_WAIT_ENV_VAR, DEFAULT_SETUP_WAIT_S)
+
+
+def _seconds(name: str, default: float) -> float:
     try:
-        return max(0.0, float(os.environ.get(PATIENCE_ENV_VAR, DEFAULT_PATIENCE_S)))
+        return max(0.0, float(os.environ.get(name, default)))
     except ValueError:
-        return DEFAULT_PATIENCE_S
+        return default
 
 
 @dataclass(frozen=True)
@@ -269,10 +284,13 @@ def probe_writable(location: Location) -> None:
         if location.is_local:
             raise _reworded(e, f"run storage {location.uri} is not writable: {e}") from e
         hint = "" if credential_env() else NO_CREDENTIALS_HINT
+        waited = ""
+        if location.patience_s:  # setup's probe waited for the store
+            waited = f" in {location.patience_s:.0f} s ({SETUP_WAIT_ENV_VAR})"
         raise StorageUnavailableError(
-            f"run storage {location.uri} could not be reached: {str(e).rstrip('.')}. Check "
-            "run.storage (its endpoint_override, scheme and region) and that the store is up and "
-            f"reachable from here.{hint}"
+            f"run storage {location.uri} could not be reached{waited}: {str(e).rstrip('.')}. "
+            "Check run.storage (its endpoint_override, scheme and region) and that the store is "
+            f"up and reachable from here.{hint}"
         ) from e
     except StorageError as e:
         hint = (

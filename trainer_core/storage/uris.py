@@ -14,7 +14,7 @@ from trainer_core.errors import (
     SpecError,
 )
 from trainer_core.storage.failures import storage_error
-from trainer_core.storage.locations import Location
+from trainer_core.storage.locations import Location, setup_wait_s
 
 PYARROW_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs")
 
@@ -73,8 +73,9 @@ def _credentials_in_uri(what: str) -> SpecError:
 def resolve(uri: str, *, fail_fast: bool = False) -> Location:
     """Turn a path or URI into a Location. Raises SpecError for what cannot be a location.
 
-    ``fail_fast``: one quick connection attempt and no patience (setup's probe: an unreachable
-    store is reported within seconds).
+    ``fail_fast``: quick connection attempts (setup's probe), retried while the store cannot
+    be reached for ``setup_wait_s()`` at most, so a flow launched during an outage waits it out
+    and a wrong endpoint is reported after that wait.
     """
     if not uri or not uri.strip():
         raise SpecError("storage location is empty: give a path or URI", field="run.storage")
@@ -88,7 +89,7 @@ def resolve(uri: str, *, fail_fast: bool = False) -> Location:
         raise _credentials_in_uri("user:password@ before the bucket or host")
     display = f"{scheme}://{parts.netloc}{parts.path}".rstrip("/")
     options = _parse_query(parts.query)
-    patience = 0.0 if fail_fast else None
+    patience = setup_wait_s() if fail_fast else None
     if scheme == "s3":
         filesystem = _s3_filesystem(parts.netloc, options, display, fail_fast)
         path = f"{parts.netloc}{parts.path}".rstrip("/")
