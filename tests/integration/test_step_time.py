@@ -79,8 +79,10 @@ def test_each_part_holds_the_time_put_there_and_the_parts_cover_the_step(straggl
     for window in windows:
         fast, slow = window["step_time"]["ranks"]
         assert SLEEP_S <= part(slow, "other") < 2 * SLEEP_S, window
+        # Rank 0 waits out the sleep on top of the all-reduce both ranks wait for; rank 1
+        # waits only for the all-reduce itself (a few ms, more on a loaded machine).
         assert part(fast, "allreduce_wait") > 0.6 * SLEEP_S, window
-        assert part(slow, "allreduce_wait") < 0.3 * SLEEP_S, window
+        assert part(fast, "allreduce_wait") - part(slow, "allreduce_wait") > 0.5 * SLEEP_S, window
         # ``other`` is what no part measured: on the rank that sleeps nowhere, the measured
         # parts account for nine tenths of each window at least.
         assert part(fast, "other") < 0.1 * fast[0], window
