@@ -358,6 +358,25 @@ def test_a_flow_launched_while_s3_is_down_waits_for_it_in_setup(relaytrain_prefe
     assert runs["setup"].run_count == 1 and runs["train"].run_count == 1
 
 
+def test_a_file_another_client_rewrote_reads_fresh_through_s3fs(s3, monkeypatch):
+    """The lease is rewritten every few seconds by the flow's keeper while the same process
+    lists and reads the run directory through s3fs. s3fs remembers a listing with each object's
+    ETag and opened a file with that ETag: once the object was replaced, every read failed
+    (FileExpired) until the storage patience ran out, and a flow run on s3fs failed with
+    StorageUnavailableError."""
+    from trainer_core.storage.locations import read_whole_json
+
+    monkeypatch.setenv("RELAYTRAIN_STORAGE_PATIENCE_S", "2")
+    name = f"rewritten-{uuid.uuid4().hex[:8]}"
+    through_s3fs = storage.resolve(s3.uri(name, fsspec=True))
+    other_client = storage.resolve(s3.uri(name))  # pyarrow's S3 client: another writer
+    lock = through_s3fs.child("lock.json")
+    lock.write_json({"owner": "a", "expires": 1})
+    assert [info.base_name for info in through_s3fs.list()] == ["lock.json"]
+    other_client.child("lock.json").write_json({"owner": "a", "expires": 2, "renewed": True})
+    assert read_whole_json(lock) == {"owner": "a", "expires": 2, "renewed": True}
+
+
 # -- fault 7: permission denied, storage full ---------------------------------------------------
 
 

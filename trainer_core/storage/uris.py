@@ -165,6 +165,10 @@ def _fsspec_location(
         # An instance resolves its credentials once: a cached one would outlive a change of
         # credentials in the environment (another run, another block).
         options.setdefault("skip_instance_cache", True)
+        # No listings cache: other processes (the workers, the lease keeper's conditional
+        # writes) rewrite the run directory's files, and s3fs opens a file with the ETag its
+        # listing remembered: a replaced object then failed every read (FileExpired).
+        options.setdefault("use_listings_cache", False)
     try:
         fs = fsspec.filesystem(protocol, **options)
     except (ValueError, ImportError) as e:
