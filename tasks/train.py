@@ -6,12 +6,12 @@ import time
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
 from tasks.naming import artifact_key
+from tasks.progress import ProgressArtifact
 from tasks.setup import Prepared
 from trainer_core import step_time
 from trainer_core.checkpoint.run_directory import RunDirectory
@@ -23,6 +23,8 @@ from trainer_core.tracking import mlflow_log, tensorboard_log
 
 #: The progress artifact is updated at most this often (and at the end of training).
 PROGRESS_INTERVAL_S = 2.0
+#: How long the end of an attempt waits for its last progress update to reach the API.
+FINAL_PROGRESS_WAIT_S = 10.0
 
 
 def should_retry(task: Any, task_run: TaskRun, state: State) -> bool:
@@ -44,10 +46,11 @@ class ProgressRelay:
         self.epochs = spec.schedule.epochs if spec.schedule else None
         self.last_update = 0.0
         self.step = prepared.resume_step or 0
-        self.artifact_id: Any = create_progress_artifact(
-            progress=self._percent(),
-            key=artifact_key(prepared.run_name, "progress"),
-            description=f"Training progress of {prepared.run_name}",
+        self.artifact = ProgressArtifact(
+            artifact_key(prepared.run_name, "progress"),
+            f"Training progress of {prepared.run_name}",
+            self._percent(),
+            self.logger,
         )
 
     def _percent(self) -> float:
@@ -143,9 +146,14 @@ class ProgressRelay:
             )
 
     def publish(self) -> None:
-        """Push the progress known now (also when an attempt ends early: where it got to)."""
-        update_progress_artifact(artifact_id=self.artifact_id, progress=self._percent())
+        """Post the progress known now, without waiting for the API."""
+        self.artifact.post(self._percent())
         self.last_update = time.monotonic()
+
+    def close(self) -> None:
+        """The attempt's last progress (also when it ends early: where it got to), waited for
+        a while: the task's own end needs the API too."""
+        self.artifact.close(self._percent(), FINAL_PROGRESS_WAIT_S)
 
     def _log_epoch(self, row: dict[str, Any]) -> None:
         shown = " ".join(
@@ -197,13 +205,13 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
                     lease_owner=prepared.lease_owner,
                     lost=lambda: keeper.lost,
                 )
-            progress.publish()
+            progress.close()
         except LeaseLostError as error:  # the run is another flow's now: write nothing
             logger.error("attempt stopped: %s", error)
             raise
         except RelaytrainError as error:
             decision = _decide(spec, run_dir, error, number)
-            progress.publish()
+            progress.close()
             tensorboard_log.write_quietly(run_dir)  # what the attempt committed, before a retry
             if tracker is not None:
                 tracker.attempt_ended()

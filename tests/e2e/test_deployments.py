@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,62 +21,13 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 from flows.pytest_plugin import tiny_spec_dict
 from tests.conftest import ONE_WORKER
 from tests.e2e.ui import browse
-from tests.net import free_port
+from tests.prefect_server import BIN, REPO, background, prefect_server
 from trainer_core import storage
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import RunDirectory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 SCREENSHOTS = REPO / "runs" / "e2e-screenshots"
-
-
-@contextlib.contextmanager
-def background(command: list[str], env: dict[str, str], log_path: Path, cwd: Path = REPO):
-    """A process running beside the test, its output in ``log_path``; terminated afterwards."""
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            yield process
-        finally:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:  # a worker may wait on its runs: stop it hard
-                process.kill()
-                process.wait(30)
-
-
-@contextlib.contextmanager
-def prefect_server(home: Path, ray_address: str, database_url: str | None = None):
-    """A real Prefect server (SQLite in a fresh PREFECT_HOME, or the PostgreSQL database at
-    ``database_url``) and the env to reach it."""
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": api,
-        "PREFECT_UI_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "RAY_ADDRESS": ray_address,
-    }
-    if database_url:
-        env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database_url
-    env.pop("RELAYTRAIN_HOME", None)  # what older releases' pull step needed: not any more
-    command = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    with background(command, env, home / "server.log") as process:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{api}/health", timeout=2)
-                break
-            except OSError:
-                assert process.poll() is None, (home / "server.log").read_text()
-                assert time.time() < deadline, "prefect server did not start in 120 s"
-                time.sleep(1)
-        yield {"api": api, "ui": f"http://127.0.0.1:{port}", "env": env, "home": home}
 
 
 @pytest.fixture(scope="module")
