@@ -18,6 +18,7 @@ from datetime import datetime
 
 from prefect import flow
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
 from tasks import Prepared, credentials, finalize, setup, train
 from tasks.setup import holding
@@ -140,10 +141,14 @@ def print_summary(result: TrainingResult) -> None:
     print(f"  TensorBoard:      tensorboard --logdir {result.storage_uri}")
     if result.mlflow is not None:
         print(f"  MLflow:           {result.mlflow.describe()}")
-    print(
-        "  Prefect UI:       `prefect server start`, then rerun with "
-        "PREFECT_API_URL=http://127.0.0.1:4200/api to see flow runs and artifacts there"
-    )
+    ui = PREFECT_UI_URL.value() if PREFECT_API_URL.value() else None
+    if ui:  # a Prefect server holds the flow run and its artifacts
+        print(f"  Prefect UI:       {ui}/runs")
+    else:
+        print(
+            "  Prefect UI:       `prefect server start`, then rerun with "
+            "PREFECT_API_URL=http://127.0.0.1:4200/api to see flow runs and artifacts there"
+        )
 
 
 if __name__ == "__main__":
