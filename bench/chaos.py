@@ -116,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--seed", type=int, default=0)
     cli.add_argument("--faults", type=int, default=None, help="faults in all (default 21)")
     cli.add_argument("--mean-gap-s", type=float, default=None, help="default 15 (quick: 8)")
+    cli.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="the run's length: 64 steps an epoch, about 5.4 s each uninterrupted here "
+        "(default 100; quick: 12); a sparser campaign (--mean-gap-s 60) needs a longer run "
+        "to place its faults in",
+    )
     args = cli.parse_args(argv)
     base = QUICK if args.quick else Settings()
     settings = dataclasses.replace(
@@ -123,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         faults=args.faults or base.faults,
         mean_gap_s=args.mean_gap_s or base.mean_gap_s,
+        epochs=args.epochs or base.epochs,
     )
     result = Result(NAME, args.quick, columns=["count", "restarts_caused", "median_recovery_s"])
     result.settings.update(
