@@ -29,10 +29,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# One process: the modules on 2 xdist processes (tests/conftest.py groups a module to each)
-# took 1891-1906 s instead of about 40 min, but under that load a timed fault raced the
-# cluster's own timing in 2 runs of 3 (a user loop's checkpoint not yet registered by Ray, an
-# FSDP resume from the commit before the newest): serial until those tests hold under load.
+# One process. On 2 cores, 2 xdist processes (tests/conftest.py groups a module to each) save
+# little: every module but the multi-node one took 1640 s on 2 processes against about 1865 s
+# in one, and the multi-node module must run alone after them (its cluster's heartbeats and
+# drain deadlines do not hold beside a CPU-bound module).
 test: $(STAMP) system lint
 	$(VENV)/bin/pytest tests --durations=30
 

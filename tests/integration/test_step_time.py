@@ -121,7 +121,9 @@ def test_a_slow_transform_shows_as_data_wait_and_the_advice_names_it(
 ):
     """The GPT example on 2 workers with a transform that sleeps SLOW_TRANSFORM_S a row: 8 rows
     a rank per step over 2 transform threads, about 32 ms a step that the tiny model's step
-    (about 10 ms) cannot hide. Data wait is most of each step, and the advice says what to raise."""
+    (about 10 ms) cannot hide. Data wait is the largest part of each step (most of it on an idle
+    machine; a third under a loaded one, where the model's step is slower too), and the advice
+    says what to raise."""
     root = tmp_path_factory.mktemp("slow-transform")
     dataset = write_lm_dataset(root / "lm.parquet", count=200, group=50)
     raw = lm_raw(root, dataset, "slow-transform", schedule={"epochs": 1, "warmup_steps": 1})
@@ -133,7 +135,6 @@ def test_a_slow_transform_shows_as_data_wait_and_the_advice_names_it(
     assert account is not None
     rows_per_thread = spec.data.batch_size // 2 // spec.data.transform_workers
     assert account.per_step_s["data_wait"] > 0.5 * rows_per_thread * SLOW_TRANSFORM_S
-    assert account.shares["data_wait"] > 0.5
     assert max(account.shares, key=account.shares.__getitem__) == "data_wait"
     (advice,) = [line for line in account.advice if line.startswith("data wait is")]
     assert "`data.prefetch`" in advice and "`data.transform_workers`" in advice
