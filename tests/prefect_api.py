@@ -23,9 +23,10 @@ def task_runs(flow_run_id: Any) -> dict:
 
 
 def artifacts(flow_run_id: Any) -> dict:
-    """The flow run's artifacts by key."""
+    """The flow run's artifacts by key: the newest of a key (each attempt posts its own
+    progress artifact; the UI shows a key's newest)."""
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
         )
-    return {a.key: a for a in found}
+    return {a.key: a for a in sorted(found, key=lambda a: a.created or 0)}
