@@ -18,7 +18,7 @@ from datetime import datetime
 
 from prefect import flow
 from prefect.runtime import flow_run
-from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+from prefect.settings import PREFECT_UI_URL
 
 from tasks import Prepared, credentials, finalize, setup, train
 from tasks.setup import holding
@@ -141,7 +141,7 @@ def print_summary(result: TrainingResult) -> None:
     print(f"  TensorBoard:      tensorboard --logdir {result.storage_uri}")
     if result.mlflow is not None:
         print(f"  MLflow:           {result.mlflow.describe()}")
-    ui = PREFECT_UI_URL.value() if PREFECT_API_URL.value() else None
+    ui = PREFECT_UI_URL.value()  # None without PREFECT_API_URL
     if ui:  # a Prefect server holds the flow run and its artifacts
         print(f"  Prefect UI:       {ui}/runs")
     else:

@@ -11,7 +11,6 @@ started answering.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Any
@@ -29,7 +28,7 @@ class ProgressArtifact:
         self.artifact_id: Any = create_progress_artifact(  # sync here: a UUID
             progress=percent, key=key, description=description
         )
-        self.logger: logging.Logger | Any = logger
+        self.logger = logger
         self._wake = threading.Condition()
         self._pending: float | None = None
         self._closing = False
@@ -43,15 +42,14 @@ class ProgressArtifact:
             self._pending = percent
             self._wake.notify()
 
-    def close(self, percent: float, timeout_s: float) -> bool:
-        """Post the last value, waiting for it at most ``timeout_s``; whether it was posted.
-        (If not, the thread goes on trying while the process lives.)"""
+    def close(self, percent: float, timeout_s: float) -> None:
+        """Post the last value, waiting for it at most ``timeout_s`` (if it is not posted by
+        then, the thread goes on trying while the process lives)."""
         with self._wake:
             self._pending = percent
             self._closing = True
             self._wake.notify()
         self._thread.join(timeout_s)
-        return not self._thread.is_alive()
 
     def _post_pending(self) -> None:
         while True:

@@ -205,13 +205,11 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
                     lease_owner=prepared.lease_owner,
                     lost=lambda: keeper.lost,
                 )
-            progress.close()
         except LeaseLostError as error:  # the run is another flow's now: write nothing
             logger.error("attempt stopped: %s", error)
             raise
         except RelaytrainError as error:
             decision = _decide(spec, run_dir, error, number)
-            progress.close()
             tensorboard_log.write_quietly(run_dir)  # what the attempt committed, before a retry
             if tracker is not None:
                 tracker.attempt_ended()
@@ -220,6 +218,8 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
                 "attempt failed with %s: %s. %s", type(error).__name__, error, decision.reason
             )
             raise
+        finally:  # however the attempt ended: where it got to (its thread ends too)
+            progress.close()
     logger.info(
         "attempt %s completed at step %s in %.1f s",
         result.attempt,

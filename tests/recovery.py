@@ -142,6 +142,12 @@ def recorded_batches(logs: Path, key: str) -> list[list[Any]]:
     return [[i for rank in range(world_size) for i in by_rank[rank][n]] for n in range(count)]
 
 
+def committed_step(run_dir: RunDirectory) -> int:
+    """The newest committed step (0: none yet)."""
+    newest = run_dir.scan().newest
+    return newest.step if newest else 0
+
+
 def committed_before(run_dir: RunDirectory, when: float) -> int:
     """The newest step whose commit marker a local run directory got before ``when`` (Unix
     seconds): what a failure at ``when`` must not lose. (A checkpoint whose write was still in

@@ -21,8 +21,7 @@ import yaml
 from flows.pytest_plugin import tiny_spec_dict
 from tests.multinode import wait_until
 from tests.prefect_server import REPO, PrefectServer
-from tests.recovery import assert_recovered, run_dir_of
-from trainer_core.checkpoint.run_directory import RunDirectory
+from tests.recovery import assert_recovered, committed_step, run_dir_of
 from trainer_core.spec.overrides import build_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -33,11 +32,6 @@ def slow_raw(storage: Path, name: str, delay_s: float) -> dict[str, Any]:
     model = {"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16, 16], "dropout": 0.1}}
     model["kwargs"]["delay_s"] = delay_s
     return tiny_spec_dict(storage, name, model=model)
-
-
-def committed_step(run_dir: RunDirectory) -> int:
-    newest = run_dir.scan().newest
-    return newest.step if newest else 0
 
 
 def launch(server: PrefectServer, raw: dict[str, Any], tmp_path: Path, **env: str):
@@ -62,7 +56,7 @@ def finish(process: subprocess.Popen, log: Any, tmp_path: Path) -> str:
     return output
 
 
-def api_view(server: PrefectServer, run_name: str) -> dict[str, Any]:
+def api_view(server: PrefectServer) -> dict[str, Any]:
     """What the API holds of the run once the server is back: the flow run, its task runs by
     name, its artifacts by key."""
     from prefect.client.orchestration import get_client
@@ -122,7 +116,7 @@ def test_training_goes_on_while_the_api_is_down_and_the_api_holds_the_run(
         assert output.count("the Prefect API did not take a progress update") == 1
         assert output.count("the Prefect API answers again") == 1
         assert f"Prefect UI:       {server.ui}/runs" in output  # where to see the run
-        view = api_view(server, name)
+        view = api_view(server)
     finally:
         server.stop()
     attempts = assert_recovered(run_dir, uninterrupted, interval=10)
@@ -159,7 +153,7 @@ def test_a_retry_while_the_api_is_down_waits_for_it(relaytrain_ray, uninterrupte
         assert flow.poll() is None, (tmp_path / "flow.log").read_text()[-6000:]
         server.start()
         finish(flow, log, tmp_path)
-        view = api_view(server, name)
+        view = api_view(server)
     finally:
         server.stop()
         database.stop()

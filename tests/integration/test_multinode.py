@@ -29,8 +29,13 @@ from tests.integration.test_streaming import (
 )
 from tests.multinode import MultiNodeCluster, wait_until
 from tests.prefect_api import task_runs
-from tests.recovery import REPO, assert_recovered, record_matrix_row, run_dir_of
-from trainer_core.checkpoint.run_directory import RunDirectory
+from tests.recovery import (
+    REPO,
+    assert_recovered,
+    committed_step,
+    record_matrix_row,
+    run_dir_of,
+)
 from trainer_core.run import jobs
 from trainer_core.run.report import render_markdown
 from trainer_core.spec.overrides import build_spec
@@ -73,11 +78,6 @@ def slow_raw(storage: str, name: str, cluster: MultiNodeCluster, delay_s: float 
         },
         retries={"infrastructure": 2, "code": 0, "delay_s": 1, "jitter": 0},
     )
-
-
-def committed_step(run_dir: RunDirectory) -> int:
-    newest = run_dir.scan().newest
-    return newest.step if newest else 0
 
 
 def run_flow_in_thread(spec):
