@@ -54,6 +54,18 @@ class IncompatibleRunError(SpecError):
     """The run directory was written by an incompatible spec, schema or Ray version."""
 
 
+class DataFileDamagedError(SpecError):
+    """A dataset file's bytes are damaged (a page checksum fails, a page does not decode). Not
+    retried: a retry reads the same bytes. ``file`` and ``row_group`` name where."""
+
+    def __init__(
+        self, message: str, *, field: str | None = None, file: str = "", row_group: int = -1
+    ):
+        super().__init__(message, field=field)
+        self.file = file
+        self.row_group = row_group
+
+
 class StorageError(RelaytrainError):
     """Storage cannot be reached, read or written."""
 

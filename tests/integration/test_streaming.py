@@ -21,7 +21,7 @@ from tests.prefect_api import task_runs
 from tests.recovery import assert_same_tensors, final_state, losses, recorded_batches, run_dir_of
 from trainer_core import storage
 from trainer_core.data import footers, rank_stream
-from trainer_core.errors import SpecError, TrainingCodeError
+from trainer_core.errors import DataFileDamagedError, SpecError, TrainingCodeError
 from trainer_core.run.engine import run_attempt
 from trainer_core.spec.overrides import build_spec
 from trainer_core.spec.run_spec import RunSpec
@@ -33,9 +33,9 @@ BATCH = 21  # odd: two workers take slices of 10 and 11, their losses weighted
 EPOCHS = 2
 
 
-def write_dataset(uri: str) -> None:
+def write_dataset(uri: str, page_checksums: bool = False) -> None:
     """Row ids in feature 0, then 4 features and a regression label; 3 files, uneven row
-    groups."""
+    groups (with each page's CRC32, as Spark writes them, when ``page_checksums``)."""
     location = storage.resolve(uri)
     location.filesystem.create_dir(location.path, recursive=True)
     rng = np.random.default_rng(0)
@@ -51,7 +51,7 @@ def write_dataset(uri: str) -> None:
             }
         )
         with location.filesystem.open_output_stream(f"{location.path}/part-{index}.parquet") as f:
-            pq.write_table(table, f, row_group_size=group)
+            pq.write_table(table, f, row_group_size=group, write_page_checksum=page_checksums)
 
 
 def spec_for(tmp_path: Path, dataset: str, logs: Path, workers: int, faults: list) -> RunSpec:
@@ -216,22 +216,32 @@ def _between_attempts(spec: RunSpec, change: Any) -> Any:
     return box["state"]
 
 
-def test_a_file_added_between_attempts_is_ignored(relaytrain_prefect, ray_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def snapshot_reference(ray_cluster, tmp_path_factory) -> dict[str, Any]:
+    """An uninterrupted run of ``_snapshot_spec`` over ``write_dataset``'s files."""
+    root = tmp_path_factory.mktemp("snapshot-reference")
+    write_dataset(str(root / "table"))
+    spec = _snapshot_spec(root, root / "table", "reference", [])
+    result = run_attempt(spec)
+    assert result.status == "completed"
+    run_dir = run_dir_of(spec)
+    return {"result": result, "state": final_state(run_dir), "losses": losses(run_dir)}
+
+
+def test_a_file_added_between_attempts_is_ignored(relaytrain_prefect, snapshot_reference, tmp_path):
     """The run pins its dataset at the first attempt: a Parquet file that lands before the
     retry is not read, and the run ends bit-identical to an uninterrupted run over the
     original files. A new run over the same directory trains on the new file too."""
     dataset = tmp_path / "table"
     write_dataset(str(dataset))
-    reference = run_attempt(_snapshot_spec(tmp_path, dataset, "reference", []))
-    assert reference.status == "completed"
+    reference = snapshot_reference["result"]
     spec = _snapshot_spec(tmp_path, dataset, "grown", [{"kind": "raise", "at_step": 8}])
     state = _between_attempts(spec, lambda: _write_file(dataset, "part-3.parquet", seed=1))
     assert state.is_completed(), state
     run_dir = run_dir_of(spec)
     assert [a["status"] for a in run_dir.read_attempts()] == ["failed", "completed"]
-    reference_dir = run_dir_of(_snapshot_spec(tmp_path, dataset, "reference", []))
-    assert_same_tensors(final_state(run_dir), final_state(reference_dir))
-    assert losses(run_dir) == losses(reference_dir)
+    assert_same_tensors(final_state(run_dir), snapshot_reference["state"])
+    assert losses(run_dir) == snapshot_reference["losses"]
     pinned = run_dir.read_dataset_snapshot()
     assert [Path(f["path"]).name for f in pinned["files"]] == [
         f"part-{i}.parquet" for i in (0, 1, 2)
@@ -261,6 +271,45 @@ def test_a_file_rewritten_between_attempts_is_refused(relaytrain_prefect, ray_cl
     assert "part-1.parquet" in str(error) and "run.name" in str(error)
     assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2  # no 3rd
     assert {c.step: c.manifest for c in run_dir.scan().committed} == before
+
+
+def test_a_damaged_page_fails_once_then_resumes_when_restored(
+    relaytrain_prefect, snapshot_reference, tmp_path
+):
+    """A byte flipped in a data page of a checksummed file between attempts (same size and
+    footer: the snapshot still matches). The retry stops at the page's checksum with an error
+    naming the file and row group, spends no more retries and leaves the checkpoints as they
+    were; with the file restored, the run resumes and ends bit-identical to the
+    uninterrupted run."""
+    dataset = tmp_path / "table"
+    write_dataset(str(dataset), page_checksums=True)
+    victim = dataset / "part-1.parquet"
+    original = victim.read_bytes()
+    spec = _snapshot_spec(tmp_path, dataset, "damaged", [{"kind": "raise", "at_step": 8}])
+    run_dir = run_dir_of(spec)
+    before: dict = {}
+
+    def damage() -> None:
+        before.update({c.step: c.manifest for c in run_dir.scan().committed})
+        chunk = pq.ParquetFile(victim).metadata.row_group(1).column(0)
+        data = bytearray(original)
+        start = chunk.dictionary_page_offset or chunk.data_page_offset
+        data[start + chunk.total_compressed_size // 2] ^= 0x5A
+        victim.write_bytes(bytes(data))
+
+    state = _between_attempts(spec, damage)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, DataFileDamagedError), repr(error)
+    assert "part-1.parquet" in str(error) and "row group 1" in str(error)
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2  # no 3rd
+    assert {c.step: c.manifest for c in run_dir.scan().committed} == before
+    victim.write_bytes(original)
+    rerun = training(spec, return_state=True)
+    assert rerun.is_completed(), rerun
+    assert [a["status"] for a in run_dir.read_attempts()] == ["failed", "failed", "completed"]
+    assert_same_tensors(final_state(run_dir), snapshot_reference["state"])
+    assert losses(run_dir) == snapshot_reference["losses"]
 
 
 # -- a worker's memory follows data.memory_mb, not the row groups -------------------------------

@@ -15,6 +15,7 @@ transform (the columns form).
 - ``row_slices``: row groups read in slices of bounded size (``data.memory_mb``).
 - ``sample_order``: which sample each rank trains on at each step.
 - ``dataset_snapshot``: the run's pinned snapshot of its files (``dataset.json``).
+- ``damage``: a file whose pages fail their checksums or do not decode, named (not retried).
 
 May import: ``errors``, ``storage``, ``spec``.
 """

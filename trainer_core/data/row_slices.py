@@ -146,7 +146,9 @@ def stream_row_group(
 ) -> Iterator[pa.RecordBatch]:
     """The record batches of row group ``index`` of an open Parquet file, ``rows`` at a time,
     read through a small buffer (not the whole column chunks at once)."""
-    reader = pq.ParquetFile(file, buffer_size=READ_BUFFER, pre_buffer=False)
+    reader = pq.ParquetFile(
+        file, buffer_size=READ_BUFFER, pre_buffer=False, page_checksum_verification=True
+    )
     yield from reader.iter_batches(
         batch_size=rows, row_groups=[index], columns=columns, use_threads=False
     )

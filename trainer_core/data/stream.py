@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import row_slices, sample_order, table_rows
+from trainer_core.data import damage, row_slices, sample_order, table_rows
 from trainer_core.data.footers import Layout, columns_of, row_bytes
 from trainer_core.data.table_rows import Rows
 from trainer_core.errors import SpecError
@@ -119,6 +120,12 @@ class Reader:
             )
         return f
 
+    def decoding(self, group: int) -> contextlib.AbstractContextManager[None]:
+        """Around decoding row group ``group``: damaged bytes found in it are named
+        (``damage``: not retried), a storage failure goes on as it was."""
+        g = self.layout.row_groups[group]
+        return damage.named(self.layout.uri, g.file, g.index, g.first_row, g.rows)
+
     def to_rows(self, table: pa.Table) -> Rows:
         """A table of the dataset's columns as the rows this form reads."""
         if self.rows_type is table_rows.TableRows:
@@ -132,7 +139,7 @@ class Reader:
         if self.layout.table is not None:
             table = self.layout.table.slice(g.first_row, g.rows)
         else:
-            with self._open(group) as f:
+            with self._open(group) as f, self.decoding(group):
                 table = self._parquet(f, g.file).read_row_group(
                     g.index, columns=columns_of(self.data), use_threads=False
                 )
@@ -143,7 +150,12 @@ class Reader:
         from object storage is then its column chunks' ranges alone, fetched coalesced)."""
         assert self.layout.location is not None
         remote = not self.layout.location.is_local
-        parquet = pq.ParquetFile(f, metadata=self._footers.get(name), pre_buffer=remote)
+        parquet = pq.ParquetFile(
+            f,
+            metadata=self._footers.get(name),
+            pre_buffer=remote,
+            page_checksum_verification=True,
+        )
         self._footers.setdefault(name, parquet.metadata)
         return parquet
 
@@ -154,7 +166,7 @@ class Reader:
         if self.layout.table is not None:
             yield from self.layout.table.slice(g.first_row, g.rows).to_batches(rows)
             return
-        with self._open(group) as f:
+        with self._open(group) as f, self.decoding(group):
             yield from row_slices.stream_row_group(f, g.index, rows, columns_of(self.data))
 
     def read_labels(self, group: int) -> np.ndarray:
@@ -164,8 +176,10 @@ class Reader:
         if self.layout.table is not None:
             column = self.layout.table.slice(g.first_row, g.rows).column(self.data.label)
         else:
-            with self._open(group) as f:
-                table = pq.ParquetFile(f).read_row_group(g.index, columns=[self.data.label])
+            with self._open(group) as f, self.decoding(group):
+                table = pq.ParquetFile(f, page_checksum_verification=True).read_row_group(
+                    g.index, columns=[self.data.label]
+                )
             column = table.column(self.data.label)
         if column.null_count:
             raise SpecError(
@@ -278,7 +292,7 @@ def describe(layout: Layout, data: DataSection) -> data_mod.DatasetInfo:
             width = kind.list_size
         elif pa.types.is_list(kind):
             first = next(i for i, g in enumerate(layout.row_groups) if g.rows)
-            with reader._open(first) as f:
+            with reader._open(first) as f, reader.decoding(first):
                 batch = next(
                     row_slices.stream_row_group(
                         f, layout.row_groups[first].index, 1, columns_of(data)
