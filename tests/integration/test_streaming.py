@@ -18,7 +18,14 @@ import pytest
 from flows.training import training
 from tests.conftest import ONE_WORKER, tiny_raw
 from tests.prefect_api import task_runs
-from tests.recovery import assert_same_tensors, final_state, losses, recorded_batches, run_dir_of
+from tests.recovery import (
+    assert_same_tensors,
+    final_state,
+    losses,
+    record_matrix_row,
+    recorded_batches,
+    run_dir_of,
+)
 from trainer_core import storage
 from trainer_core.data import footers, rank_stream
 from trainer_core.errors import DataFileDamagedError, SpecError, TrainingCodeError
@@ -310,6 +317,7 @@ def test_a_damaged_page_fails_once_then_resumes_when_restored(
     assert [a["status"] for a in run_dir.read_attempts()] == ["failed", "failed", "completed"]
     assert_same_tensors(final_state(run_dir), snapshot_reference["state"])
     assert losses(run_dir) == snapshot_reference["losses"]
+    record_matrix_row("10 a data page damaged (checksum), then restored", run_dir)
 
 
 # -- a worker's memory follows data.memory_mb, not the row groups -------------------------------
