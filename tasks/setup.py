@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from prefect import get_run_logger, task
@@ -58,15 +58,18 @@ def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
     return stored.epochs_completed >= spec.schedule.epochs
 
 
-def refuse_bad_input(spec: RunSpec) -> engine.Preflight:
+def refuse_bad_input(spec: RunSpec, say: Callable[[str], None] | None = None) -> engine.Preflight:
     """Every check of bad input setup makes before it takes the lease: ``engine.preflight``
     (what the spec imports, the dataset, the model, the loss, storage and the run directory),
     then the cluster: its capacity, or for a job on a remote cluster that its address answers
-    (the job checks that cluster's capacity). Raises a SpecError that names the field and the
-    fix; touches nothing in storage."""
+    (the job checks that cluster's capacity; a run that has attempts already waits for an
+    address that answered it before, its head restarting). Raises a SpecError that names the
+    field and the fix; touches nothing in storage."""
     checked = engine.preflight(spec)
     address = jobs.job_address(spec)
-    if address:
+    if address and checked.plan.attempt > 1:
+        jobs.client_waiting(address, say)
+    elif address:
         jobs.client(address)
     else:
         cluster.check_capacity(spec)
@@ -82,7 +85,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     names = credentials.apply(spec.run.credentials)
     if names:
         logger.info("storage credentials from block %s: %s", spec.run.credentials, names)
-    checked = refuse_bad_input(spec)  # bad input first, as it names itself
+    checked = refuse_bad_input(spec, logger.warning)  # bad input first, as it names itself
     plan, run_dir, pinned = checked.plan, checked.run_dir, checked.pinned
     if pinned is not None and pinned.added:
         logger.info(

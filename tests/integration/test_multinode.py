@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -153,30 +154,45 @@ def test_lost_node_resumes_on_the_remaining_nodes(
 def test_killed_flow_reattaches_to_its_running_job(
     cluster, relaytrain_prefect, uninterrupted, run_storage, tmp_path
 ):
+    """The flow process killed while its job runs; run again, it re-attaches to the job. The
+    job server is reached through a proxy that is down when the rerun starts, as a head node
+    restarting would be: the rerun, whose run has an attempt already, waits for it
+    (``RELAYTRAIN_RAY_HEAD_WAIT_S``) instead of refusing the address."""
     from prefect.settings import PREFECT_API_URL
 
+    from tests.s3 import OutageProxy
+
     name = "multinode-reattach"
-    raw = slow_raw(run_storage, name, cluster)
-    spec_file = tmp_path / "spec.yaml"
-    spec_file.write_text(yaml.safe_dump(raw))
-    if len(cluster.nodes()) < 2:
-        cluster.command("add")
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    command = [sys.executable, "-m", "flows.training", "--config", str(spec_file)]
-    first = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    run_dir = run_dir_of(build_spec(raw))
-    wait_until(lambda: committed_step(run_dir) >= 10, what="a commit")
-    before = committed_step(run_dir)
-    first.send_signal(signal.SIGKILL)
-    first.wait(timeout=30)
-    client = JobSubmissionClient(cluster.job_address)
-    job_id = jobs.submission_id(name, 1)
-    assert str(client.get_job_status(job_id)) == "RUNNING"  # the job outlives its caller
-    rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert "re-attaching to the running Ray job" in rerun.stdout + rerun.stderr
+    port = int(cluster.job_address.rsplit(":", 1)[1])
+    with OutageProxy(port) as proxy:
+        raw = slow_raw(run_storage, name, cluster)
+        raw["scaling"]["job_address"] = f"http://127.0.0.1:{proxy.port}"
+        spec_file = tmp_path / "spec.yaml"
+        spec_file.write_text(yaml.safe_dump(raw))
+        if len(cluster.nodes()) < 2:
+            cluster.command("add")
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+        command = [sys.executable, "-m", "flows.training", "--config", str(spec_file)]
+        first = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        run_dir = run_dir_of(build_spec(raw))
+        wait_until(lambda: committed_step(run_dir) >= 10, what="a commit")
+        before = committed_step(run_dir)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        client = JobSubmissionClient(cluster.job_address)
+        job_id = jobs.submission_id(name, 1)
+        assert str(client.get_job_status(job_id)) == "RUNNING"  # the job outlives its caller
+        proxy.down()
+        threading.Timer(6, proxy.up).start()
+        rerun = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        )
+    output = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 0, output
+    assert "does not answer (its head restarting?)" in output
+    assert "re-attaching to the running Ray job" in output
     run_jobs = [
         j for j in client.list_jobs() if (j.metadata or {}).get(jobs.RUN_KEY) == run_dir.uri
     ]

@@ -55,3 +55,35 @@ def test_errors_cross_the_job_log_as_json_with_their_retry_budget():
         assert rebuilt.__dict__ == error.__dict__ and rebuilt.budget == error.budget
     unknown = errors.from_json({"class": "Mystery", "message": "?"})
     assert isinstance(unknown, InfrastructureError)
+
+
+def test_a_job_server_that_answered_the_run_before_is_waited_for(monkeypatch, tmp_path):
+    """A new run whose job server does not answer is refused at once (a SpecError: fix the
+    address). A run that already has an attempt saw it answer: its head may be restarting, so
+    setup and the attempt wait up to RELAYTRAIN_RAY_HEAD_WAIT_S, then fail on the
+    infrastructure budget naming the address (before, the rerun was refused as bad input)."""
+    import time
+
+    import pytest
+
+    from flows.pytest_plugin import tiny_spec_dict
+    from tasks.setup import refuse_bad_input
+    from tests.net import free_port
+    from trainer_core.checkpoint.run_directory import RunDirectory
+    from trainer_core.errors import SpecError
+    from trainer_core.run import attempts
+
+    address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    spec = build_spec(tiny_spec_dict(tmp_path, "a", scaling={"job_address": address}))
+    monkeypatch.setenv(jobs.HEAD_WAIT_ENV, "3")
+    with pytest.raises(SpecError, match=r"scaling\.job_address"):
+        refuse_bad_input(spec)
+    run_dir = RunDirectory.of(str(tmp_path), "a")
+    attempts.write(run_dir, attempts.AttemptRecord.opened(1, "fresh start", 0))
+    for call in (lambda: refuse_bad_input(spec), lambda: jobs.client_waiting(address)):
+        started = time.monotonic()
+        with pytest.raises(InfrastructureError) as raised:
+            call()
+        assert time.monotonic() - started >= 3
+        assert address in str(raised.value) and jobs.HEAD_WAIT_ENV in str(raised.value)
+        assert raised.value.budget == "infrastructure"

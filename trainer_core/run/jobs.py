@@ -43,6 +43,10 @@ from trainer_core.spec.run_spec import RunSpec
 logger = logging.getLogger("relaytrain.jobs")
 
 JOB_ADDRESS_ENV = "RELAYTRAIN_RAY_JOB_ADDRESS"
+#: How long an attempt waits for a job server that answered this run before (a head node
+#: restarting, a network cut) to answer again, then fails on the infrastructure budget.
+HEAD_WAIT_ENV = "RELAYTRAIN_RAY_HEAD_WAIT_S"
+HEAD_WAIT_S = 120.0
 EVENT_TAG = "RELAYTRAIN_EVENT "
 OUTCOME_TAG = "RELAYTRAIN_OUTCOME "
 RUN_KEY = "relaytrain_run_uri"
@@ -72,6 +76,37 @@ def client(address: str) -> Any:
             f"(or {JOB_ADDRESS_ENV}), e.g. http://<head-node>:8265, or unset it to run locally",
             field="scaling.job_address",
         ) from e
+
+
+def head_wait_s() -> float:
+    return float(os.environ.get(HEAD_WAIT_ENV) or HEAD_WAIT_S)
+
+
+def client_waiting(address: str, say: LineHandler | None = None) -> Any:
+    """A client of the job server at ``address``, which answered this run before: while it does
+    not answer (its head restarting), wait up to ``RELAYTRAIN_RAY_HEAD_WAIT_S``, then raise an
+    InfrastructureError that names it (retried, where a first contact's SpecError is not)."""
+    deadline = time.monotonic() + head_wait_s()
+    told = False
+    while True:
+        try:
+            return client(address)
+        except SpecError as e:
+            if isinstance(e.__cause__, ValueError):  # not an address at all: no wait mends it
+                raise
+            if time.monotonic() >= deadline:
+                raise InfrastructureError(
+                    f"the Ray job server at {address} did not answer for {head_wait_s():.0f} s "
+                    f"(its head node restarting or gone: {e.__cause__}). The retry resumes from "
+                    f"the newest committed checkpoint; set {HEAD_WAIT_ENV} to wait longer."
+                ) from e
+            if not told:
+                (say or logger.warning)(
+                    f"the Ray job server at {address} does not answer (its head restarting?): "
+                    f"waiting up to {head_wait_s():.0f} s ({HEAD_WAIT_ENV})"
+                )
+                told = True
+            time.sleep(2.0)
 
 
 def submission_id(run_name: str, attempt: int, suffix: int = 0) -> str:
@@ -119,8 +154,8 @@ def run_attempt(
     assert spec.run.name, "the flow names the run before any attempt"
     run_dir = RunDirectory.of(engine.canonical_storage_uri(spec.run.storage), spec.run.name)
     plan = Submission(spec.run.name, run_dir.uri, attempts.next_number(attempts.read(run_dir)))
-    jobs_client = client(address)
     say = on_log or logger.info
+    jobs_client = client_waiting(address, say)  # setup saw it answer: a restart is waited for
     try:
         job_id = _attach_or_submit(jobs_client, spec, plan, say)
         outcome = follow(jobs_client, job_id, on_event, on_log)
@@ -221,13 +256,47 @@ def _log_lines(jobs_client: Any, job_id: str, poll_s: float = 1.0) -> Iterator[s
             if index > seen:
                 seen = index
                 yield line
-        status = str(jobs_client.get_job_status(job_id))
+        status = _status(jobs_client, job_id)
         if status not in LIVE:
             # The tail may end a moment before the last lines are flushed: read them whole.
             lines = jobs_client.get_job_logs(job_id).splitlines()
             yield from lines[seen:]
             return
         time.sleep(poll_s)
+
+
+def _status(jobs_client: Any, job_id: str) -> str:
+    """The job's status. While its server does not answer (its head restarting), waits up to
+    ``RELAYTRAIN_RAY_HEAD_WAIT_S`` for it; a server that comes back without the job (a new
+    head: jobs live in its GCS) lost it. Either failure is the infrastructure's, retried."""
+    address = getattr(jobs_client, "_address", "the job server")
+    deadline: float | None = None
+    while True:
+        try:
+            return str(jobs_client.get_job_status(job_id))
+        except (OSError, RuntimeError) as e:
+            if "does not exist" in str(e):
+                raise InfrastructureError(
+                    f"the Ray job server at {address} no longer knows job {job_id}: its head "
+                    "node restarted and the job went with it. The retry submits the attempt "
+                    "again and resumes from the newest committed checkpoint."
+                ) from e
+            if deadline is None:
+                deadline = time.monotonic() + head_wait_s()
+                logger.warning(
+                    "the Ray job server at %s stopped answering (%s): waiting up to %.0f s (%s)",
+                    address,
+                    e,
+                    head_wait_s(),
+                    HEAD_WAIT_ENV,
+                )
+            elif time.monotonic() >= deadline:
+                raise InfrastructureError(
+                    f"the Ray job server at {address} did not answer for {head_wait_s():.0f} s "
+                    f"while job {job_id} ran ({e}). The retry resumes from the newest committed "
+                    f"checkpoint; set {HEAD_WAIT_ENV} to wait longer."
+                ) from e
+            time.sleep(2.0)
 
 
 def _tail(jobs_client: Any, job_id: str) -> Iterator[str]:
