@@ -22,6 +22,20 @@ def task_runs(flow_run_id: Any) -> dict:
     return {run.name.rsplit("-", 1)[0]: run for run in runs}
 
 
+def logs(flow_run_id: Any) -> list[str]:
+    """The flow run's log lines (its tasks' too), once the process's log handler has sent
+    what it holds."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        found = client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return [entry.message for entry in found]
+
+
 def artifacts(flow_run_id: Any) -> dict:
     """The flow run's artifacts by key: the newest of a key (each attempt posts its own
     progress artifact; the UI shows a key's newest)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -195,8 +196,13 @@ def moto_s3(log_dir: Path, bucket: str = "relaytrain") -> Iterator[S3Server]:
 # -- the outage proxy -------------------------------------------------------------------------
 
 
+#: The start of an HTTP request (what ``OutageProxy.slow`` delays).
+REQUEST_LINE = re.compile(rb"(GET|PUT|POST|HEAD|DELETE) ")
+
+
 class OutageProxy:
-    """A loopback TCP proxy to ``target_port`` that can stop and restart like a server.
+    """A loopback TCP proxy to ``target_port`` that can stop and restart like a server, or
+    turn slow (``slow``).
 
     ``cut_on`` (a regex over the client's bytes, e.g. a PUT request line) takes the proxy down
     the first time it matches, before that request reaches the server, and brings it back up on
@@ -215,6 +221,12 @@ class OutageProxy:
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
         self._cut = False
+        #: While set (``slow``): (low, high) seconds of delay before each request it matches
+        #: goes on.
+        self._latency: tuple[float, float] | None = None
+        self._slow_on = REQUEST_LINE
+        self._rng = random.Random(0)
+        self.delayed = 0  # requests delayed
 
     def __enter__(self) -> OutageProxy:
         self.up()
@@ -248,6 +260,20 @@ class OutageProxy:
                 sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 sock.close()
+
+    def slow(self, low_s: float, high_s: float, only: bytes | None = None) -> None:
+        """Delay every request from now on (those whose request line matches ``only``) by a
+        seeded uniform ``[low_s, high_s]`` seconds, as storage turning slow does (``fast``
+        ends it)."""
+        with self._lock:
+            self._latency = (low_s, high_s)
+            self._slow_on = re.compile(only) if only else REQUEST_LINE
+            self.events.append((time.time(), f"slow {low_s}-{high_s} s"))
+
+    def fast(self) -> None:
+        with self._lock:
+            self._latency = None
+            self.events.append((time.time(), "fast"))
 
     def arm(self, cut_on: bytes, outage_s: float) -> None:
         """Cut once more: down when ``cut_on`` next matches, for ``outage_s``."""
@@ -317,6 +343,11 @@ class OutageProxy:
                     if match:
                         self._trigger(match.group(0).decode(errors="replace"))
                         return
+                if from_client and self._latency is not None and self._slow_on.match(data):
+                    with self._lock:
+                        delay = self._rng.uniform(*self._latency)
+                        self.delayed += 1
+                    time.sleep(delay)
                 sink.sendall(data)
         except OSError:
             pass

@@ -18,7 +18,7 @@ import pytest
 from flows.training import training
 from tests.conftest import ONE_WORKER, tiny_raw
 from tests.net import free_port
-from tests.prefect_api import artifacts, task_runs
+from tests.prefect_api import artifacts, logs, task_runs
 from tests.recovery import (
     REPO,
     assert_recovered,
@@ -337,6 +337,39 @@ def test_fault5_s3_outage_during_checkpoint_upload(
         outcome=outcome,
         storage="s3 (moto) via pyarrow",
     )
+
+
+def test_slow_storage_lags_the_commits_not_the_training(
+    uninterrupted_one_worker, relaytrain_prefect, s3
+):
+    """S3 turns slow for the checkpoints' bulk: each upload of a checkpoint's files waits
+    0.3-1 s at the proxy (seeded). Nothing fails: the run ends in one attempt, bit-identical to
+    the uninterrupted run, with every checkpoint committed. Training went on while each write
+    was in flight and waited only where the asynchronous design makes it (one write in
+    flight): the task's log says the writes
+    outlast checkpoint.every and names the fix, and the result's time account shows the
+    seconds blocked on checkpoints, which the fast reference hardly has."""
+    with OutageProxy(s3.port) as proxy:
+        proxy.slow(0.3, 1.0, only=rb"PUT /[^ ]*/checkpoint-")
+        # every 20: the validations' checkpoints (13, 26), 20 and the last (39)
+        raw = tiny_raw(s3.uri("slow", port=proxy.port), "slow", scaling=ONE_WORKER)
+        spec = build_spec(raw, ["checkpoint.every=20"])
+        state = training(spec, return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    assert proxy.delayed >= 16  # 4 files of each of 4 checkpoints at least
+    flow_run_id = state.state_details.flow_run_id
+    assert task_runs(flow_run_id)["train"].run_count == 1
+    run_dir = RunDirectory(storage.resolve(s3.uri("slow")).child("slow"))
+    assert_same_tensors(final_state(run_dir), uninterrupted_one_worker["state"])
+    assert losses(run_dir) == uninterrupted_one_worker["losses"]
+    scan = run_dir.scan()
+    assert not scan.uncommitted and not scan.damaged and scan.newest.step == 39, scan
+    said = [line for line in logs(flow_run_id) if "outlast checkpoint.every" in line]
+    assert len(said) == 1 and "faster storage" in said[0], said
+    blocked = state.result().time.checkpoint_blocked_s
+    reference = uninterrupted_one_worker["result"].timings["checkpoint_wait_s"]
+    assert blocked > 1.0 and blocked > 10 * reference, (blocked, reference)
+    record_timing("slow storage", checkpoint_blocked_s=blocked, requests_delayed=proxy.delayed)
 
 
 def test_a_flow_launched_while_s3_is_down_waits_for_it_in_setup(relaytrain_prefect, s3):
