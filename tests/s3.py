@@ -227,6 +227,8 @@ class OutageProxy:
         self._slow_on = REQUEST_LINE
         self._rng = random.Random(0)
         self.delayed = 0  # requests delayed
+        #: (time, request line) of every request, when a list (set it to one to record).
+        self.request_log: list[tuple[float, bytes]] | None = None
 
     def __enter__(self) -> OutageProxy:
         self.up()
@@ -343,6 +345,8 @@ class OutageProxy:
                     if match:
                         self._trigger(match.group(0).decode(errors="replace"))
                         return
+                if from_client and REQUEST_LINE.match(data) and self.request_log is not None:
+                    self.request_log.append((time.time(), data[: data.find(b" HTTP/")]))
                 if from_client and self._latency is not None and self._slow_on.match(data):
                     with self._lock:
                         delay = self._rng.uniform(*self._latency)

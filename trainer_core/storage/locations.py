@@ -126,6 +126,29 @@ def _seconds(name: str, default: float) -> float:
         return default
 
 
+#: fsspec protocols of S3: a key needs no parent directory.
+S3_PROTOCOLS = frozenset({"s3", "s3a"})
+
+
+def has_directories(filesystem: pafs.FileSystem) -> bool:
+    """Whether a file's parent directories must exist before it is written. Not on S3, whose
+    keys need no parents and whose listings find a key's prefixes without them: creating them
+    there writes a marker object for each (pyarrow's S3 client heads the bucket and puts up to
+    one marker a level first: four requests before each checkpoint file, a quarter of a run's
+    requests). pyarrow's GCS client lists a directory by its marker, so GCS keeps them."""
+    if isinstance(filesystem, pafs.S3FileSystem):
+        return False
+    if isinstance(filesystem, pafs.PyFileSystem):
+        handler = filesystem.handler
+        inner = getattr(handler, "filesystem", None)  # a lazily built filesystem (lazyfs)
+        if isinstance(inner, pafs.FileSystem):
+            return has_directories(inner)
+        protocol = getattr(getattr(handler, "fs", None), "protocol", ())  # fsspec's
+        protocols = {protocol} if isinstance(protocol, str) else set(protocol)
+        return not protocols & S3_PROTOCOLS
+    return True
+
+
 @dataclass(frozen=True)
 class Location:
     """A place in storage: a pyarrow filesystem and a path inside it, plus a display URI."""
@@ -201,7 +224,8 @@ class Location:
             target = posixpath.join(parent, f".{posixpath.basename(self.path)}.{uuid.uuid4().hex}")
 
         def write() -> T:
-            self.filesystem.create_dir(parent, recursive=True)
+            if has_directories(self.filesystem):
+                self.filesystem.create_dir(parent, recursive=True)
             with self.filesystem.open_output_stream(target) as f:
                 produced = produce(f)
             if target != self.path:

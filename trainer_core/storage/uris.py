@@ -137,6 +137,10 @@ def _s3_filesystem(
             error = storage_error(display, "find the region of", e)
             raise (error or SpecError(f"{display}: {e}", field="run.storage")) from e
     return pafs.S3FileSystem(
+        # A file opened for writing is created at its first part, or at close as one PUT when
+        # it is smaller than a part (most of a checkpoint's and run's files): a third of the
+        # requests of a multipart upload (create, part, complete).
+        allow_delayed_open=True,
         connect_timeout=PROBE_CONNECT_TIMEOUT_S if fail_fast else S3_CONNECT_TIMEOUT_S,
         retry_strategy=pafs.AwsStandardS3RetryStrategy(
             max_attempts=PROBE_MAX_ATTEMPTS if fail_fast else S3_MAX_ATTEMPTS
