@@ -323,11 +323,15 @@ def test_interrupted_flow_process_resumes_on_rerun(
     )
 
 
-def test_the_console_script_imports_the_projects_own_modules():
+def test_the_console_script_imports_the_projects_own_modules(relaytrain_prefect):
     """``relaytrain run`` in a project directory imports the modules its spec names from there,
     as ``python -m flows.training`` does: examples/own_loop.yaml's loop is found (and the spec
-    then refused for its memory:// storage, before anything runs)."""
+    then refused for its memory:// storage, before anything runs). On the session's Prefect
+    API (without one, Prefect would start a temporary server for the command)."""
+    from prefect.settings import PREFECT_API_URL
+
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
     relaytrain = str(Path(sys.executable).with_name("relaytrain"))
     done = subprocess.run(
         [
