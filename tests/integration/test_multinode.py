@@ -185,13 +185,18 @@ def test_killed_flow_reattaches_to_its_running_job(
         job_id = jobs.submission_id(name, 1)
         assert str(client.get_job_status(job_id)) == "RUNNING"  # the job outlives its caller
         proxy.down()
-        threading.Timer(6, proxy.up).start()
-        rerun = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        rerun = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-    output = rerun.stdout + rerun.stderr
-    assert rerun.returncode == 0, output
-    assert "does not answer (its head restarting?)" in output
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(rerun.stdout or ()), daemon=True)
+        reader.start()
+        # back once the rerun has said it waits for the server (it refused it before)
+        wait_until(lambda: any("does not answer (its head restarting?)" in x for x in lines))
+        proxy.up()
+        assert rerun.wait(timeout=600) == 0, "".join(lines)
+        reader.join(timeout=30)
+    output = "".join(lines)
     assert "re-attaching to the running Ray job" in output
     run_jobs = [
         j for j in client.list_jobs() if (j.metadata or {}).get(jobs.RUN_KEY) == run_dir.uri
