@@ -48,7 +48,7 @@ bench: $(STAMP)
 	done; \
 	$(PY) -m bench && exit $$status
 
-# The chaos campaign (bench/chaos.py): about 10 minutes of training under 21 faults of every kind,
+# The chaos campaign (bench/chaos.py): about 10 minutes of training under 24 faults of every kind,
 # after an uninterrupted run of the same spec; about 30 min in all. Its result goes beside the
 # others (CHAOS_ARGS: --seed N, --faults N, --mean-gap-s S).
 chaos: $(STAMP)

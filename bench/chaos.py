@@ -18,6 +18,8 @@ so that every kind comes round (``--faults`` in all):
 - ``second_flow``: the same command started a second time while the first one drives the run;
 - ``s3_outage``: the S3 endpoint refuses connections for 3-8 s, either now or from the next
   checkpoint upload on (a fault during a checkpoint write);
+- ``s3_slow``: every request to the S3 endpoint waits 0.3-1 s for 5-15 s (storage turning
+  slow: nothing may fail of it; commits lag and catch up);
 - ``corrupt``: one file of the newest committed checkpoint damaged in storage.
 
 Node faults wait until all three nodes are back (two workers need two nodes; the third is the
@@ -114,7 +116,9 @@ def campaign(workdir: Path, settings: Settings, setup: tuple[Any, ...]) -> dict[
 def main(argv: list[str] | None = None) -> int:
     cli = common.parser(NAME, __doc__ or "", repetitions=1)
     cli.add_argument("--seed", type=int, default=0)
-    cli.add_argument("--faults", type=int, default=None, help="faults in all (default 21)")
+    cli.add_argument(
+        "--faults", type=int, default=None, help="faults in all (default 24: 3 of each kind)"
+    )
     cli.add_argument("--mean-gap-s", type=float, default=None, help="default 15 (quick: 8)")
     cli.add_argument(
         "--epochs",

@@ -272,6 +272,10 @@ class OutageProxy:
             self._slow_on = re.compile(only) if only else REQUEST_LINE
             self.events.append((time.time(), f"slow {low_s}-{high_s} s"))
 
+    @property
+    def is_slow(self) -> bool:
+        return self._latency is not None
+
     def fast(self) -> None:
         with self._lock:
             self._latency = None

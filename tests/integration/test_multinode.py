@@ -472,9 +472,9 @@ def test_a_seeded_chaos_campaign_ends_as_the_uninterrupted_run(
 ):
     """bench/chaos.py's short campaign: one fault of every kind in the fault matrix (worker and
     node killed, a drain with notice, the flow process killed and run again, a second flow, an
-    S3 outage, the newest checkpoint damaged) at seeded 8 s gaps, overlapping recoveries. The
-    run ends bit-identical to the uninterrupted one, every step's row once, no commit lost,
-    each failure on its fault's budget (``bench.chaos.verdict``)."""
+    S3 outage, S3 slow, the newest checkpoint damaged) at seeded 8 s gaps, overlapping
+    recoveries. The run ends bit-identical to the uninterrupted one, every step's row once, no
+    commit lost, each failure on its fault's budget (``bench.chaos.verdict``)."""
     from prefect.settings import PREFECT_API_URL
 
     from bench.chaos import KINDS, QUICK, campaign
@@ -494,5 +494,6 @@ def test_a_seeded_chaos_campaign_ends_as_the_uninterrupted_run(
     print(figures)  # shown when the test fails
     assert outcome["problems"] == []
     assert figures["faults_by_kind"] == dict.fromkeys(KINDS, 1)
-    # the kills and the drain each ended a worker group, which resumed
-    assert figures["failures"] >= 3 and figures["steps_computed"] >= figures["steps"]
+    # the kills and the drain ended worker groups, which resumed: two of them end one together
+    # when they overlap (a worker killed 2 s before a drained node goes is one preemption)
+    assert figures["failures"] >= 2 and figures["steps_computed"] >= figures["steps"]
