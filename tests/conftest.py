@@ -122,3 +122,11 @@ def gcs_server(tmp_path_factory):
 
     with fake_gcs(tmp_path_factory.mktemp("gcs")) as server:
         yield server
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The S3 server, with the trainer's credentials in this process's environment."""
+    for key, value in s3_server.credential_env().items():
+        monkeypatch.setenv(key, value)
+    return s3_server

@@ -382,3 +382,14 @@ class OutageProxy:
             return None
         later = [t for t in ups if t > times[0]]
         return (later[0] - times[0]) if later else None
+
+
+#: Where the storage tests append their measured figures (not asserted).
+TIMINGS_FILE = Path(__file__).resolve().parents[1] / "runs" / "object-storage-timings.jsonl"
+
+
+def record_timing(case: str, **figures) -> None:
+    TIMINGS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    with TIMINGS_FILE.open("a") as f:
+        f.write(json.dumps({"case": case, "at": time.strftime("%Y-%m-%dT%H:%M:%S"), **figures}))
+        f.write("\n")
