@@ -5,7 +5,7 @@ and optimizer state and every per-step loss are bit-identical to the uninterrupt
 committed checkpoint was lost, and each failure lost at most one checkpoint interval (two where
 the newest checkpoint itself was destroyed). Each case adds its row to runs/fault-matrix.jsonl.
 Cases elsewhere: 3 and 8 (node killed, node preempted) in test_multinode.py, 4 (flow process
-killed) in test_flow.py, 5 and 7 (S3 outage, storage full or denied) in test_object_storage.py.
+killed) in test_flow.py, 5 and 7 (S3 outage, storage full or denied) in test_storage_faults.py.
 """
 
 from __future__ import annotations
