@@ -175,6 +175,19 @@ def _assert_nothing_lost(run_dir: RunDirectory, committed_steps: list[int]) -> N
             run_dir.read_verified(checkpoint, name)
 
 
+def _rerun_resumes(
+    spec, run_dir: RunDirectory, reference: dict, case: str, error: BaseException, where: str
+) -> None:
+    """Once the store is fixed, the flow run again completes and recovers exactly from the
+    newest commit before the fault (step 10); the case's fault-matrix row."""
+    again = training(spec, return_state=True)
+    assert again.is_completed(), again.result(raise_on_failure=False)
+    assert_recovered(run_dir, reference, interval=10, committed_before=10, write_lost=True)
+    record_matrix_row(
+        case, run_dir, first_flow=f"failed, not retried: {type(error).__name__}", storage=where
+    )
+
+
 def test_fault7_s3_write_denied_mid_run(uninterrupted_one_worker, relaytrain_prefect, s3):
     """An IAM policy denies writing step 20's checkpoint: a clear, non-retried StorageError;
     steps 10 and 13 intact; once access is granted again, the same run resumes and ends exact."""
@@ -193,16 +206,14 @@ def test_fault7_s3_write_denied_mid_run(uninterrupted_one_worker, relaytrain_pre
     assert attempts[-1]["error_class"] == "StorageAccessError"
     assert "not retryable" in attempts[-1]["retry_decision"]
     _assert_nothing_lost(run_dir, [10, 13])  # 13: epoch 0's validation
-    again = training(spec, return_state=True)  # access granted again: resume, exactly
-    assert again.is_completed(), again.result(raise_on_failure=False)
-    assert_recovered(
-        run_dir, uninterrupted_one_worker, interval=10, committed_before=10, write_lost=True
-    )
-    record_matrix_row(
-        "7 S3 permission denied mid-run (IAM Deny s3:PutObject on a checkpoint)",
+    # access granted again: resume, exactly
+    _rerun_resumes(
+        spec,
         run_dir,
-        first_flow="failed, not retried: StorageAccessError",
-        storage="s3 (moto) via pyarrow",
+        uninterrupted_one_worker,
+        "7 S3 permission denied mid-run (IAM Deny s3:PutObject on a checkpoint)",
+        error,
+        "s3 (moto) via pyarrow",
     )
 
 
@@ -265,16 +276,13 @@ def test_fault7_storage_full_mid_run(uninterrupted_one_worker, relaytrain_prefec
         assert task_runs(state.state_details.flow_run_id)["train"].run_count == 1
         _assert_nothing_lost(run_dir, [10, 13])
         (root / "filler.bin").unlink()
-        again = training(spec, return_state=True)
-        assert again.is_completed(), again.result(raise_on_failure=False)
-        assert_recovered(
-            run_dir, uninterrupted_one_worker, interval=10, committed_before=10, write_lost=True
-        )
-        record_matrix_row(
-            "7 storage full mid-run (ENOSPC on an 8 MiB tmpfs)",
+        _rerun_resumes(
+            spec,
             run_dir,
-            first_flow=f"failed, not retried: {type(error).__name__}",
-            storage="local tmpfs",
+            uninterrupted_one_worker,
+            "7 storage full mid-run (ENOSPC on an 8 MiB tmpfs)",
+            error,
+            "local tmpfs",
         )
 
 

@@ -84,28 +84,47 @@ def head_wait_s() -> float:
 
 def client_waiting(address: str, say: LineHandler | None = None) -> Any:
     """A client of the job server at ``address``, which answered this run before: while it does
-    not answer (its head restarting), wait up to ``RELAYTRAIN_RAY_HEAD_WAIT_S``, then raise an
-    InfrastructureError that names it (retried, where a first contact's SpecError is not)."""
-    deadline = time.monotonic() + head_wait_s()
-    told = False
+    not answer (its head restarting), wait for it (``_while_restarting``). An address that is
+    not one at all is refused at once, as a first contact's."""
+
+    def refused(e: BaseException) -> BaseException | None:
+        return e if isinstance(e.__cause__, ValueError) else None
+
+    return _while_restarting(lambda: client(address), address, refused, say or logger.warning)
+
+
+def _while_restarting(
+    call: Callable[[], Any],
+    address: str,
+    final: Callable[[BaseException], BaseException | None],
+    say: LineHandler,
+) -> Any:
+    """``call()``, called again every 2 s while the job server at ``address`` does not answer,
+    up to ``RELAYTRAIN_RAY_HEAD_WAIT_S`` (said once through ``say``); then an InfrastructureError
+    that names the address (retried, where a first contact's SpecError is not). ``final(e)``:
+    the error to raise at once instead of waiting (None: wait)."""
+    deadline: float | None = None
     while True:
         try:
-            return client(address)
-        except SpecError as e:
-            if isinstance(e.__cause__, ValueError):  # not an address at all: no wait mends it
+            return call()
+        except (SpecError, OSError, RuntimeError) as e:
+            now_error = final(e)
+            if now_error is e:
                 raise
-            if time.monotonic() >= deadline:
-                raise InfrastructureError(
-                    f"the Ray job server at {address} did not answer for {head_wait_s():.0f} s "
-                    f"(its head node restarting or gone: {e.__cause__}). The retry resumes from "
-                    f"the newest committed checkpoint; set {HEAD_WAIT_ENV} to wait longer."
-                ) from e
-            if not told:
-                (say or logger.warning)(
+            if now_error is not None:
+                raise now_error from e
+            if deadline is None:
+                deadline = time.monotonic() + head_wait_s()
+                say(
                     f"the Ray job server at {address} does not answer (its head restarting?): "
                     f"waiting up to {head_wait_s():.0f} s ({HEAD_WAIT_ENV})"
                 )
-                told = True
+            elif time.monotonic() >= deadline:
+                raise InfrastructureError(
+                    f"the Ray job server at {address} did not answer for {head_wait_s():.0f} s "
+                    f"({e.__cause__ or e}). The retry resumes from the newest committed "
+                    f"checkpoint; set {HEAD_WAIT_ENV} to wait longer."
+                ) from e
             time.sleep(2.0)
 
 
@@ -266,37 +285,23 @@ def _log_lines(jobs_client: Any, job_id: str, poll_s: float = 1.0) -> Iterator[s
 
 
 def _status(jobs_client: Any, job_id: str) -> str:
-    """The job's status. While its server does not answer (its head restarting), waits up to
-    ``RELAYTRAIN_RAY_HEAD_WAIT_S`` for it; a server that comes back without the job (a new
-    head: jobs live in its GCS) lost it. Either failure is the infrastructure's, retried."""
+    """The job's status, waiting for its server while it does not answer (its head restarting:
+    ``_while_restarting``). A server that comes back without the job (a new head: jobs live in
+    its GCS) lost it: an InfrastructureError, retried."""
     address = getattr(jobs_client, "_address", "the job server")
-    deadline: float | None = None
-    while True:
-        try:
-            return str(jobs_client.get_job_status(job_id))
-        except (OSError, RuntimeError) as e:
-            if "does not exist" in str(e):
-                raise InfrastructureError(
-                    f"the Ray job server at {address} no longer knows job {job_id}: its head "
-                    "node restarted and the job went with it. The retry submits the attempt "
-                    "again and resumes from the newest committed checkpoint."
-                ) from e
-            if deadline is None:
-                deadline = time.monotonic() + head_wait_s()
-                logger.warning(
-                    "the Ray job server at %s stopped answering (%s): waiting up to %.0f s (%s)",
-                    address,
-                    e,
-                    head_wait_s(),
-                    HEAD_WAIT_ENV,
-                )
-            elif time.monotonic() >= deadline:
-                raise InfrastructureError(
-                    f"the Ray job server at {address} did not answer for {head_wait_s():.0f} s "
-                    f"while job {job_id} ran ({e}). The retry resumes from the newest committed "
-                    f"checkpoint; set {HEAD_WAIT_ENV} to wait longer."
-                ) from e
-            time.sleep(2.0)
+
+    def lost(e: BaseException) -> BaseException | None:
+        if "does not exist" not in str(e):
+            return None
+        return InfrastructureError(
+            f"the Ray job server at {address} no longer knows job {job_id}: its head node "
+            "restarted and the job went with it. The retry submits the attempt again and "
+            "resumes from the newest committed checkpoint."
+        )
+
+    return str(
+        _while_restarting(lambda: jobs_client.get_job_status(job_id), address, lost, logger.warning)
+    )
 
 
 def _tail(jobs_client: Any, job_id: str) -> Iterator[str]:
