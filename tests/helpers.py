@@ -11,13 +11,30 @@ from trainer_core.train.workloads import MLP
 
 
 class SlowMLP(MLP):
-    def __init__(self, num_inputs: int, num_outputs: int, delay_s: float = 0.02, **kwargs):
+    """The MLP, each training forward pass ``delay_s`` slower, and held while the file
+    ``hold_while`` exists in a worker of a process group (a test's gate: the job waits on its
+    nodes until the test removes it, while setup's checks on the driver go on; the weights are
+    those of the MLP whatever the timing)."""
+
+    def __init__(
+        self,
+        num_inputs: int,
+        num_outputs: int,
+        delay_s: float = 0.02,
+        hold_while: str = "",
+        **kwargs,
+    ):
         super().__init__(num_inputs, num_outputs, **kwargs)
         self.delay_s = delay_s
+        self.hold_while = hold_while
 
     def forward(self, x):
+        import torch.distributed as dist
+
         if self.training:
             time.sleep(self.delay_s)
+            while self.hold_while and dist.is_initialized() and os.path.exists(self.hold_while):
+                time.sleep(0.1)
         return super().forward(x)
 
 

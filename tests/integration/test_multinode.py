@@ -157,7 +157,9 @@ def test_killed_flow_reattaches_to_its_running_job(
     """The flow process killed while its job runs; run again, it re-attaches to the job. The
     job server is reached through a proxy that is down when the rerun starts, as a head node
     restarting would be: the rerun, whose run has an attempt already, waits for it
-    (``RELAYTRAIN_RAY_HEAD_WAIT_S``) instead of refusing the address."""
+    (``RELAYTRAIN_RAY_HEAD_WAIT_S``) instead of refusing the address. The job's steps are held
+    (a gate file) from the kill until the rerun has re-attached, so the job is still running
+    however long the rerun takes to start."""
     from prefect.settings import PREFECT_API_URL
 
     from tests.s3 import OutageProxy
@@ -167,6 +169,8 @@ def test_killed_flow_reattaches_to_its_running_job(
     with OutageProxy(port) as proxy:
         raw = slow_raw(run_storage, name, cluster)
         raw["scaling"]["job_address"] = f"http://127.0.0.1:{proxy.port}"
+        gate = tmp_path / "hold"
+        raw["model"]["kwargs"]["hold_while"] = str(gate)
         spec_file = tmp_path / "spec.yaml"
         spec_file.write_text(yaml.safe_dump(raw))
         if len(cluster.nodes()) < 2:
@@ -178,6 +182,7 @@ def test_killed_flow_reattaches_to_its_running_job(
         )
         run_dir = run_dir_of(build_spec(raw))
         wait_until(lambda: committed_step(run_dir) >= 10, what="a commit")
+        gate.touch()
         before = committed_step(run_dir)
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
@@ -192,12 +197,20 @@ def test_killed_flow_reattaches_to_its_running_job(
         reader = threading.Thread(target=lambda: lines.extend(rerun.stdout or ()), daemon=True)
         reader.start()
         # back once the rerun has said it waits for the server (it refused it before)
-        wait_until(lambda: any("does not answer (its head restarting?)" in x for x in lines))
-        proxy.up()
+        try:
+            wait_until(
+                lambda: any("does not answer (its head restarting?)" in x for x in lines),
+                what="the rerun to wait for the job server",
+            )
+            proxy.up()
+            wait_until(
+                lambda: any("re-attaching to the running Ray job" in x for x in lines),
+                what="the rerun to re-attach to the running job",
+            )
+        finally:
+            gate.unlink()
         assert rerun.wait(timeout=600) == 0, "".join(lines)
         reader.join(timeout=30)
-    output = "".join(lines)
-    assert "re-attaching to the running Ray job" in output
     run_jobs = [
         j for j in client.list_jobs() if (j.metadata or {}).get(jobs.RUN_KEY) == run_dir.uri
     ]
