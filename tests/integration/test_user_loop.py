@@ -34,7 +34,9 @@ def counting_loop(config: dict[str, Any]) -> None:
     """One report an epoch with ``loss`` and ``score`` (highest at ``best_epoch``), and no
     ``step`` metric (nor ``epoch``, unless ``report_epoch``); a checkpoint every
     ``checkpoint_every`` epochs. With ``kill_peer_at``, rank 1 of the first worker group dies
-    at that epoch while rank 0 waits for it in a collective (``marker`` makes it once)."""
+    at that epoch while rank 0 waits for it in a collective (``marker`` makes it once), or,
+    with ``rank_0_computing``, while rank 0 computes something long (until Ray ends the
+    group)."""
     import ray.train
     import ray.train.torch
     import torch.distributed as dist
@@ -61,6 +63,10 @@ def counting_loop(config: dict[str, Any]) -> None:
             registered(Path(config["run_dir"]))
             Path(config["marker"]).write_text("killed")
             os.kill(os.getpid(), signal.SIGKILL)
+        first_group = start == 0
+        if rank == 0 and first_group and epoch == config.get("kill_peer_at"):
+            while config.get("rank_0_computing"):
+                time.sleep(1)  # until Ray ends the group: rank 1 died meanwhile
         dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank 1 that died
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
@@ -278,11 +284,14 @@ def test_a_finished_run_continues_when_its_train_loop_config_asks_for_more(
 # -- a lost peer ----------------------------------------------------------------------------------
 
 
-def test_a_peer_lost_in_a_collective_is_an_infrastructure_failure(
-    relaytrain_ray, relaytrain_prefect, tmp_path
+@pytest.mark.parametrize("rank_0", ["in_a_collective", "computing"])
+def test_a_lost_peer_is_an_infrastructure_failure_and_the_work_it_cost_is_counted(
+    relaytrain_ray, relaytrain_prefect, tmp_path, rank_0
 ):
-    """Rank 1 dies while rank 0 waits for it in an all-reduce: rank 0's error is a lost peer,
-    recovered in place on the infrastructure budget, not the loop's own failure."""
+    """Rank 1 dies while rank 0 waits for it in an all-reduce (rank 0's error is a lost peer)
+    or computes (Ray ends rank 0 when its controller finds rank 1 dead): recovered in place on
+    the infrastructure budget, not the loop's own failure; the epoch rank 0 reported and held
+    back (its rows are batched) counts as computed, and as run again."""
     from flows.training import training
 
     spec = own_loop_spec(
@@ -292,6 +301,7 @@ def test_a_peer_lost_in_a_collective_is_an_infrastructure_failure(
         num_epochs=6,
         checkpoint_every=2,
         kill_peer_at=3,
+        rank_0_computing=rank_0 == "computing",
         marker=str(tmp_path / "killed"),
         run_dir=str(tmp_path / "peer"),
     )

@@ -187,6 +187,31 @@ def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_fi
     assert live.restarts[0]["last_step"] == 22 and live.step == 30
 
 
+def test_rows_rank_0_held_back_count_for_the_restart_whichever_event_comes_first():
+    """Rank 0 pushes the rows it batched when its group ends (a lost peer, or Ray shutting the
+    group down); the controller's restart may reach the driver first."""
+    from trainer_core.run.live_state import LiveState
+
+    early = {"kind": "metrics", "group": 0, "rows": [{"step": 20, "loss": 1.0}]}
+    held = {"kind": "metrics", "group": 0, "rows": [{"step": 21, "loss": 0.9}]}
+    restarting = {
+        "kind": "restarting",
+        "time": 5.0,
+        "restart": 1,
+        "error_budget": "infrastructure",
+        "error_class": "InfrastructureError",
+        "error_message": "rank 1 died",
+    }
+    resumed = {"kind": "resumed", "time": 6.0, "step": 20, "group": 1}
+    again = {"kind": "metrics", "group": 1, "rows": [{"step": 21, "loss": 0.9}]}
+    for order in ([early, held, restarting], [early, restarting, held]):
+        live = LiveState()
+        for event in [*order, resumed, again]:
+            live.apply(event)
+        assert live.restarts[0]["last_step"] == 21, order  # step 21 ran twice
+        assert live.restarts[0]["resumed_from_step"] == 20 and live.step == 21
+
+
 def test_every_restart_of_a_group_records_its_world_sizes_and_why():
     from trainer_core.run.live_state import LiveState
 

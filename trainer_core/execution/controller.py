@@ -35,7 +35,7 @@ from ray.train.v2._internal.exceptions import (
     WorkerGroupStartupFailedError,
     WorkerGroupStartupTimeoutError,
 )
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+from ray.train.v2._internal.execution.callback import WorkerCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller.state import ResizingState
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
@@ -105,6 +105,21 @@ class PlacementGroupsToDriver(WorkerGroupCallback):
                 "placement_group": handle.placement_group,
             }
         )
+
+
+class RelayFlushBeforeShutdown(WorkerCallback):
+    """On each worker, when Ray ends the group: rank 0 pushes the metric rows it holds back
+    (``Relay.flush_before_shutdown``). A rank 0 that was computing when another rank died
+    learns of it only when Ray shuts it down; the steps its held rows name ran, and ran again
+    after the restart, and would otherwise be missing from the restart's lost steps."""
+
+    def before_worker_shutdown(self) -> None:
+        from trainer_core.execution.worker_group import Relay
+
+        try:
+            Relay.flush_before_shutdown()
+        except Exception:  # the group is going away: the restart matters more than the rows
+            logger.debug("relay flush before shutdown failed", exc_info=True)
 
 
 # -- the torch process group, set up from a torch-free controller ---------------------------------

@@ -37,6 +37,7 @@ from trainer_core.execution.controller import (
     CurrentCapacityPolicy,
     InPlacePolicy,
     PlacementGroupsToDriver,
+    RelayFlushBeforeShutdown,
 )
 
 
@@ -60,7 +61,7 @@ class AbortableTorchTrainer(TorchTrainer):
         callbacks = super()._create_default_callbacks()  # type: ignore[misc]  # V2 method
         unused = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
         kept = [c for c in callbacks if not isinstance(c, unused)]
-        return [*kept, PlacementGroupsToDriver(self.relay)]
+        return [*kept, PlacementGroupsToDriver(self.relay), RelayFlushBeforeShutdown()]
 
     def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
         env_vars = get_env_vars_to_propagate()

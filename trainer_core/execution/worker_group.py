@@ -21,8 +21,14 @@ class Relay:
     """Rank 0's non-blocking channel to the driver (fire-and-forget actor calls).
 
     Metric rows are batched and pushed at most every ``interval_s`` (an actor call costs about
-    half a millisecond on a busy machine); any other event flushes them first, in order.
+    half a millisecond on a busy machine); any other event flushes them first, in order. Each
+    push of rows names the worker group they came from (``group``): rows held back until the
+    group ended may reach the driver after the restart that ended it.
     """
+
+    #: Rank 0's relay in this worker process, for what ends its group from outside the
+    #: training thread (``flush_before_shutdown``).
+    of_this_process: Relay | None = None
 
     def __init__(self, handle: Any, rank: int, interval_s: float = 1.0):
         self.handle = handle if rank == 0 else None
@@ -31,7 +37,10 @@ class Relay:
         self.interval_s = interval_s
         self.rows: list[dict[str, Any]] = []
         self.last_push = 0.0
+        self.group = 0
         self.lock = threading.Lock()  # the checkpoint thread sends too
+        if self.handle is not None:
+            Relay.of_this_process = self
 
     def send(self, kind: str, **payload: Any) -> None:
         if self.handle is None:
@@ -51,7 +60,8 @@ class Relay:
         in-place restart (rank 0 asks; other ranks get 0 and learn it by broadcast)."""
         if self.handle is None:
             return 0
-        return int(worker_api.ask(self.handle.begin_group))
+        self.group = int(worker_api.ask(self.handle.begin_group))
+        return self.group
 
     def outlived_rank_0(self, last_step: int, group: int) -> None:
         """A rank other than 0 lost a peer: tell the driver the last step it completed, which
@@ -73,11 +83,30 @@ class Relay:
             with self.lock:
                 self._flush_rows(time.time())
 
-    def _flush_rows(self, now: float) -> None:
+    @classmethod
+    def flush_before_shutdown(cls, wait_s: float = 2.0) -> None:
+        """Ray ends this worker's group (another rank died, or the run is stopped) while the
+        training thread may still be computing: push the rows rank 0 holds, and wait up to
+        ``wait_s`` for the driver's relay to have them, before Ray kills the process."""
+        relay = cls.of_this_process
+        if relay is None:
+            return
+        with relay.lock:
+            pushed = relay._flush_rows(time.time())
+        if pushed is not None:
+            import ray
+
+            ray.wait([pushed], timeout=wait_s)
+
+    def _flush_rows(self, now: float) -> Any:
+        pushed = None
         if self.rows and self.handle is not None:
-            self.handle.push.remote({"kind": "metrics", "time": now, "rows": self.rows})
+            pushed = self.handle.push.remote(
+                {"kind": "metrics", "time": now, "group": self.group, "rows": self.rows}
+            )
             self.rows = []
         self.last_push = now
+        return pushed
 
 
 def peak_rss_mb() -> float:

@@ -61,7 +61,9 @@ class LiveState:
             self.peak_worker_rss_mb = max(
                 self.peak_worker_rss_mb or 0.0, event["peak_worker_rss_mb"]
             )
-        if kind == "metrics" and event["rows"]:
+        if kind == "metrics" and event["rows"] and self._late(event):
+            self._held_back(event)
+        elif kind == "metrics" and event["rows"]:
             self.step = max(self.step, event["rows"][-1]["step"])
             self.progress_at = event["rows"][-1].get("time", event.get("time"))
             self.metrics = {**self.metrics, **event["rows"][-1]}
@@ -126,6 +128,16 @@ class LiveState:
         self.restarts[-1]["resumed_from_step"] = event.get("step", 0)
         self.restarts[-1]["resumed_at"] = event.get("time")
         self.restarts[-1]["world_size_after"] = event.get("world_size")
+
+    def _late(self, event: dict[str, Any]) -> bool:
+        """Whether ``event`` comes from a worker group whose restart was heard of first."""
+        return event.get("group", len(self.restarts)) < len(self.restarts)
+
+    def _held_back(self, event: dict[str, Any]) -> None:
+        """Rows rank 0 held back until its group ended, heard of after the restart: the steps
+        they name ran before it (the live step and metrics are the later group's)."""
+        restart = self.restarts[event["group"]]
+        restart["last_step"] = max(restart.get("last_step") or 0, event["rows"][-1]["step"])
 
     def _peer_lost(self, event: dict[str, Any]) -> None:
         """A surviving rank's last completed step, when rank 0 (whose rows say it) died."""
