@@ -108,6 +108,34 @@ def test_run_on_s3_is_exact_and_names_s3_uris(s3_runs, s3, kind):
         assert result.latest_model_uri == f"{prefix}/checkpoint-000000039/model.pt"
 
 
+@pytest.mark.parametrize("kind", ["pyarrow", "s3fs"])
+def test_a_scan_seen_again_lists_each_checkpoint_once_and_reads_none(
+    s3_runs, s3_server, kind, monkeypatch
+):
+    """Retention scans the run after every commit. A scan by a directory that scanned before
+    lists the run and each checkpoint (its files' sizes; pyarrow in one request each), as the
+    server sees it: no marker, manifest or file is read or asked about again."""
+    from tests.s3 import OutageProxy
+    from trainer_core.checkpoint.run_directory import RunDirectory
+
+    for key, value in s3_server.credential_env().items():
+        monkeypatch.setenv(key, value)
+    with OutageProxy(s3_server.port) as proxy:
+        uri = s3_server.uri(f"runs-{kind}", port=proxy.port, fsspec=kind == "s3fs")
+        run_dir = RunDirectory.of(uri, f"s3-{kind}")
+        first = run_dir.scan()
+        proxy.request_log = []
+        again = run_dir.scan()
+        requests = [line.decode() for _, line in proxy.request_log]
+    steps = [c.step for c in first.committed]
+    assert len(steps) >= 2 and [c.step for c in again.committed] == steps
+    assert [c.manifest for c in again.committed] == [c.manifest for c in first.committed]
+    reads = [r for r in requests if "list-type=2" not in r and "/checkpoint-" in r]
+    assert reads == [], requests  # (s3fs asks after the run's directory itself too)
+    if kind == "pyarrow":  # s3fs lists a directory in more than one request
+        assert len(requests) == 1 + len(steps), requests
+
+
 def test_relaytrain_commands_read_runs_on_s3(s3_runs, s3_server, s3, tmp_path, monkeypatch):
     """`relaytrain runs/show/export` against the server alone, with the credentials from the
     environment: the fsdp run's best model comes out as one plain state_dict file, locally and

@@ -37,6 +37,7 @@ def test_commit_then_scan_newest_first(run_dir):
 def test_missing_marker_is_not_a_checkpoint(run_dir):
     commit(run_dir, 10)
     commit(run_dir, 20)
+    assert run_dir.scan().newest.step == 20  # seen committed once: it is not taken on trust
     run_dir.checkpoint_location(20).child(MARKER_FILE).delete_file()
     scan = run_dir.scan()
     assert scan.newest.step == 10
@@ -49,12 +50,29 @@ def test_files_without_manifest_are_not_a_checkpoint(run_dir):
     assert run_dir.scan().newest.step == 10
 
 
-def test_truncated_file_is_damaged(run_dir):
+def test_truncated_or_lost_file_is_damaged(run_dir):
     commit(run_dir, 10)
     commit(run_dir, 20)
+    commit(run_dir, 30)
+    assert run_dir.scan().newest.step == 30  # seen committed once: it is not taken on trust
     run_dir.checkpoint_location(20).child("model.pt").write_bytes(b"wei")
+    run_dir.checkpoint_location(30).child("model.pt").delete_file()
     scan = run_dir.scan()
-    assert scan.newest.step == 10 and scan.damaged == ["checkpoint-000000020"]
+    assert scan.newest.step == 10
+    assert scan.damaged == ["checkpoint-000000020", "checkpoint-000000030"]
+
+
+def test_a_checkpoint_committed_again_elsewhere_is_read_again(run_dir):
+    """A later attempt (another directory object) replaces an uncommitted-then-recommitted
+    step: a scan by the first object reads the new manifest, not the one it saw."""
+    commit(run_dir, 10)
+    assert run_dir.scan().newest.files["model.pt"]["size"] == len(b"weights10")
+    other = RunDirectory(run_dir.location)
+    other.prepare_checkpoint_dir(10)
+    commit(other, 10, payload=b"longer weights")
+    newest = run_dir.scan().newest
+    assert newest.files["model.pt"]["size"] == len(b"longer weights10")
+    assert run_dir.read_verified(newest, "model.pt") == b"longer weights10"
 
 
 def test_flipped_byte_is_caught_when_read(run_dir):

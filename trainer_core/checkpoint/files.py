@@ -46,6 +46,16 @@ def matches(entry: dict[str, Any], data: bytes) -> bool:
     return sha256_hex(data) == entry.get("sha256")
 
 
+def size_mismatches(manifest: dict[str, Any], sizes: dict[str, int]) -> dict[str, int | None]:
+    """The files ``manifest`` lists that storage (``sizes``: name -> bytes) lacks or holds at
+    another size, with the size found (None: missing)."""
+    return {
+        name: sizes.get(name)
+        for name, entry in manifest["files"].items()
+        if sizes.get(name) != entry["size"]
+    }
+
+
 class HashingWriter(io.RawIOBase):
     """A write-only stream that forwards to ``stream`` and digests what passes through, so the
     bytes are never held whole in memory, nor read twice."""

@@ -7,8 +7,7 @@ Nobody else builds these paths. Layout::
       attempts.jsonl                    one record per attempt
       metrics/segment-a{A}-{first}-{last}.jsonl   per-step rows, merged by step
       checkpoint-{step:09d}/            files, manifest.json, then COMMITTED (last)
-      summary.json, loss_curve.png,     written by finalize
-      step_time.png
+      summary.json, loss_curve.png, step_time.png    written by finalize
       lock.json                         the lease of the flow driving the run
       (Ray's own snapshot and marker files sit beside these)
 
@@ -46,6 +45,7 @@ from trainer_core.checkpoint.files import (
     file_digest,
     matches,
     sha256_hex,
+    size_mismatches,
 )
 from trainer_core.checkpoint.retention import RetentionPlan, plan_retention
 from trainer_core.errors import (
@@ -80,6 +80,9 @@ class RunDirectory:
     def __init__(self, location: Location, lease_owner: str | None = None):
         self.location = location
         self.lease_owner = lease_owner
+        #: Manifests read and verified here, by step, with their marker's (size, mtime): a
+        #: later scan (one after every commit) lists a checkpoint, not reads them again.
+        self._manifests: dict[int, tuple[tuple[int, Any], dict[str, Any]]] = {}
 
     @classmethod
     def of(cls, storage_uri: str, run_name: str, lease_owner: str | None = None) -> RunDirectory:
@@ -125,9 +128,10 @@ class RunDirectory:
     def _read_record(self, name: str) -> dict[str, Any] | None:
         """A JSON record of the run directory, its schema checked (None when absent)."""
         record = self.location.child(name)
-        if not record.exists():
+        try:
+            data = record.read_json()
+        except FileNotFoundError:
             return None
-        data = record.read_json()
         check_schema(data, record.uri)
         return data
 
@@ -210,6 +214,7 @@ class RunDirectory:
         if self.lease_owner is not None:
             self.check_lease(self.lease_owner)
         target = self.checkpoint_location(step)
+        self._manifests.pop(step, None)
         if target.exists():
             target.child(MARKER_FILE).delete_file()
             target.delete_dir()
@@ -258,7 +263,7 @@ class RunDirectory:
     # -- checkpoints: discovery -----------------------------------------------------------------
 
     def scan(self) -> Scan:
-        """List checkpoint directories and classify each (cheap: no file contents are read)."""
+        """List checkpoint directories and classify each: a listing each (``read_committed``)."""
         committed, uncommitted, damaged = [], [], []
         for info in self.location.list():
             match = CHECKPOINT_PATTERN.fullmatch(info.base_name)
@@ -278,12 +283,34 @@ class RunDirectory:
         return Scan(committed, sorted(uncommitted), sorted(damaged))
 
     def read_committed(self, step: int) -> CheckpointInfo | None:
+        """The checkpoint of ``step`` if committed (its marker holds its manifest's hash), else
+        None; CheckpointCorruptError if a file it lists is missing or of another size: a listing
+        (its marker and manifest read when first seen)."""
         location = self.checkpoint_location(step)
-        marker_path = location.child(MARKER_FILE)
-        if not marker_path.exists():
+        files = location.files()
+        marker = files.get(MARKER_FILE)
+        if marker is None:
             return None
-        try:
-            marker = marker_path.read_json()
+        sizes = {name: info.size for name, info in files.items()}
+        seen = (marker.size, marker.mtime)
+        cached = self._manifests.pop(step, None)
+        manifest = cached[1] if cached is not None and cached[0] == seen else None
+        if manifest is None or size_mismatches(manifest, sizes):  # read (again)
+            manifest = self._read_manifest(location)
+            if manifest is None:
+                return None
+        if mismatched := size_mismatches(manifest, sizes):
+            name, size = next(iter(mismatched.items()))
+            raise CheckpointCorruptError(
+                f"checkpoint {location.uri}: file {name} is missing or has "
+                f"{size} bytes instead of {manifest['files'][name]['size']}"
+            )
+        self._manifests[step] = (seen, manifest)  # (fsspec's stores may give no mtime)
+        return CheckpointInfo(step, checkpoint_dir_name(step), location.uri, manifest)
+
+    def _read_manifest(self, location: Location) -> dict[str, Any] | None:
+        try:  # the manifest, if the marker holds its hash
+            marker = location.child(MARKER_FILE).read_json()
             manifest_bytes = location.child(MANIFEST_FILE).read_bytes()
         except (ValueError, FileNotFoundError):
             return None
@@ -291,14 +318,7 @@ class RunDirectory:
             return None
         manifest = json.loads(manifest_bytes)
         check_schema(manifest, location.uri)
-        for name, entry in manifest["files"].items():
-            file_info = location.child(name).info()
-            if file_info.type != pafs.FileType.File or file_info.size != entry["size"]:
-                raise CheckpointCorruptError(
-                    f"checkpoint {location.uri}: file {name} is missing or has "
-                    f"{file_info.size} bytes instead of {entry['size']}"
-                )
-        return CheckpointInfo(step, checkpoint_dir_name(step), location.uri, manifest)
+        return dict(manifest)
 
     def read_verified(self, checkpoint: CheckpointInfo, name: str) -> bytes:
         """Read one file of a committed checkpoint and prove it matches the manifest."""
@@ -351,6 +371,7 @@ class RunDirectory:
             if not match:
                 raise ValueError(f"refusing to delete {name!r}: not a checkpoint directory")
             location = self.location.child(name)
+            self._manifests.pop(int(match.group(1)), None)
             location.child(MARKER_FILE).delete_file()
             location.delete_dir()
 

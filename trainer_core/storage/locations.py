@@ -202,6 +202,18 @@ class Location:
         infos = _call(self, "list", lambda: self.filesystem.get_file_info(selector))
         return sorted(infos, key=lambda i: i.base_name)
 
+    def files(self) -> dict[str, pafs.FileInfo]:
+        """Every file under this location, at any depth, by its path relative to it: one
+        listing (an object store's answers 1000 keys a request) instead of a request a file."""
+        selector = pafs.FileSelector(self.path, allow_not_found=True, recursive=True)
+        infos = _call(self, "list", lambda: self.filesystem.get_file_info(selector))
+        prefix = self.path.rstrip("/") + "/"
+        return {
+            info.path[len(prefix) :]: info
+            for info in infos
+            if info.type == pafs.FileType.File and info.path.startswith(prefix)
+        }
+
     # -- writes -----------------------------------------------------------------------------
 
     def ensure_dir(self) -> None:
@@ -362,8 +374,8 @@ def read_whole(
 
     def read() -> Any:
         try:
-            return parse(location.read_bytes()) if location.exists() else None
-        except FileNotFoundError:  # removed between the two calls
+            return parse(location.read_bytes())
+        except FileNotFoundError:  # none (asking first would cost a request per read)
             return None
 
     return untorn(location, read, patience_s)
