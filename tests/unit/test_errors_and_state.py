@@ -158,19 +158,24 @@ def test_user_model_import_path():
     assert isinstance(model, torch.nn.Module)
 
 
-def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_first():
-    from trainer_core.run.live_state import LiveState
-
-    rows = {"kind": "metrics", "rows": [{"step": 20, "loss": 1.0}]}
-    lost = {"kind": "peer_lost", "rank": 1, "last_step": 22, "group": 0}
-    restarting = {
+def restarting_after(error: str) -> dict:
+    """The controller's event for an in-place restart on the infrastructure budget."""
+    return {
         "kind": "restarting",
         "time": 5.0,
         "restart": 1,
         "error_budget": "infrastructure",
         "error_class": "InfrastructureError",
-        "error_message": "rank 0 died",
+        "error_message": error,
     }
+
+
+def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_first():
+    from trainer_core.run.live_state import LiveState
+
+    rows = {"kind": "metrics", "rows": [{"step": 20, "loss": 1.0}]}
+    lost = {"kind": "peer_lost", "rank": 1, "last_step": 22, "group": 0}
+    restarting = restarting_after("rank 0 died")
     for order in ([rows, lost, restarting], [rows, restarting, lost]):
         live = LiveState()
         for event in order:
@@ -194,14 +199,7 @@ def test_rows_rank_0_held_back_count_for_the_restart_whichever_event_comes_first
 
     early = {"kind": "metrics", "group": 0, "rows": [{"step": 20, "loss": 1.0}]}
     held = {"kind": "metrics", "group": 0, "rows": [{"step": 21, "loss": 0.9}]}
-    restarting = {
-        "kind": "restarting",
-        "time": 5.0,
-        "restart": 1,
-        "error_budget": "infrastructure",
-        "error_class": "InfrastructureError",
-        "error_message": "rank 1 died",
-    }
+    restarting = restarting_after("rank 1 died")
     resumed = {"kind": "resumed", "time": 6.0, "step": 20, "group": 1}
     again = {"kind": "metrics", "group": 1, "rows": [{"step": 21, "loss": 0.9}]}
     for order in ([early, held, restarting], [early, restarting, held]):
