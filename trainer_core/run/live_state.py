@@ -62,7 +62,8 @@ class LiveState:
                 self.peak_worker_rss_mb or 0.0, event["peak_worker_rss_mb"]
             )
         if kind == "metrics" and event["rows"] and self._late(event):
-            self._held_back(event)
+            # rows rank 0 held back until its group ended: the live step is the later group's
+            self._reached_before_restart(event["group"], event["rows"][-1]["step"])
         elif kind == "metrics" and event["rows"]:
             self.step = max(self.step, event["rows"][-1]["step"])
             self.progress_at = event["rows"][-1].get("time", event.get("time"))
@@ -133,17 +134,14 @@ class LiveState:
         """Whether ``event`` comes from a worker group whose restart was heard of first."""
         return event.get("group", len(self.restarts)) < len(self.restarts)
 
-    def _held_back(self, event: dict[str, Any]) -> None:
-        """Rows rank 0 held back until its group ended, heard of after the restart: the steps
-        they name ran before it (the live step and metrics are the later group's)."""
-        restart = self.restarts[event["group"]]
-        restart["last_step"] = max(restart.get("last_step") or 0, event["rows"][-1]["step"])
+    def _reached_before_restart(self, group: int, step: int) -> None:
+        """A step worker group ``group`` reached, heard of after the restart that ended it."""
+        restart = self.restarts[group]
+        restart["last_step"] = max(restart.get("last_step") or 0, step)
 
     def _peer_lost(self, event: dict[str, Any]) -> None:
         """A surviving rank's last completed step, when rank 0 (whose rows say it) died."""
-        group = event.get("group", 0)
-        if group < len(self.restarts):  # that group's restart was heard of first
-            last = self.restarts[group].get("last_step") or 0
-            self.restarts[group]["last_step"] = max(last, event["last_step"])
+        if self._late(event):
+            self._reached_before_restart(event["group"], event["last_step"])
         else:
             self.step = max(self.step, event["last_step"])
