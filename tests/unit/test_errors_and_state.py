@@ -2,6 +2,7 @@ import contextlib
 import json
 import pickle
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -173,16 +174,18 @@ def restarting_after(error: str) -> dict:
 def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_first():
     from trainer_core.run.live_state import LiveState
 
+    began = {"kind": "fresh_start", "time": 1.0, "group": 0}
     rows = {"kind": "metrics", "rows": [{"step": 20, "loss": 1.0}]}
     lost = {"kind": "peer_lost", "rank": 1, "last_step": 22, "group": 0}
     restarting = restarting_after("rank 0 died")
     for order in ([rows, lost, restarting], [rows, restarting, lost]):
         live = LiveState()
-        for event in order:
+        for event in [began, *order]:
             live.apply(event)
         assert live.restarts[0]["last_step"] == 22, order
     # No restart (the attempt ends): the attempt's last step.
     live = LiveState()
+    live.apply(began)
     live.apply(rows)
     live.apply(lost)
     assert live.step == 22
@@ -197,6 +200,7 @@ def test_rows_rank_0_held_back_count_for_the_restart_whichever_event_comes_first
     group down); the controller's restart may reach the driver first."""
     from trainer_core.run.live_state import LiveState
 
+    began = {"kind": "fresh_start", "time": 1.0, "group": 0}
     early = {"kind": "metrics", "group": 0, "rows": [{"step": 20, "loss": 1.0}]}
     held = {"kind": "metrics", "group": 0, "rows": [{"step": 21, "loss": 0.9}]}
     restarting = restarting_after("rank 1 died")
@@ -204,10 +208,38 @@ def test_rows_rank_0_held_back_count_for_the_restart_whichever_event_comes_first
     again = {"kind": "metrics", "group": 1, "rows": [{"step": 21, "loss": 0.9}]}
     for order in ([early, held, restarting], [early, restarting, held]):
         live = LiveState()
-        for event in [*order, resumed, again]:
+        for event in [began, *order, resumed, again]:
             live.apply(event)
         assert live.restarts[0]["last_step"] == 21, order  # step 21 ran twice
         assert live.restarts[0]["resumed_from_step"] == 20 and live.step == 21
+
+
+def test_a_group_that_failed_while_starting_shifts_no_step_onto_another_restart():
+    """A fault during a recovery: the group Ray started after restart 1 died before it ran a
+    step (before it asked the relay for its number), so the next group to run is the relay's
+    group 1, ended by no restart. Its rows are the live step, and the steps the attempt ran
+    are what each group ran: 0-30 by the first, 20-100 by the one that finished."""
+    from trainer_core.run.attempts import AttemptRecord
+    from trainer_core.run.live_state import LiveState
+    from trainer_core.run.summary import attempt_summaries, steps_computed
+
+    live = LiveState()
+    events = [
+        {"kind": "fresh_start", "time": 1.0, "group": 0, "world_size": 2},
+        {"kind": "metrics", "group": 0, "rows": [{"step": 30, "loss": 1.0}]},
+        restarting_after("rank 1 died"),
+        {**restarting_after("a node died while the group started"), "restart": 2},
+        {"kind": "resumed", "time": 9.0, "step": 20, "group": 1, "world_size": 2},
+        {"kind": "metrics", "group": 1, "rows": [{"step": 60, "loss": 0.5}]},
+        {"kind": "metrics", "group": 1, "rows": [{"step": 100, "loss": 0.4}]},
+    ]
+    for event in events:
+        live.apply(event)
+    assert live.step == 100
+    assert [r["last_step"] for r in live.restarts] == [30, 30]
+    record = AttemptRecord(1, "completed", resumed_from_step=0, last_step=live.step)
+    record = replace(record, restarts=live.restarts)
+    assert steps_computed(attempt_summaries([record])) == 30 + 80
 
 
 def test_every_restart_of_a_group_records_its_world_sizes_and_why():

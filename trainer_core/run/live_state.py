@@ -32,6 +32,12 @@ class LiveState:
     #: Nodes whose preemption an in-place restart already answered: not the cause of a later
     #: failure.
     preempted_nodes: set[str] = field(default_factory=set)
+    #: The newest worker group that said it began (its number, from the relay), and for each
+    #: group a restart ended, that restart's index: a group Ray started that failed before it
+    #: began (a fault during a recovery) took no number, so groups and restarts do not pair up
+    #: by count.
+    began: int | None = None
+    ended_by: dict[int, int] = field(default_factory=dict)
 
     def outcome(self) -> dict[str, Any]:
         """What an ended attempt's record says of its workers, failed or completed."""
@@ -76,6 +82,7 @@ class LiveState:
         elif kind == "restarting":
             self._restarting(event)
         elif kind == "resizing":  # the elastic policy found capacity for another size
+            self._ends_the_group()
             self.restarts.append(
                 {
                     "restart": len(self.restarts) + 1,
@@ -86,14 +93,17 @@ class LiveState:
                 }
             )
         elif kind in ("resumed", "fresh_start") and event.get("group"):
+            self.began = event["group"]
             self._group_started(event)
         elif kind == "peer_lost":
             self._peer_lost(event)
         elif kind == "resumed":
+            self.began = event.get("group", 0)
             self.resumed_from = event.get("step")
             self.resumed_at = event.get("time")
             self.restore = {k: event[k] for k in ("bytes_read", "restore_s") if k in event}
         elif kind == "fresh_start":
+            self.began = event.get("group", 0)
             self.resumed_from = 0  # known: from the beginning (None means unknown)
             self.resumed_at = event.get("time")
         elif kind == "checkpoint":
@@ -108,6 +118,7 @@ class LiveState:
         notice = None
         if reason == "preemption":  # the just-in-time checkpoint answered this one
             notice, self.notice = self.notice, None
+        self._ends_the_group()
         self.restarts.append(
             {
                 **(notice or {}),
@@ -130,13 +141,19 @@ class LiveState:
         self.restarts[-1]["resumed_at"] = event.get("time")
         self.restarts[-1]["world_size_after"] = event.get("world_size")
 
+    def _ends_the_group(self) -> None:
+        """The restart about to be recorded ends the newest group that began, unless an earlier
+        restart did (then the group it ends failed while starting)."""
+        if self.began is not None and self.began not in self.ended_by:
+            self.ended_by[self.began] = len(self.restarts)
+
     def _late(self, event: dict[str, Any]) -> bool:
         """Whether ``event`` comes from a worker group whose restart was heard of first."""
-        return event.get("group", len(self.restarts)) < len(self.restarts)
+        return event.get("group") in self.ended_by
 
     def _reached_before_restart(self, group: int, step: int) -> None:
         """A step worker group ``group`` reached, heard of after the restart that ended it."""
-        restart = self.restarts[group]
+        restart = self.restarts[self.ended_by[group]]
         restart["last_step"] = max(restart.get("last_step") or 0, step)
 
     def _peer_lost(self, event: dict[str, Any]) -> None:
