@@ -45,8 +45,8 @@ def finalize(
     except StorageError as e:  # e.g. a full disk: ours still; the release below frees it
         logger.warning("could not renew the run's lease before finalize: %s", e)
     try:
-        result = finalize_run(spec, run_dir, prepared.storage_uri, status)
-        history = read_metrics_history(run_dir)
+        history = read_metrics_history(run_dir)  # once: TensorBoard, result, MLflow, artifacts
+        result = finalize_run(spec, run_dir, prepared.storage_uri, status, history)
         publish(spec, prepared, result, history, run_dir)
     finally:  # a summary that cannot be written (e.g. a full disk) must not hold the run
         lease.release(run_dir.location, prepared.lease_owner)

@@ -136,6 +136,43 @@ def test_a_scan_seen_again_lists_each_checkpoint_once_and_reads_none(
         assert len(requests) == 1 + len(steps), requests
 
 
+def test_finalize_reads_each_metrics_segment_once(s3_runs, s3_server, monkeypatch):
+    """The finalize task, run again on a finished run: its TensorBoard file, result, artifacts
+    (and MLflow, when tracked) share one read of the metrics history. Each segment is one GET
+    as the server sees it, and the result is the first finalize's."""
+    from prefect import flow
+
+    from tasks.finalize import finalize
+    from tasks.setup import Prepared
+    from tests.s3 import OutageProxy
+
+    spec, state, _, _ = s3_runs["pyarrow"]
+    first = state.result()
+    for key, value in s3_server.credential_env().items():
+        monkeypatch.setenv(key, value)
+    with OutageProxy(s3_server.port) as proxy:
+        uri = s3_server.uri("runs-pyarrow", port=proxy.port)
+        prepared = Prepared(
+            run_name=spec.run.name,
+            storage_uri=uri,
+            run_uri=f"{uri}/{spec.run.name}",
+            lease_owner="finalize-again",
+            plan_reason="finalize again",
+            total_steps=None,
+            resume_step=None,
+        )
+        proxy.request_log = []
+        result = flow(name="finalize-again")(lambda: finalize(spec, prepared))()
+        requests = [line.decode().split(" ")[:2] for _, line in proxy.request_log]
+    segments = [path for verb, path in requests if verb == "GET" and "/metrics/segment-" in path]
+    assert segments and len(segments) == len(set(segments)), segments
+    assert (result.steps_completed, result.best_checkpoint_uri, result.final_metrics) == (
+        first.steps_completed,
+        first.best_checkpoint_uri,
+        first.final_metrics,
+    )
+
+
 def test_relaytrain_commands_read_runs_on_s3(s3_runs, s3_server, s3, tmp_path, monkeypatch):
     """`relaytrain runs/show/export` against the server alone, with the credentials from the
     environment: the fsdp run's best model comes out as one plain state_dict file, locally and

@@ -243,16 +243,18 @@ def build_result(
     storage_uri: str,
     status: Literal["completed", "failed"],
     model_uris: dict[int, str | None] | None = None,
+    history: list[dict[str, Any]] | None = None,
 ) -> TrainingResult:
     """The result as the run directory records it; ``model_uris`` (by step) names the model
-    files of the best and latest checkpoints."""
+    files of the best and latest checkpoints; ``history``: the run's metrics history, if the
+    caller read it already."""
     model_uris = model_uris or {}
     records = read_attempts(run_dir)
     attempts = attempt_summaries(records)
     committed = committed_checkpoints(spec, run_dir)
     newest = committed[-1] if committed else None
     best = best_checkpoint(committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
-    history = read_metrics_history(run_dir)
+    history = read_metrics_history(run_dir) if history is None else history
     started = min((r.started_at for r in records if r.started_at), default=time.time())
     ended = max((r.ended_at or 0 for r in records), default=0) or time.time()
     if spec.ray_loop:
@@ -291,22 +293,28 @@ def build_result(
 
 
 def finalize_run(
-    spec: RunSpec, run_dir: RunDirectory, storage_uri: str, status: Literal["completed", "failed"]
+    spec: RunSpec,
+    run_dir: RunDirectory,
+    storage_uri: str,
+    status: Literal["completed", "failed"],
+    history: list[dict[str, Any]] | None = None,
 ) -> TrainingResult:
     """Apply retention one last time, give the best and latest checkpoints a model file (an
     export, for DCP ones and a user loop's Ray ones), write the TensorBoard event file, then
-    ``summary.json``; return the result."""
+    ``summary.json``; return the result. ``history``: the run's metrics history (read here
+    when None), read once for all of them: on object storage each segment is a request."""
     run_dir.apply_retention(spec.checkpoint)  # relaytrain's own; Ray Train keeps a user loop's
-    tensorboard_log.write_quietly(run_dir)
+    history = read_metrics_history(run_dir) if history is None else history
+    tensorboard_log.write_quietly(run_dir, history)
     committed = committed_checkpoints(spec, run_dir)
     exports.prune(run_dir, committed)
     best = best_checkpoint(committed, spec.checkpoint.best_metric, spec.checkpoint.best_mode)
     chosen = {c.step: c for c in (best, committed[-1] if committed else None) if c is not None}
     model_uris = {step: _model_uri(run_dir, c) for step, c in chosen.items()}
-    result = build_result(spec, run_dir, storage_uri, status, model_uris)
+    result = build_result(spec, run_dir, storage_uri, status, model_uris, history)
     tracker = mlflow_log.for_run(spec, run_dir)
     if tracker is not None:
-        tracker.finish(result)
+        tracker.finish(result, history)
         result = result.model_copy(update={"mlflow": tracker.state})
     write_summary(run_dir, result)
     return result

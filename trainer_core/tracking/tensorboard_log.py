@@ -81,11 +81,11 @@ def write(run_dir: RunDirectory, history: Sequence[dict[str, Any]] | None = None
     return target
 
 
-def write_quietly(run_dir: RunDirectory) -> None:
+def write_quietly(run_dir: RunDirectory, history: Sequence[dict[str, Any]] | None = None) -> None:
     """``write``, for the end of an attempt: a failure is logged, never raised (the next
     attempt or finalize writes the file again)."""
     try:
-        write(run_dir)
+        write(run_dir, history)
     except Exception as e:
         logger.warning("TensorBoard event file of %s not written: %s", run_dir.uri, e)
 
