@@ -47,3 +47,24 @@ def test_the_controllers_part_imports_no_torch():
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_workers_get_a_runtime_env_only_for_settings_they_read(monkeypatch):
+    """relaytrain's Ray Train settings are read by the controller alone: a group's workers start
+    without a runtime env (Ray then gives them idle processes of the job, no setup step). A
+    setting a worker reads, and the user's own runtime env, still reach them."""
+    from trainer_core.execution import cluster
+    from trainer_core.execution.worker_start import PooledWorkerGroup
+
+    for key, value in cluster.RAY_ENV_DEFAULTS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(cluster.PREEMPTION_WATCHER_ENV, "0")
+    monkeypatch.setenv("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
+    monkeypatch.delenv("RAY_TRAIN_COLLECTIVE_TIMEOUT_S", raising=False)
+    assert PooledWorkerGroup._get_worker_runtime_env({}) == {}
+    monkeypatch.setenv("RAY_TRAIN_COLLECTIVE_TIMEOUT_S", "30")
+    custom = {"env_vars": {"MINE": "1"}, "working_dir": "."}
+    assert PooledWorkerGroup._get_worker_runtime_env(custom) == {
+        "env_vars": {"RAY_TRAIN_COLLECTIVE_TIMEOUT_S": "30", "MINE": "1"},
+        "working_dir": ".",
+    }

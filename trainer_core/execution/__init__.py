@@ -6,6 +6,8 @@
   kept, no helper actors it has no use for).
 - ``controller``: what Ray Train's controller process runs of relaytrain's (kept free of torch):
   the failure and scaling policies, the process-group backend, the metrics relay actor.
+- ``worker_start``: how the controller starts a group's worker processes (no runtime env of
+  their own unless a setting they read needs one).
 - ``classify``: what fit() raised, as an error that says what the orchestrator must do.
 - ``worker_api``: what a training worker asks of Ray Train (its rank, device, the model's DDP
   wrapper, a drain's notice, reports of a user's own loop).

@@ -43,6 +43,7 @@ from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.util import TrainingFramework
 
 from trainer_core.execution.classify import classify, name_preemption_now
+from trainer_core.execution.worker_start import PooledWorkerGroup
 
 logger = logging.getLogger("relaytrain.engine")
 
@@ -216,7 +217,10 @@ class ProcessGroupBackend(Backend):
 class CredentialedController(TrainController):
     """Ray Train's controller, with the storage credentials set before it touches storage
     (its constructor already reads the run directory), that tells the relay when its elastic
-    scaling policy resizes a healthy worker group (a failed one is the failure policy's)."""
+    scaling policy resizes a healthy worker group (a failed one is the failure policy's), and
+    starts its workers in idle processes where it can (``worker_start``)."""
+
+    worker_group_cls = PooledWorkerGroup
 
     def __init__(
         self,
