@@ -20,10 +20,13 @@ so that every kind comes round (``--faults`` in all):
   checkpoint upload on (a fault during a checkpoint write);
 - ``s3_slow``: every request to the S3 endpoint waits 0.3-1 s for 5-15 s (storage turning
   slow: nothing may fail of it; commits lag and catch up);
-- ``corrupt``: one file of the newest committed checkpoint damaged in storage.
+- ``corrupt``: one file of the newest committed checkpoint damaged in storage;
+- ``prefect_outage``: the Prefect server (a real ``prefect server start`` on SQLite) killed
+  while the flow trains, and started again on its database 30-90 s later (quick: 10-20 s).
 
 Node faults wait until all three nodes are back (two workers need two nodes; the third is the
-spare), and the flow faults wait for a live flow that holds the lease. Nothing else waits: a
+spare), and the flow faults (a Prefect outage among them) wait for a live flow that holds the
+lease, and for the Prefect API to answer. Nothing else waits: a
 fault may arrive while the group recovers from the one before.
 
 What must hold, asserted by ``verdict`` (the test suite runs a short seeded campaign):
@@ -62,7 +65,16 @@ from bench.common import Result, Target
 
 #: The command line, and what the test suite runs: a ``QUICK`` ``campaign`` on the cluster and
 #: S3 server it brings, one fault of each of ``KINDS``.
-__all__ = ["KINDS", "QUICK", "Settings", "campaign", "chaos_setup", "main"]
+__all__ = [
+    "KINDS",
+    "QUICK",
+    "Settings",
+    "campaign",
+    "chaos_setup",
+    "flow_env",
+    "main",
+    "prefect_server",
+]
 
 NAME = "chaos"
 GOODPUT_TARGET = Target(
@@ -71,11 +83,9 @@ GOODPUT_TARGET = Target(
 
 
 @contextlib.contextmanager
-def chaos_setup(workdir: Path) -> Iterator[tuple[Any, Any, Any, dict[str, str]]]:
+def chaos_setup(workdir: Path) -> Iterator[tuple[Any, ...]]:
     """moto S3 and its proxy, the multi-node cluster (the nodes hold the storage credentials),
-    and a Prefect API; the environment a flow process gets."""
-    from prefect.settings import PREFECT_API_URL
-
+    and a Prefect server (``prefect_server``); the environment a flow process gets."""
     from bench import harness
     from tests.multinode import MultiNodeCluster
     from tests.s3 import OutageProxy, moto_s3
@@ -83,23 +93,46 @@ def chaos_setup(workdir: Path) -> Iterator[tuple[Any, Any, Any, dict[str, str]]]
     with moto_s3(workdir) as s3, OutageProxy(s3.port) as proxy:
         cluster = MultiNodeCluster(num_workers=NODES, env=s3.credential_env())
         try:
-            with harness.prefect_api(), harness.env(**s3.credential_env()):
-                env = {
-                    **os.environ,
-                    **s3.credential_env(),
-                    "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-                    "PYTHONPATH": str(common.REPO),
-                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-                }
-                yield cluster, s3, proxy, env
+            with prefect_server(workdir) as server, harness.env(**s3.credential_env()):
+                yield cluster, s3, proxy, flow_env(server, s3.credential_env()), server
         finally:
             cluster.stop()
 
 
+@contextlib.contextmanager
+def prefect_server(workdir: Path) -> Iterator[Any]:
+    """A real ``prefect server start`` on SQLite that the campaign can kill and start again."""
+    from tests.prefect_server import PrefectServer
+
+    home = workdir / "prefect"
+    home.mkdir(exist_ok=True)
+    server = PrefectServer(home, ray_address="")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def flow_env(server: Any, credentials: dict[str, str]) -> dict[str, str]:
+    """The environment of a flow process: the server's API, the storage credentials, the repo.
+    Prefect's client retries 7 times (about 4 minutes of backoff, where 5 give a minute), as
+    docs/failure-and-resume.md advises for outages longer than a minute: a task's state change
+    may fall into a 90 s outage."""
+    return {
+        **os.environ,
+        **credentials,
+        "PREFECT_API_URL": server.api,
+        "PREFECT_CLIENT_MAX_RETRIES": "7",
+        "PYTHONPATH": str(common.REPO),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+
+
 def campaign(workdir: Path, settings: Settings, setup: tuple[Any, ...]) -> dict[str, Any]:
     """Run the uninterrupted reference, then the campaign; the verdict with wall times."""
-    cluster, s3, proxy, env = setup
-    chaos = Campaign(cluster, s3, proxy, workdir, settings, env)
+    cluster, s3, proxy, env, prefect = setup
+    chaos = Campaign(cluster, s3, proxy, workdir, settings, env, prefect)
     tag = f"seed{settings.seed}-{int(time.time())}"
     reference_wall = chaos.reference(f"reference-{tag}")
     wall = chaos.run(f"chaos-{tag}")

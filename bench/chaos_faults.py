@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ KINDS = (
     "s3_outage",
     "s3_slow",
     "corrupt",
+    "prefect_outage",
 )
 NODES = 3
 NOTICE_S = 10.0
@@ -60,11 +62,20 @@ class Settings:
     #: No fault once the newest commit passed this fraction of the run (the last checkpoints
     #: are the ones the final checks read).
     window: float = 0.85
+    #: How long the Prefect server stays down (``prefect_outage``), at random within.
+    prefect_outage_s: tuple[float, float] = (30.0, 90.0)
 
 
 #: The test suite's: one fault of each kind at 8 s gaps (exponential), about 2 minutes under faults
 #: (14 epochs: with 12, a seeded schedule's eighth fault came after the run's last window).
-QUICK = Settings(faults=len(KINDS), mean_gap_s=8.0, epochs=14, delay_s=0.06, reference_delay_s=0.0)
+QUICK = Settings(
+    faults=len(KINDS),
+    mean_gap_s=8.0,
+    epochs=14,
+    delay_s=0.06,
+    reference_delay_s=0.0,
+    prefect_outage_s=(10.0, 20.0),
+)
 
 
 @dataclass
@@ -107,7 +118,8 @@ def total_steps(raw: dict) -> int:
 
 class Campaign:
     """Drives one run through its faults. ``cluster`` is a ``tests.multinode.MultiNodeCluster``,
-    ``s3`` a ``tests.s3.S3Server``, ``proxy`` an ``OutageProxy`` in front of it."""
+    ``s3`` a ``tests.s3.S3Server``, ``proxy`` an ``OutageProxy`` in front of it, ``prefect`` the
+    ``tests.prefect_server.PrefectServer`` that ``env`` names."""
 
     def __init__(
         self,
@@ -117,8 +129,12 @@ class Campaign:
         workdir: Path,
         settings: Settings,
         env: dict[str, str],
+        prefect: Any,
     ) -> None:
-        self.cluster, self.s3, self.proxy = cluster, s3, proxy
+        self.cluster, self.s3, self.proxy, self.prefect = cluster, s3, proxy, prefect
+        #: While the Prefect server is down; the thread that starts it again.
+        self.api_down = False
+        self.api_back: threading.Thread | None = None
         self.workdir, self.settings, self.env = workdir, settings, env
         self.rng = random.Random(settings.seed)
         rotation = list(KINDS)
@@ -239,10 +255,13 @@ class Campaign:
             action()
 
     def _settle(self) -> None:
-        """Every timer run (nodes back, the proxy up), every second flow ended."""
+        """Every timer run (nodes back, the proxy and the Prefect server up), every second flow
+        ended."""
         while self.timers:
             time.sleep(0.2)
             self._fire_timers()
+        if self.api_back is not None:
+            self.api_back.join()
         for _, process, _ in self.second_flows:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=120)
@@ -303,13 +322,15 @@ class Campaign:
         return {"node": node[:8], "deadline_s": NOTICE_S}
 
     def _flow_ready(self) -> bool:
-        """The flow lives and has held the lease a while, and no second flow is starting."""
+        """The flow lives and has held the lease a while, no second flow is starting, and the
+        Prefect API is up (a flow started meanwhile could not create its flow run)."""
         live_second = any(p.poll() is None for _, p, _ in self.second_flows)
         return (
             self.flow is not None
             and self.flow.poll() is None
             and time.time() - self.flow_started_at > 20
             and not live_second
+            and not self.api_down
         )
 
     def _flow_kill(self) -> dict[str, Any] | None:
@@ -348,6 +369,26 @@ class Campaign:
         self.proxy.slow(low, high)
         self._later(seconds, self.proxy.fast)
         return {"latency_s": [low, high], "for_s": seconds}
+
+    def _prefect_outage(self) -> dict[str, Any] | None:
+        """The Prefect server killed (a crashed or rescheduled pod) while the flow trains, and
+        started again on its database ``prefect_outage_s`` later."""
+        if not self._flow_ready():
+            return None
+        seconds = round(self.rng.uniform(*self.settings.prefect_outage_s), 1)
+        self.prefect.kill()
+        self.api_down = True
+
+        def back() -> None:
+            self.prefect.start()
+            self.api_down = False
+
+        def start_again() -> None:
+            self.api_back = threading.Thread(target=back, daemon=True)
+            self.api_back.start()
+
+        self._later(seconds, start_again)
+        return {"outage_s": seconds}
 
     def _corrupt(self) -> dict[str, Any] | None:
         newest = self.run_dir.scan().newest

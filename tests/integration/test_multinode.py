@@ -480,29 +480,21 @@ def test_a_drain_notice_commits_a_checkpoint_just_in_time(
 # -- chaos ---------------------------------------------------------------------------------------
 
 
-def test_a_seeded_chaos_campaign_ends_as_the_uninterrupted_run(
-    cluster, s3_server, relaytrain_prefect, tmp_path
-):
+def test_a_seeded_chaos_campaign_ends_as_the_uninterrupted_run(cluster, s3_server, tmp_path):
     """bench/chaos.py's short campaign: one fault of every kind in the fault matrix (worker and
     node killed, a drain with notice, the flow process killed and run again, a second flow, an
-    S3 outage, S3 slow, the newest checkpoint damaged) at seeded 8 s gaps, overlapping
-    recoveries. The run ends bit-identical to the uninterrupted one, every step's row once, no
-    commit lost, each failure on its fault's budget (``bench.chaos.verdict``)."""
-    from prefect.settings import PREFECT_API_URL
-
-    from bench.chaos import KINDS, QUICK, campaign
+    S3 outage, S3 slow, the newest checkpoint damaged, the Prefect server killed and started
+    again) at seeded 8 s gaps, overlapping recoveries. The run ends bit-identical to the
+    uninterrupted one, every step's row once, no commit lost, each failure on its fault's budget
+    (``bench.chaos.verdict``)."""
+    from bench.chaos import KINDS, QUICK, campaign, flow_env, prefect_server
     from tests.s3 import OutageProxy
 
     cluster.ensure_worker_nodes(3)
     wait_until(lambda: not cluster.worker_nodes(), what="the previous run's workers to go")
-    env = {
-        **os.environ,
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-        "PYTHONPATH": str(REPO),
-        "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
-    }
-    with OutageProxy(s3_server.port) as proxy:
-        outcome = campaign(tmp_path, QUICK, (cluster, s3_server, proxy, env))
+    with OutageProxy(s3_server.port) as proxy, prefect_server(tmp_path) as server:
+        env = flow_env(server, s3_server.credential_env())
+        outcome = campaign(tmp_path, QUICK, (cluster, s3_server, proxy, env, server))
     figures = outcome["figures"]
     print(figures)  # shown when the test fails
     assert outcome["problems"] == []
