@@ -255,8 +255,7 @@ class Campaign:
             action()
 
     def _settle(self) -> None:
-        """Every timer run (nodes back, the proxy and the Prefect server up), every second flow
-        ended."""
+        """Every timer run (nodes, the proxy, the Prefect server back), every second flow ended."""
         while self.timers:
             time.sleep(0.2)
             self._fire_timers()
@@ -322,8 +321,7 @@ class Campaign:
         return {"node": node[:8], "deadline_s": NOTICE_S}
 
     def _flow_ready(self) -> bool:
-        """The flow lives and has held the lease a while, no second flow is starting, and the
-        Prefect API is up (a flow started meanwhile could not create its flow run)."""
+        """The flow lives and has held the lease a while; no second flow starts; the API is up."""
         live_second = any(p.poll() is None for _, p, _ in self.second_flows)
         return (
             self.flow is not None
@@ -371,8 +369,7 @@ class Campaign:
         return {"latency_s": [low, high], "for_s": seconds}
 
     def _prefect_outage(self) -> dict[str, Any] | None:
-        """The Prefect server killed (a crashed or rescheduled pod) while the flow trains, and
-        started again on its database ``prefect_outage_s`` later."""
+        """The Prefect server killed (a crashed pod) mid-run, started again from a thread later."""
         if not self._flow_ready():
             return None
         seconds = round(self.rng.uniform(*self.settings.prefect_outage_s), 1)

@@ -28,10 +28,7 @@ from tests.s3 import record_timing
 from trainer_core import storage
 from trainer_core.errors import (
     SpecError,
-    StorageAccessError,
     StorageError,
-    StorageFullError,
-    StorageUnavailableError,
 )
 from trainer_core.spec.overrides import build_spec
 
@@ -377,32 +374,3 @@ def test_secret_block_with_unusable_values_is_a_spec_error(relaytrain_prefect, v
     assert raised.value.field == "run.credentials"
     with pytest.raises(SpecError, match="block-type-slug"):
         credentials.block_env("lake-keys")
-
-
-@pytest.mark.parametrize(
-    "error, expected",
-    [
-        (PermissionError(13, "Permission denied"), StorageAccessError),
-        (OSError(28, "No space left on device"), StorageFullError),
-        (OSError(30, "Read-only file system"), StorageAccessError),
-        (OSError("AWS Error ACCESS_DENIED during HeadBucket operation"), StorageAccessError),
-        (OSError("AWS Error INVALID_ACCESS_KEY_ID during ListObjectsV2"), StorageAccessError),
-        (OSError("AWS Error NO_SUCH_BUCKET during HeadBucket operation"), StorageAccessError),
-        (OSError("AWS Error NETWORK_CONNECTION during PutObject"), StorageUnavailableError),
-        (ValueError("not a storage failure"), type(None)),
-    ],
-)
-def test_storage_failures_are_classified_by_what_fixes_them(error, expected):
-    classified = storage.storage_error("s3://bucket/run", "write", error)
-    assert type(classified) is expected
-    if classified is not None and expected is not StorageUnavailableError:
-        assert classified.budget == "none" and "run." in str(classified)
-    if classified is not None:
-        assert "s3://bucket/run" in str(classified)
-
-
-def test_transport_errors_of_s3fs_are_transient():
-    from botocore.exceptions import EndpointConnectionError
-
-    error = EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
-    assert isinstance(storage.storage_error("s3://b/r", "list", error), StorageUnavailableError)
