@@ -58,8 +58,8 @@ def worker_runtime_env(custom: dict[str, Any]) -> dict[str, Any]:
 
 
 class PooledWorkerGroup(WorkerGroup):
-    """Ray Train's worker group, its workers started in idle processes of the job when no
-    setting they read asks for a runtime env."""
+    """Ray Train's worker group, its workers started as the job's plain worker processes (an
+    idle one when Ray has one) when no setting they read asks for a runtime env."""
 
     @staticmethod
     def _get_worker_runtime_env(custom_runtime_env: Any) -> Any:
