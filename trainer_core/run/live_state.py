@@ -61,6 +61,8 @@ class LiveState:
         )
 
     def _fold(self, event: dict[str, Any], kind: str) -> None:
+        if kind in ("resumed", "fresh_start"):  # a worker group began (0: the attempt's first)
+            self.began = event.get("group", 0)
         if event.get("world_size"):
             self.world_size = event["world_size"]
         if kind == "memory":
@@ -93,17 +95,14 @@ class LiveState:
                 }
             )
         elif kind in ("resumed", "fresh_start") and event.get("group"):
-            self.began = event["group"]
             self._group_started(event)
         elif kind == "peer_lost":
             self._peer_lost(event)
         elif kind == "resumed":
-            self.began = event.get("group", 0)
             self.resumed_from = event.get("step")
             self.resumed_at = event.get("time")
             self.restore = {k: event[k] for k in ("bytes_read", "restore_s") if k in event}
         elif kind == "fresh_start":
-            self.began = event.get("group", 0)
             self.resumed_from = 0  # known: from the beginning (None means unknown)
             self.resumed_at = event.get("time")
         elif kind == "checkpoint":
