@@ -135,12 +135,17 @@ def test_finished_run_returns_stored_result_unless_more_epochs(happy):
     assert result.attempts[1].resumed_from_step == 39
 
 
-def test_raise_fault_is_retried_and_resume_is_exact(happy, tmp_path):
+def test_raise_fault_is_retried_and_resume_is_exact(happy, uninterrupted, tmp_path):
+    """Also the fault matrix's case 1 (an exception in training code), with its row."""
     _, _, reference = happy
     spec = with_fault(build_spec(tiny_spec_dict(tmp_path, "flow-fault")), "raise", at_step=17)
     state = training(spec, return_state=True)
     assert state.is_completed()
     assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
+    run_dir = run_dir_of(spec)
+    attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=13)
+    assert attempts[0]["error_budget"] == "code" and attempts[0]["restarts"] == []
+    record_matrix_row("1 exception in training code", run_dir, committed_before=13, fault_step=17)
     result = state.result()
     assert [a.status for a in result.attempts] == ["failed", "completed"]
     assert result.attempts[0].error_class == "TrainingCodeError"
@@ -155,8 +160,8 @@ def test_raise_fault_is_retried_and_resume_is_exact(happy, tmp_path):
     assert lost.detection_s > 0 and lost.new_group_s > 0 and lost.recompute_s > 0
     assert lost.new_group_s < result.attempts[1].duration_s
     assert lost.total_s + account.training_s < result.wall_time_s
-    assert_same_tensors(final_state(run_dir_of(spec)), reference["state"])
-    assert losses(run_dir_of(spec)) == reference["losses"]
+    assert_same_tensors(final_state(run_dir), reference["state"])
+    assert losses(run_dir) == reference["losses"]
 
 
 def test_spec_error_is_not_retried(relaytrain_ray, relaytrain_prefect, tmp_path):

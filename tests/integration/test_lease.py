@@ -63,8 +63,15 @@ def test_a_second_flow_in_the_retry_delay_is_refused(
 ) -> None:
     """The first flow's attempt fails and Prefect waits 6 s, twice the lease's life, before
     its retry. A second flow started in that wait is refused with LeaseHeldError, and the first
-    flow's retry resumes and completes."""
-    raw = tiny_raw(runs_at, "held", retries={"delay_s": 6, "jitter": 0}, scaling=ONE_WORKER)
+    flow's retry resumes and completes. Then another flow holds the finished run (every
+    checkpoint kept), and a finalize without the lease deletes nothing."""
+    raw = tiny_raw(
+        runs_at,
+        "held",
+        retries={"delay_s": 6, "jitter": 0},
+        scaling=ONE_WORKER,
+        checkpoint={"keep_last": None},
+    )
     spec = with_fault(build_spec(raw), "raise", at_step=8)
     run_dir = run_dir_of(spec)
     thread, box = _in_thread(spec)
@@ -84,6 +91,41 @@ def test_a_second_flow_in_the_retry_delay_is_refused(
     assert box["state"].result().steps_completed == 39
     assert [a["status"] for a in run_dir.read_attempts()] == ["failed", "completed"]
     assert not run_dir.lease_file.exists()  # released at the end
+    _finalize_without_the_lease_deletes_nothing(runs_at, "held", run_dir)
+
+
+def _finalize_without_the_lease_deletes_nothing(
+    runs_at: str, name: str, run_dir: RunDirectory
+) -> None:
+    """A run trained with every checkpoint kept; another flow holds it now. finalize of a
+    spec keeping one checkpoint (retention would delete the rest) deletes nothing, writes no
+    summary, and leaves the other flow's lease."""
+    before = {c.step for c in run_dir.scan().committed}
+    assert len(before) > 1  # retention would delete some
+    summary = run_dir.summary_file.read_bytes()
+    lease.acquire(run_dir.location, owner="another-flow", settle_s=0)
+    keep_one = build_spec(
+        tiny_raw(runs_at, name, checkpoint={"keep_last": 1, "keep_best": 0}, scaling=ONE_WORKER)
+    )
+    prepared = Prepared(
+        run_name=name,
+        storage_uri=keep_one.run.storage,
+        run_uri=run_dir.uri,
+        lease_owner="this-flow",
+        plan_reason="test",
+        total_steps=39,
+        resume_step=39,
+    )
+
+    @flow
+    def finalize_only() -> Any:
+        return finalize(keep_one, prepared, status="failed")
+
+    result = finalize_only()
+    assert result.steps_completed == 39
+    assert {c.step for c in RunDirectory(run_dir.location).scan().committed} == before
+    assert run_dir.summary_file.read_bytes() == summary
+    assert run_dir.lease_file.read_json()["owner"] == "another-flow"
 
 
 def test_a_holder_whose_lease_is_taken_over_stops_and_commits_nothing_more(
@@ -125,44 +167,6 @@ def test_a_holder_whose_lease_is_taken_over_stops_and_commits_nothing_more(
     assert not run_dir.summary_file.exists()
     assert run_dir.lease_file.read_json()["owner"] == "another-flow"
     assert stopped_s < 60, stopped_s  # the attempt stopped, it did not train to the end
-
-
-def test_finalize_without_the_lease_deletes_nothing(
-    relaytrain_ray, relaytrain_prefect, runs_at
-) -> None:
-    """A run trained with every checkpoint kept; another flow holds it now. finalize of a
-    spec keeping one checkpoint (retention would delete the rest) deletes nothing, writes no
-    summary, and leaves the other flow's lease."""
-    keep_all = build_spec(
-        tiny_raw(runs_at, "kept", checkpoint={"keep_last": None}, scaling=ONE_WORKER)
-    )
-    assert training(keep_all).status == "completed"
-    run_dir = run_dir_of(keep_all)
-    before = {c.step for c in run_dir.scan().committed}
-    summary = run_dir.summary_file.read_bytes()
-    lease.acquire(run_dir.location, owner="another-flow", settle_s=0)
-    keep_one = build_spec(
-        tiny_raw(runs_at, "kept", checkpoint={"keep_last": 1, "keep_best": 0}, scaling=ONE_WORKER)
-    )
-    prepared = Prepared(
-        run_name="kept",
-        storage_uri=keep_one.run.storage,
-        run_uri=run_dir.uri,
-        lease_owner="this-flow",
-        plan_reason="test",
-        total_steps=39,
-        resume_step=39,
-    )
-
-    @flow
-    def finalize_only() -> Any:
-        return finalize(keep_one, prepared, status="failed")
-
-    result = finalize_only()
-    assert result.steps_completed == 39
-    assert {c.step for c in RunDirectory(run_dir.location).scan().committed} == before
-    assert run_dir.summary_file.read_bytes() == summary
-    assert run_dir.lease_file.read_json()["owner"] == "another-flow"
 
 
 @pytest.fixture(params=["s3", "gs", "fsspec+gcs"])

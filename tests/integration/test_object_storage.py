@@ -5,10 +5,8 @@ storage inputs rejected in setup, credentials blocks, and how storage failures a
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -170,28 +168,23 @@ def test_finalize_reads_each_metrics_segment_once(s3_runs, s3_server, monkeypatc
     )
 
 
-def test_relaytrain_commands_read_runs_on_s3(s3_runs, s3_server, s3, tmp_path, monkeypatch):
-    """`relaytrain runs/show/export` against the server alone, with the credentials from the
-    environment: the fsdp run's best model comes out as one plain state_dict file, locally and
-    written back to S3."""
+def test_relaytrain_commands_read_runs_on_s3(s3_runs, s3_server, s3, tmp_path, capsys):
+    """`relaytrain runs/show/export` (in this process: the console script itself is
+    test_flow's) against the server alone, with the credentials from the environment: the fsdp
+    run's best model comes out as one plain state_dict file, locally and written back to S3."""
     import io
-    import os
-    import sys
 
     import torch
 
+    from flows import cli
     from trainer_core.checkpoint import exports
 
-    for key, value in s3_server.credential_env().items():
-        monkeypatch.setenv(key, value)
-    relaytrain = str(Path(sys.executable).with_name("relaytrain"))
-
     def command(*args: str) -> str:
-        done = subprocess.run(
-            [relaytrain, *args], capture_output=True, text=True, timeout=120, env=dict(os.environ)
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout
+        capsys.readouterr()
+        code = cli.main(list(args))
+        out, err = capsys.readouterr()
+        assert code == 0, out + err
+        return out
 
     listed = command("runs", s3.uri("runs-s3fs"))
     line = next(row for row in listed.splitlines() if row.strip().startswith("s3-s3fs"))
@@ -349,7 +342,9 @@ def test_prefect_aws_blocks_reach_the_real_server(relaytrain_prefect, s3_server,
             assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(names)
             storage.probe_writable(storage.resolve(s3_server.uri("blocks"), fail_fast=True))
         assert not storage.credential_env()  # restored: nothing left behind
-    # Without credentials moto answers 500 (real S3: 403); the message says what is missing.
+    # Without credentials moto answers 500 (real S3: 403), which reads as the store being down:
+    # setup waits for it (30 s by default), then the message says what is missing.
+    monkeypatch.setenv("RELAYTRAIN_STORAGE_SETUP_WAIT_S", "2")
     with pytest.raises(StorageError, match="No storage credentials are set"):
         storage.probe_writable(storage.resolve(s3_server.uri("blocks"), fail_fast=True))
 

@@ -203,19 +203,24 @@ def test_a_stopped_tracking_server_never_fails_training_and_is_backfilled(
 # -- the relaytrain command -------------------------------------------------------------------
 
 
-def _relaytrain(*args: str, env: dict | None = None) -> str:
-    done = subprocess.run([RELAYTRAIN, *args], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+def _relaytrain(capsys, *args: str) -> str:
+    """``relaytrain ARGS`` in this process (the console script itself is test_flow's)."""
+    from flows import cli
+
+    capsys.readouterr()
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    return out
 
 
-def test_relaytrain_commands_read_a_local_run(retried, tmp_path):
+def test_relaytrain_commands_read_a_local_run(retried, tmp_path, capsys):
     spec, state, storage = retried
     result = state.result()
-    listed = _relaytrain("runs", str(storage))
+    listed = _relaytrain(capsys, "runs", str(storage))
     line = next(row for row in listed.splitlines() if row.strip().startswith("tracked"))
     assert "completed" in line and " 39 " in line and "val_loss" in line
-    shown = _relaytrain("show", str(Path(storage, "tracked")))
+    shown = _relaytrain(capsys, "show", str(Path(storage, "tracked")))
     assert "run tracked: completed" in shown
     assert "TrainingCodeError" in shown and "resumed from" in shown
     sections = shown.split("\n\n")
@@ -226,30 +231,26 @@ def test_relaytrain_commands_read_a_local_run(retried, tmp_path):
     epochs = next(s for s in sections if s.startswith("metrics per epoch"))
     assert "train_loss" in epochs and len(epochs.splitlines()) == 2 + spec.schedule.epochs
     out = tmp_path / "best.pt"
-    _relaytrain("export", str(Path(storage, "tracked")), str(out))
+    _relaytrain(capsys, "export", str(Path(storage, "tracked")), str(out))
     exported = torch.load(out, weights_only=True)
     expected = read_model_weights(result.best_checkpoint_uri)
     assert set(exported) == set(expected)
     assert all(torch.equal(exported[k], v) for k, v in expected.items())
-    _relaytrain("export", str(Path(storage, "tracked")), "--latest", str(tmp_path / "last.pt"))
+    latest_file = str(tmp_path / "last.pt")
+    _relaytrain(capsys, "export", str(Path(storage, "tracked")), "--latest", latest_file)
     latest = torch.load(tmp_path / "last.pt", weights_only=True)
     newest = read_model_weights(result.latest_checkpoint_uri)
     assert all(torch.equal(latest[k], v) for k, v in newest.items())
 
 
-def test_relaytrain_refuses_what_is_not_a_run(tmp_path):
-    done = subprocess.run(
-        [RELAYTRAIN, "show", str(tmp_path)], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 2
-    assert "not a relaytrain run directory" in done.stderr and "relaytrain runs" in done.stderr
-    done = subprocess.run(
-        [RELAYTRAIN, "run", "--config", str(tmp_path / "missing.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2 and "missing.yaml" in done.stderr
+def test_relaytrain_refuses_what_is_not_a_run(tmp_path, capsys):
+    from flows import cli
+
+    assert cli.main(["show", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a relaytrain run directory" in err and "relaytrain runs" in err
+    assert cli.main(["run", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
 
 
 @pytest.mark.e2e

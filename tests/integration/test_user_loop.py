@@ -323,22 +323,38 @@ def test_a_lost_peer_is_an_infrastructure_failure_and_the_work_it_cost_is_counte
 # -- the example ----------------------------------------------------------------------------------
 
 
-def test_the_example_loop_through_the_flow(relaytrain_ray, relaytrain_prefect, tmp_path):
+def test_the_example_loop_fails_resumes_and_exports(relaytrain_ray, tmp_path):
     """examples/ray_loop.yaml (the stock loop of examples/ray_train_loop.py, one report and
-    checkpoint an epoch) with a raised fault at its 3rd report."""
+    checkpoint an epoch) with a raised fault at its 3rd report, then run again: it resumes from
+    its Ray checkpoint, the epochs it trained again stream live, and the newest checkpoint
+    exports. (A user loop's Prefect retry: the ``faulted`` fixture.)"""
     import yaml
 
     from flows import cli
-    from flows.training import training
+    from tests.recovery import run_dir_of
+    from trainer_core.checkpoint.history import read_metrics_history
+    from trainer_core.errors import TrainingCodeError
+    from trainer_core.run.engine import run_attempt
+    from trainer_core.run.summary import build_result
     from trainer_core.spec.overrides import build_spec
 
     raw = yaml.safe_load((REPO / "examples" / "ray_loop.yaml").read_text())
     raw["run"].update({"name": "example", "storage": str(tmp_path)})
     raw["faults"] = [{"kind": "raise", "at_step": 3}]
-    raw["retries"] = {"delay_s": 0, "jitter": 0}
+    spec = build_spec(raw)
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    events: list[dict] = []
+    assert run_attempt(spec, on_event=events.append).status == "completed"
+    resumed = next(e for e in events if e["kind"] in ("resumed", "fresh_start"))
+    assert resumed["kind"] == "resumed" and resumed["checkpoint_uri"]
     epochs = raw["train_loop_config"]["num_epochs"]
-    result = training(build_spec(raw), return_state=True).result()
-    assert result.status == "completed"
+    run_dir = run_dir_of(spec)
+    # epoch 2 onwards ran again after the resume, once each, and streamed while it ran
+    assert [row["epoch"] for row in read_metrics_history(run_dir)] == list(range(epochs))
+    assert [e["rows"][0]["epoch"] for e in events if e["kind"] == "metrics"] == [2, 3]
+    assert [a["world_size"] for a in run_dir.read_attempts()] == [2, 2]
+    result = build_result(spec, run_dir, spec.run.storage, "completed")
     assert result.steps_completed == epochs and result.epochs_completed == epochs
     # The fault fires in the 3rd report, after its epoch was trained: that epoch ran twice.
     assert result.steps_computed == epochs + 1
