@@ -29,12 +29,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# One process. On 2 cores, 2 xdist processes (tests/conftest.py groups a module to each) save
-# little: every module but the multi-node one took 1640 s on 2 processes against about 1865 s
-# in one, and the multi-node module must run alone after them (its cluster's heartbeats and
-# drain deadlines do not hold beside a CPU-bound module).
+# Two phases on 2 cores (tools/test.sh): the multi-node module beside the e2e modules, then the
+# rest on 2 xdist processes. TEST_ARGS goes to each pytest call.
 test: $(STAMP) system lint
-	$(VENV)/bin/pytest tests --durations=30
+	tools/test.sh $(TEST_ARGS)
 
 run: $(STAMP)
 	$(VENV)/bin/relaytrain run --config examples/digits_cnn.yaml

@@ -23,11 +23,19 @@ ONE_WORKER = {"num_workers": 1}
 
 __all__ = ["ONE_WORKER", "tiny_raw"]
 
-#: Modules that wait more than they compute (a real Prefect server and its worker, a browser):
-#: run first, so that under ``make test``'s two xdist workers they overlap the CPU-bound
-#: modules instead of running alone at the end. (The multi-node module runs alone after them:
-#: its cluster's heartbeats and drain deadlines do not hold beside a CPU-bound module.)
-WAITING_MODULES = ("tests/e2e/test_deployments.py",)
+#: The longest integration modules (seconds in one process, last measured), started first under
+#: ``make test``'s 2 xdist processes (tools/test.sh, ``--no-loadscope-reorder``) so that no long
+#: module starts last while the other process idles.
+LONGEST_FIRST = (
+    "tests/integration/test_engine.py",  # 200
+    "tests/integration/test_columns.py",  # 160
+    "tests/integration/test_flow.py",  # 160
+    "tests/integration/test_streaming.py",  # 120
+    "tests/integration/test_storage_faults.py",  # 105
+    "tests/integration/test_fault_matrix.py",  # 100
+    "tests/integration/test_fsdp.py",  # 100
+    "tests/integration/test_tracking.py",  # 95
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -47,9 +55,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The waiting modules first; under xdist (``--dist loadgroup``), each module is one unit of
+    """The longest modules first; under xdist (``--dist loadgroup``), each module is one unit of
     work, so its module fixtures (a training run, a tracking server) are built once."""
-    rank = {path: i for i, path in enumerate(WAITING_MODULES)}
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
