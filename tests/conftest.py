@@ -27,14 +27,15 @@ __all__ = ["ONE_WORKER", "tiny_raw"]
 #: ``make test``'s 2 xdist processes (tools/test.sh, ``--no-loadscope-reorder``) so that no long
 #: module starts last while the other process idles.
 LONGEST_FIRST = (
-    "tests/integration/test_engine.py",  # 200
     "tests/integration/test_columns.py",  # 160
     "tests/integration/test_flow.py",  # 160
     "tests/integration/test_streaming.py",  # 120
+    "tests/integration/test_engine.py",  # 115
     "tests/integration/test_storage_faults.py",  # 105
     "tests/integration/test_fault_matrix.py",  # 100
     "tests/integration/test_fsdp.py",  # 100
     "tests/integration/test_tracking.py",  # 95
+    "tests/integration/test_training_options.py",  # 85
 )
 
 

@@ -15,7 +15,7 @@
 set -u
 cd "$(dirname "$0")/.."
 PYTEST=${PYTEST:-.venv/bin/pytest}
-MULTINODE=tests/integration/test_multinode.py
+MULTINODE=tests/integration/multinode
 BESIDE=(tests/e2e tests/unit)
 
 # pytest, where "no test selected" (exit 5, under -k) is no failure

@@ -11,11 +11,8 @@ from pathlib import Path
 
 import pytest
 import ray
-import torch
 import yaml
 
-from tasks.setup import is_finished
-from tests import own_functions
 from tests.conftest import tiny_raw
 from tests.helpers import steps_by_process
 from tests.recovery import assert_same_tensors, final_state, losses, record_matrix_row, run_dir_of
@@ -29,7 +26,6 @@ from trainer_core.errors import (
 from trainer_core.run.engine import run_attempt
 from trainer_core.run.summary import build_result
 from trainer_core.spec.overrides import build_spec
-from trainer_core.train import evaluate, workloads
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -316,130 +312,6 @@ def test_in_place_restart_resumes_within_the_attempt(reference, tmp_path):
     assert [e["group"] for e in events if e["kind"] in ("resumed", "fresh_start")] == [0, 1]
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_resumes_exactly(reference, tmp_path, precision):
-    """Autocast (and fp16's gradient scaler, checkpointed) on CPU: a run interrupted and resumed
-    ends bit-identical to an uninterrupted run of the same precision."""
-    uninterrupted = build_spec(tiny_raw(tmp_path, f"{precision}-whole", precision=precision))
-    assert run_attempt(uninterrupted).status == "completed"
-    spec = build_spec(
-        tiny_raw(
-            tmp_path,
-            f"{precision}-resumed",
-            precision=precision,
-            faults=[{"kind": "raise", "at_step": 17}],
-        )
-    )
-    with pytest.raises(TrainingCodeError):
-        run_attempt(spec)
-    assert run_attempt(spec).resumed_from_step == 13
-    whole, resumed = run_dir_of(uninterrupted), run_dir_of(spec)
-    assert_same_tensors(final_state(resumed), final_state(whole))
-    assert losses(resumed) == losses(whole)
-    assert losses(whole) != reference["losses"]  # autocast did change the arithmetic
-    files = set(resumed.scan().newest.files)
-    assert ("scaler.pt" in files) == (precision == "fp16")
-
-
-def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tmp_path):
-    """Two global batches of 16 per optimizer step (DDP all-reduces once per step), gradients
-    clipped, a Huber loss and two validation metrics of the user's own. The cursor counts
-    optimizer steps, so a checkpoint never holds half a step: the run interrupted at step 17
-    resumes from step 13 (epoch 0's validated checkpoint) and ends bit-identical to the
-    uninterrupted one."""
-    essentials = {
-        "data": {"batch_size": 16},
-        "optimizer": {"grad_accumulation": 2, "clip_grad_norm": 0.5},
-        "loss": "tests.own_functions:huber",
-        "metrics": ["tests.own_functions:mean_abs_error", "tests.own_functions:within_half"],
-        "checkpoint": {"best_metric": "val_mean_abs_error"},
-    }
-    whole_spec = build_spec(tiny_raw(tmp_path, "accumulate-whole", **essentials))
-    whole = run_attempt(whole_spec)
-    # 429 training rows: 26 global batches of 16, 13 optimizer steps an epoch.
-    assert whole.steps_completed == 39
-    spec = build_spec(
-        tiny_raw(
-            tmp_path,
-            "accumulate-resumed",
-            faults=[{"kind": "raise", "at_step": 17}],
-            **essentials,
-        )
-    )
-    with pytest.raises(TrainingCodeError):
-        run_attempt(spec)
-    assert run_attempt(spec).resumed_from_step == 13
-    whole_dir, resumed_dir = run_dir_of(whole_spec), run_dir_of(spec)
-    final = final_state(resumed_dir)
-    assert_same_tensors(final, final_state(whole_dir))
-    assert losses(resumed_dir) == losses(whole_dir)
-    assert losses(whole_dir) != reference["losses"]  # the Huber loss was used
-    history = read_metrics_history(resumed_dir)
-    assert [row["step"] for row in history] == list(range(1, 40))
-    assert all(row["grad_norm"] > 0 for row in history)  # the norm before clipping
-    # The metrics, all-reduced over both ranks' validation rows, equal the final model's
-    # measured here on the whole validation split.
-    metrics = resumed_dir.scan().newest.metrics
-    assert {"val_loss", "val_mean_abs_error", "val_within_half"} <= metrics.keys()
-    model = workloads.build_model(spec.model, 6, 1)
-    model.load_state_dict(final["model"])
-    model.eval()
-    val = evaluate.holdout(spec)  # the validation rows, as the loop's hash split picks them
-    with torch.no_grad():
-        output = model(torch.from_numpy(val.features))
-    target = torch.from_numpy(val.labels)
-    expected = {
-        "val_mean_abs_error": float(own_functions.mean_abs_error(output, target)),
-        "val_within_half": own_functions.within_half(output, target),
-        "val_loss": float(own_functions.huber(output, target)),
-    }
-    for name, value in expected.items():
-        assert metrics[name] == pytest.approx(value, rel=1e-5), name
-    # Retraining's champion/challenger comparison measures the same metrics.
-    measured = evaluate.evaluate(spec, resumed_dir.scan().newest.uri, val)
-    assert measured == pytest.approx(expected, rel=1e-5)
-
-
-def test_early_stopping_keeps_its_patience_across_a_retry(reference, tmp_path):
-    """val_loss never improves by min_delta after epoch 1, and patience is 1: training stops
-    after epoch 2 (step 26), a completed run with its reason. The first attempt fails at
-    step 23, after epoch 1's verdict was checkpointed at step 20; the retry restores it. (A
-    retry that reset the patience would take epoch 2's loss as a new best and train on.)"""
-    stopping = {"early_stopping": {"metric": "val_loss", "patience": 1, "min_delta": 1e6}}
-    spec = build_spec(
-        tiny_raw(
-            tmp_path,
-            "early-stop",
-            schedule=stopping,
-            faults=[{"kind": "raise", "at_step": 23}],
-        )
-    )
-    with pytest.raises(TrainingCodeError):
-        run_attempt(spec)
-    events: list = []
-    second = run_attempt(spec, on_event=events.append)
-    assert second.status == "completed" and second.resumed_from_step == 20
-    assert second.steps_completed == 26
-    (finished,) = [e for e in events if e["kind"] == "finished"]
-    assert "early stopping after epoch 2: val_loss has not improved" in finished["stopped"]
-    run_dir = run_dir_of(spec)
-    newest = run_dir.scan().newest
-    assert newest.step == 26
-    assert newest.manifest["cursor"] == {"epoch": 2, "samples": 0}
-    assert newest.manifest["early_stopping"]["bad_epochs"] == 1
-    # Until it stopped, the run is the reference run, step for step, across the retry.
-    assert losses(run_dir) == reference["losses"][:26]
-    result = build_result(spec, run_dir, str(tmp_path), "completed")
-    assert result.stop_reason == finished["stopped"] and result.epochs_completed == 2
-    assert [a.world_size for a in result.attempts] == [2, 2]
-    assert all(a.peak_worker_rss_mb > 100 for a in result.attempts)
-    assert is_finished(spec, result)  # the flow returns it as it is
-    # Run again, it trains nothing: the newest checkpoint says the run stopped.
-    third = run_attempt(spec, on_event=events.append)
-    assert third.steps_completed == 26
-    assert [e["step"] for e in events if e["kind"] == "already_complete"] == [26]
 
 
 def test_ray_data_datasets_reach_a_stock_loop_and_resume_at_an_epoch(ray_cluster, tmp_path):

@@ -5,8 +5,9 @@ and optimizer state and every per-step loss are bit-identical to the uninterrupt
 committed checkpoint was lost, and each failure lost at most one checkpoint interval (two where
 the newest checkpoint itself was destroyed). Each case adds its row to runs/fault-matrix.jsonl.
 Cases elsewhere: 1 and 4 (an exception in training code, the flow process killed) in
-test_flow.py, 3 and 8 (node killed, node preempted) in test_multinode.py, 5 and 7 (S3 outage,
-storage full or denied) in test_storage_faults.py, 6 with a flipped byte in test_engine.py.
+test_flow.py, 3 and 8 (node killed, node preempted) in multinode/test_jobs.py, 5 and 7 (S3
+outage, storage full or denied) in test_storage_faults.py, 6 with a flipped byte in
+test_engine.py.
 """
 
 from __future__ import annotations

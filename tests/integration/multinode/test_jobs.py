@@ -1,0 +1,247 @@
+"""Jobs on the multi-node cluster under faults: a worker node killed or drained for preemption,
+the flow process killed while its job runs, a flow run cancelled through Prefect."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import yaml
+from ray.job_submission import JobSubmissionClient
+
+from flows.training import training
+from tests.integration.multinode.runs import run_flow_in_thread, slow_raw
+from tests.multinode import wait_until
+from tests.prefect_api import task_runs
+from tests.recovery import (
+    REPO,
+    assert_recovered,
+    committed_step,
+    record_matrix_row,
+    run_dir_of,
+)
+from trainer_core.run import jobs
+from trainer_core.spec.overrides import build_spec
+
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+
+
+def test_job_server_binds_loopback_only(cluster):
+    port = int(cluster.job_address.rsplit(":", 1)[1])
+    listening = [
+        c.laddr.ip
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
+    assert listening and set(listening) == {"127.0.0.1"}
+
+
+@pytest.mark.parametrize("how", ["killed", "preempted"])
+def test_lost_node_resumes_on_the_remaining_nodes(
+    cluster, relaytrain_prefect, uninterrupted, run_storage, how
+):
+    raw = slow_raw(run_storage, f"multinode-{how}", cluster)
+    # A killed node ends the attempt (in_place 0), and Prefect's retry submits attempt 2 as a new
+    # Ray job: the path this case records (the default restart in place is test_fault_matrix's)
+    raw["retries"]["in_place"] = 0
+    spec = build_spec(raw)
+    run_dir = run_dir_of(spec)
+    if len(cluster.nodes()) < 3:
+        cluster.command("add")
+    thread, box = run_flow_in_thread(spec)
+    nodes = wait_until(
+        lambda: len(cluster.worker_nodes()) == 2 and cluster.worker_nodes(), what="2 workers"
+    )
+    assert len(set(nodes)) == 2  # spread: one DDP worker per node
+    wait_until(lambda: committed_step(run_dir) >= 10, what="a commit")
+    before = committed_step(run_dir)
+    victim = nodes[-1]
+    if how == "preempted":
+        answer = cluster.command("drain", victim, "2")
+        assert answer["accepted"], answer
+        time.sleep(2)
+    cluster.command("kill", victim)
+    thread.join(timeout=600)
+    state = box["state"]
+    assert state.is_completed(), state
+    # The lost node may be rank 0's, and take the checkpoint it was writing with it.
+    attempts = assert_recovered(
+        run_dir, uninterrupted, interval=10, committed_before=before, write_lost=True
+    )
+    runs = task_runs(state.state_details.flow_run_id)["train"].run_count
+    ids = {j.submission_id for j in JobSubmissionClient(cluster.job_address).list_jobs()}
+    if how == "preempted":  # in place, within the attempt, on the preemption budget
+        assert [a["status"] for a in attempts] == ["completed"] and runs == 1
+        (restart,) = attempts[0]["restarts"]
+        assert restart["reason"] == "preemption" and "preempted" in restart["error_message"]
+        assert restart["world_size_before"] == restart["world_size_after"] == 2
+        assert restart["last_step"] - restart["resumed_from_step"] <= 20  # two intervals
+    else:
+        assert [a["status"] for a in attempts] == ["failed", "completed"] and runs == 2
+        assert attempts[0]["error_budget"] == "infrastructure"
+        assert jobs.submission_id(spec.run.name, 2) in ids
+    assert jobs.submission_id(spec.run.name, 1) in ids
+    case = "3 node killed" if how == "killed" else "8 node preempted (drain-node PREEMPTION)"
+    record_matrix_row(case, run_dir, committed_before=before, storage="s3 (moto), Jobs API")
+
+
+def test_killed_flow_reattaches_to_its_running_job(
+    cluster, relaytrain_prefect, uninterrupted, run_storage, tmp_path
+):
+    """The flow process killed while its job runs; run again, it re-attaches to the job. The
+    job server is reached through a proxy that is down when the rerun starts, as a head node
+    restarting would be: the rerun, whose run has an attempt already, waits for it
+    (``RELAYTRAIN_RAY_HEAD_WAIT_S``) instead of refusing the address. The job's steps are held
+    (a gate file) from the kill until the rerun has re-attached, so the job is still running
+    however long the rerun takes to start."""
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.s3 import OutageProxy
+
+    name = "multinode-reattach"
+    port = int(cluster.job_address.rsplit(":", 1)[1])
+    with OutageProxy(port) as proxy:
+        raw = slow_raw(run_storage, name, cluster)
+        raw["scaling"]["job_address"] = f"http://127.0.0.1:{proxy.port}"
+        gate = tmp_path / "hold"
+        raw["model"]["kwargs"]["hold_while"] = str(gate)
+        spec_file = tmp_path / "spec.yaml"
+        spec_file.write_text(yaml.safe_dump(raw))
+        if len(cluster.nodes()) < 2:
+            cluster.command("add")
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+        command = [sys.executable, "-m", "flows.training", "--config", str(spec_file)]
+        first = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        run_dir = run_dir_of(build_spec(raw))
+        wait_until(lambda: committed_step(run_dir) >= 10, what="a commit")
+        gate.touch()
+        before = committed_step(run_dir)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        client = JobSubmissionClient(cluster.job_address)
+        job_id = jobs.submission_id(name, 1)
+        assert str(client.get_job_status(job_id)) == "RUNNING"  # the job outlives its caller
+        proxy.down()
+        rerun = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(rerun.stdout or ()), daemon=True)
+        reader.start()
+        # back once the rerun has said it waits for the server (it refused it before)
+        try:
+            wait_until(
+                lambda: any("does not answer (its head restarting?)" in x for x in lines),
+                what="the rerun to wait for the job server",
+            )
+            proxy.up()
+            wait_until(
+                lambda: any("re-attaching to the running Ray job" in x for x in lines),
+                what="the rerun to re-attach to the running job",
+            )
+        finally:
+            gate.unlink()
+        assert rerun.wait(timeout=600) == 0, "".join(lines)
+        reader.join(timeout=30)
+    run_jobs = [
+        j for j in client.list_jobs() if (j.metadata or {}).get(jobs.RUN_KEY) == run_dir.uri
+    ]
+    assert [j.submission_id for j in run_jobs] == [job_id]  # one job, never a second one
+    attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=before)
+    assert len(attempts) == 1 and attempts[0]["status"] == "completed"
+
+
+PREFECT_FILE = "deployments/prefect.yaml"
+
+
+def test_prefect_cancel_through_a_worker_stops_the_job(
+    cluster, relaytrain_prefect, uninterrupted, run_storage, tmp_path
+):
+    """The README: a cancelled flow stops its job. Cancelled as a Prefect user cancels: the
+    deployment runs on a process worker, and `prefect flow-run cancel` goes through the API."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    name = "multinode-cancelled"
+    raw = slow_raw(run_storage, name, cluster)
+    if len(cluster.nodes()) < 2:
+        cluster.command("add")
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),  # the flow process imports tests.helpers:slow_mlp
+    }
+
+    def prefect(*args: str) -> str:
+        done = subprocess.run(
+            [os.path.join(os.path.dirname(sys.executable), "prefect"), *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    prefect("work-pool", "create", "relaytrain-process", "--type", "process", "--overwrite")
+    prefect("--no-prompt", "deploy", "--name", "default", "--prefect-file", PREFECT_FILE)
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out:
+        worker = subprocess.Popen(
+            [
+                os.path.join(os.path.dirname(sys.executable), "prefect"),
+                "worker",
+                "start",
+                "--pool",
+                "relaytrain-process",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        with get_client(sync_client=True) as client:
+            deployment = client.read_deployment_by_name("training/default")
+            flow_run = client.create_flow_run_from_deployment(
+                deployment.id, parameters={"spec": raw}
+            )
+        run_dir = run_dir_of(build_spec(raw))
+        jobs_client = JobSubmissionClient(cluster.job_address)
+        job_id = jobs.submission_id(name, 1)
+        wait_until(lambda: committed_step(run_dir) >= 10, what="a commit")
+        assert str(jobs_client.get_job_status(job_id)) == "RUNNING"
+        before = committed_step(run_dir)
+        prefect("flow-run", "cancel", str(flow_run.id))
+
+        def cancelled():
+            with get_client(sync_client=True) as client:
+                return client.read_flow_run(flow_run.id).state.is_cancelled()
+
+        wait_until(cancelled, timeout_s=120, what="the flow run to be Cancelled")
+        wait_until(
+            lambda: str(jobs_client.get_job_status(job_id)) == "STOPPED",
+            timeout_s=60,
+            what="the Ray job to stop",
+        )
+        assert committed_step(run_dir) >= before  # nothing committed was lost
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:  # Prefect's worker, told to stop, sometimes goes on
+            worker.kill()  # polling: what this test checks was decided before
+            worker.wait(30)
+        print(log.read_text()[-5000:])  # shown when the test fails
+    result = training(build_spec(raw))  # run it again: it resumes
+    assert result.status == "completed" and result.attempts[-1].resumed_from_step >= before
