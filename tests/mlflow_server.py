@@ -37,7 +37,14 @@ class MlflowServer:
             "--workers",
             "1",
         ]
-        env = {**os.environ, "MLFLOW_TRACKING_URI": ""}
+        env = {
+            **os.environ,
+            "MLFLOW_TRACKING_URI": "",
+            # MLflow 3's server-side jobs (GenAI evaluation, trace roll-ups) start a job runner
+            # and six huey consumers, each a Python process importing mlflow; runs, metrics and
+            # artifacts, all relaytrain logs, need none of them.
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        }
         with self.log_file.open("a") as log:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The whole test suite on a 2-core machine, in two phases (make test; README: Tests).
+# The whole test suite on a 2-core machine, in three phases (make test; README: Layout).
 #
-#   1. The multi-node module (its own Ray cluster of 4 raylets; its faults wait on heartbeats,
+#   1. The multi-node package (its own Ray cluster of 4 raylets; its faults wait on heartbeats,
 #      drain deadlines and slowed steps) in one pytest process, and beside it the e2e modules
-#      (real Prefect servers, a process worker, a browser: they wait more than they compute),
-#      then the unit tests (no Ray), in another. The multi-node module never runs beside the
-#      integration modules, which keep both cores busy: its drain deadlines and node heartbeats
-#      do not hold there.
-#   2. The integration modules on 2 xdist processes, a module to each at a time
-#      (tests/conftest.py groups them), each process with its own session Ray cluster.
+#      (real Prefect servers, a process worker, a browser: they wait more than they compute) in
+#      another. Nothing CPU-bound runs beside the multi-node package: it slows its steps and
+#      waits as much as it saves (with the unit tests beside it too, phase 1 took 800 s instead
+#      of 624), and its drain deadlines and node heartbeats need the CPU on time.
+#   2. The integration modules and the unit tests on 2 xdist processes, a module to each at a
+#      time (tests/conftest.py groups them; the longest first, the unit tests last), each process
+#      with its own session Ray cluster.
+#   3. The step-time module alone: it holds measured seconds against the sleeps it injects, which
+#      another process's load distorts (beside one, a straggler's all-reduce wait and a slow
+#      transform's data wait missed their marks by a few milliseconds).
 #
 # Arguments go to every pytest call (-x, -k ...). Exits non-zero when any phase failed, after
 # running them all.
@@ -16,7 +20,8 @@ set -u
 cd "$(dirname "$0")/.."
 PYTEST=${PYTEST:-.venv/bin/pytest}
 MULTINODE=tests/integration/multinode
-BESIDE=(tests/e2e tests/unit)
+BESIDE=(tests/e2e)
+ALONE=tests/integration/test_step_time.py
 
 # pytest, where "no test selected" (exit 5, under -k) is no failure
 run() {
@@ -37,7 +42,10 @@ wait "$lane" || status=1
 echo "== phase 1, $MULTINODE:"
 cat "$lane_log"
 
-echo "== phase 2: the integration modules on 2 processes"
-run tests/integration --ignore="$MULTINODE" -n 2 --dist loadgroup --no-loadscope-reorder \
-    --durations=30 "$@" || status=1
+echo "== phase 2: the unit and integration tests on 2 processes"
+run tests/integration tests/unit --ignore="$MULTINODE" --ignore="$ALONE" -n 2 \
+    --dist loadgroup --no-loadscope-reorder --durations=30 "$@" || status=1
+
+echo "== phase 3: $ALONE alone"
+run "$ALONE" --durations=5 "$@" || status=1
 exit $status
