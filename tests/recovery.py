@@ -243,3 +243,18 @@ def assert_retained(
     assert {c.step for c in scan.committed} == kept
     assert not scan.uncommitted and not scan.damaged
     assert best_checkpoint_uri == run_dir.checkpoint_location(best).uri
+
+
+def fail_then_resume(spec: Any) -> list[dict[str, Any]]:
+    """A user loop's first attempt fails at its fault; the second resumes from a Ray checkpoint
+    and completes. Returns the second attempt's events."""
+    from trainer_core.errors import TrainingCodeError
+    from trainer_core.run.engine import run_attempt
+
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    events: list[dict[str, Any]] = []
+    assert run_attempt(spec, on_event=events.append).status == "completed"
+    resumed = next(e for e in events if e["kind"] in ("resumed", "fresh_start"))
+    assert resumed["kind"] == "resumed" and resumed["checkpoint_uri"]
+    return events

@@ -15,7 +15,14 @@ import yaml
 
 from tests.conftest import tiny_raw
 from tests.helpers import steps_by_process
-from tests.recovery import assert_same_tensors, final_state, losses, record_matrix_row, run_dir_of
+from tests.recovery import (
+    assert_same_tensors,
+    fail_then_resume,
+    final_state,
+    losses,
+    record_matrix_row,
+    run_dir_of,
+)
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.errors import (
     ClusterCapacityError,
@@ -152,18 +159,6 @@ def test_sharded_checkpoints_resume_exactly(reference, tmp_path):
     for rank in (0, 1):
         assert_same_tensors(final_state(run_dir, f"-rank{rank}"), reference["state"])
     assert losses(run_dir) == reference["losses"]
-
-
-def fail_then_resume(spec) -> list[dict]:
-    """A user loop's first attempt fails at its fault; the second resumes from a Ray checkpoint
-    and completes. Returns the second attempt's events."""
-    with pytest.raises(TrainingCodeError):
-        run_attempt(spec)
-    events: list[dict] = []
-    assert run_attempt(spec, on_event=events.append).status == "completed"
-    resumed = next(e for e in events if e["kind"] in ("resumed", "fresh_start"))
-    assert resumed["kind"] == "resumed" and resumed["checkpoint_uri"]
-    return events
 
 
 def test_more_workers_than_cluster_fails_fast(ray_cluster, tmp_path):

@@ -331,10 +331,8 @@ def test_the_example_loop_fails_resumes_and_exports(relaytrain_ray, tmp_path):
     import yaml
 
     from flows import cli
-    from tests.recovery import run_dir_of
+    from tests.recovery import fail_then_resume, run_dir_of
     from trainer_core.checkpoint.history import read_metrics_history
-    from trainer_core.errors import TrainingCodeError
-    from trainer_core.run.engine import run_attempt
     from trainer_core.run.summary import build_result
     from trainer_core.spec.overrides import build_spec
 
@@ -342,12 +340,7 @@ def test_the_example_loop_fails_resumes_and_exports(relaytrain_ray, tmp_path):
     raw["run"].update({"name": "example", "storage": str(tmp_path)})
     raw["faults"] = [{"kind": "raise", "at_step": 3}]
     spec = build_spec(raw)
-    with pytest.raises(TrainingCodeError):
-        run_attempt(spec)
-    events: list[dict] = []
-    assert run_attempt(spec, on_event=events.append).status == "completed"
-    resumed = next(e for e in events if e["kind"] in ("resumed", "fresh_start"))
-    assert resumed["kind"] == "resumed" and resumed["checkpoint_uri"]
+    events = fail_then_resume(spec)
     epochs = raw["train_loop_config"]["num_epochs"]
     run_dir = run_dir_of(spec)
     # epoch 2 onwards ran again after the resume, once each, and streamed while it ran
