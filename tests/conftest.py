@@ -23,7 +23,8 @@ ONE_WORKER = {"num_workers": 1}
 
 __all__ = ["ONE_WORKER", "tiny_raw"]
 
-#: The longest integration modules (seconds in one process, last measured), started first under
+#: The longest integration modules (about that many seconds in one process: the last one-process
+#: run's figures, split by test for the modules split since), started first under
 #: ``make test``'s 2 xdist processes (tools/test.sh, ``--no-loadscope-reorder``) so that no long
 #: module starts last while the other process idles.
 LONGEST_FIRST = (

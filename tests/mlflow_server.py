@@ -41,8 +41,8 @@ class MlflowServer:
             **os.environ,
             "MLFLOW_TRACKING_URI": "",
             # MLflow 3's server-side jobs (GenAI evaluation, trace roll-ups) start a job runner
-            # and six huey consumers, each a Python process importing mlflow; runs, metrics and
-            # artifacts, all relaytrain logs, need none of them.
+            # and its huey consumers: 10 processes instead of 2, 28.9 CPU-s in the first 28 s
+            # instead of 6.4; runs, metrics and artifacts, all relaytrain logs, need none of it.
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         }
         with self.log_file.open("a") as log:

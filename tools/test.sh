@@ -4,9 +4,9 @@
 #   1. The multi-node package (its own Ray cluster of 4 raylets; its faults wait on heartbeats,
 #      drain deadlines and slowed steps) in one pytest process, and beside it the e2e modules
 #      (real Prefect servers, a process worker, a browser: they wait more than they compute) in
-#      another. Nothing CPU-bound runs beside the multi-node package: it slows its steps and
-#      waits as much as it saves (with the unit tests beside it too, phase 1 took 800 s instead
-#      of 624), and its drain deadlines and node heartbeats need the CPU on time.
+#      another. Nothing CPU-bound runs beside the multi-node package: its steps and waits slow
+#      down as much as that saves (with the unit tests beside it too it took 800 s; beside the
+#      e2e modules alone, 624 and 740 s), and its drain deadlines and heartbeats need the CPU.
 #   2. The integration modules and the unit tests on 2 xdist processes, a module to each at a
 #      time (tests/conftest.py groups them; the longest first, the unit tests last), each process
 #      with its own session Ray cluster.

@@ -39,23 +39,25 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(
-    ("case", "kind", "at_step", "rank", "strategy", "in_place"),
+    ("case", "strategy", "in_place"),
     [
-        ("2 worker process SIGKILL (restarted in place, the default)", "kill", 23, 1, "ddp", None),
-        ("2p worker process SIGKILL, retries.in_place 0 (Prefect retry)", "kill", 23, 1, "ddp", 0),
+        ("2 worker process SIGKILL (restarted in place, the default)", "ddp", None),
+        ("2p worker process SIGKILL, retries.in_place 0 (Prefect retry)", "ddp", 0),
         # FSDP on 2 gloo ranks ends bit-identical to the DDP reference (test_fsdp.py).
-        ("2f worker process SIGKILL, scaling.strategy fsdp", "kill", 23, 1, "fsdp", None),
+        ("2f worker process SIGKILL, scaling.strategy fsdp", "fsdp", None),
     ],
 )
-def test_worker_fault_is_retried_and_exact(
-    relaytrain_prefect, uninterrupted, tmp_path, case, kind, at_step, rank, strategy, in_place
+def test_killed_worker_is_restarted_or_retried_and_exact(
+    relaytrain_prefect, uninterrupted, tmp_path, case, strategy, in_place
 ):
-    raw = tiny_raw(tmp_path, f"matrix-{kind}-{strategy}-{in_place}", scaling={"strategy": strategy})
+    """Rank 1's process SIGKILLed at step 23."""
+    at_step = 23
+    raw = tiny_raw(tmp_path, f"matrix-kill-{strategy}-{in_place}", scaling={"strategy": strategy})
     if in_place is not None:
         raw["retries"]["in_place"] = in_place
     if strategy == "fsdp":  # every commit marker kept, to read when each was written
         raw["checkpoint"]["keep_last"] = None
-    spec = with_fault(build_spec(raw), kind, at_step, rank)
+    spec = with_fault(build_spec(raw), "kill", at_step, rank=1)
     state = training(spec, return_state=True)
     assert state.is_completed(), state
     run_dir = run_dir_of(spec)
@@ -72,7 +74,7 @@ def test_worker_fault_is_retried_and_exact(
         assert committed in (before, max(s for s in uninterrupted["checkpoints"] if s < at_step))
     attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=committed)
     runs = task_runs(state.state_details.flow_run_id)["train"].run_count
-    if kind == "kill" and in_place is None:
+    if in_place is None:
         # Ray Train restarted the worker group within the attempt, from the newest commit
         assert [a["status"] for a in attempts] == ["completed"] and runs == 1
         (restart,) = attempts[0]["restarts"]
