@@ -127,13 +127,14 @@ def test_corrupt_newest_checkpoint_falls_back(
 
 
 def test_same_run_started_twice_at_once(
-    relaytrain_prefect, relaytrain_ray, uninterrupted, tmp_path
+    relaytrain_prefect, relaytrain_ray, uninterrupted_one_worker, tmp_path
 ):
-    """Two flows on one run at the same moment: one trains, the other is refused at once."""
+    """Two flows on one run at the same moment: one trains, the other is refused at once. (One
+    worker: the lease is the flows', whatever the ranks.)"""
     from prefect.settings import PREFECT_API_URL
 
     name = "matrix-twice"
-    raw = tiny_raw(tmp_path, name)
+    raw = tiny_raw(tmp_path, name, scaling=ONE_WORKER)
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(raw))
     env = {
@@ -154,6 +155,6 @@ def test_same_run_started_twice_at_once(
     refused = outputs[[p.returncode for p in processes].index(2)]
     assert "LeaseHeldError" in refused and "run.name" in refused, refused
     run_dir = run_dir_of(build_spec(raw))
-    attempts = assert_recovered(run_dir, uninterrupted, interval=10)
+    attempts = assert_recovered(run_dir, uninterrupted_one_worker, interval=10)
     assert len(attempts) == 1  # the refused flow never started an attempt
     record_matrix_row("9 the same run started twice at once", run_dir, exit_codes=codes)

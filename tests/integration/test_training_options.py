@@ -1,6 +1,7 @@
-"""The training options a spec turns on resume exactly, on the local Ray cluster with 2 gloo DDP
-workers: mixed precision, gradient accumulation with clipping and the user's own loss and
-metrics, early stopping."""
+"""The training options a spec turns on resume exactly, on the local Ray cluster: mixed precision
+and early stopping on one worker (nothing they check depends on the ranks: fp16's scaler across
+DDP ranks is test_fp16_overflow's and test_columns' half-precision test's), gradient
+accumulation with clipping and the user's own loss and metrics on 2 gloo DDP workers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from tasks.setup import is_finished
 from tests import own_functions
-from tests.conftest import tiny_raw
+from tests.conftest import ONE_WORKER, tiny_raw
 from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.errors import TrainingCodeError
@@ -21,17 +22,13 @@ from trainer_core.train import evaluate, workloads
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def reference(uninterrupted):
-    """The tiny spec's uninterrupted run (tests/conftest.py)."""
-    return uninterrupted
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_resumes_exactly(reference, tmp_path, precision):
+def test_mixed_precision_resumes_exactly(uninterrupted_one_worker, tmp_path, precision):
     """Autocast (and fp16's gradient scaler, checkpointed) on CPU: a run interrupted and resumed
     ends bit-identical to an uninterrupted run of the same precision."""
-    uninterrupted = build_spec(tiny_raw(tmp_path, f"{precision}-whole", precision=precision))
+    uninterrupted = build_spec(
+        tiny_raw(tmp_path, f"{precision}-whole", precision=precision, scaling=ONE_WORKER)
+    )
     assert run_attempt(uninterrupted).status == "completed"
     spec = build_spec(
         tiny_raw(
@@ -39,6 +36,7 @@ def test_mixed_precision_resumes_exactly(reference, tmp_path, precision):
             f"{precision}-resumed",
             precision=precision,
             faults=[{"kind": "raise", "at_step": 17}],
+            scaling=ONE_WORKER,
         )
     )
     with pytest.raises(TrainingCodeError):
@@ -47,12 +45,12 @@ def test_mixed_precision_resumes_exactly(reference, tmp_path, precision):
     whole, resumed = run_dir_of(uninterrupted), run_dir_of(spec)
     assert_same_tensors(final_state(resumed), final_state(whole))
     assert losses(resumed) == losses(whole)
-    assert losses(whole) != reference["losses"]  # autocast did change the arithmetic
+    assert losses(whole) != uninterrupted_one_worker["losses"]  # autocast changed the arithmetic
     files = set(resumed.scan().newest.files)
     assert ("scaler.pt" in files) == (precision == "fp16")
 
 
-def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tmp_path):
+def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(uninterrupted, tmp_path):
     """Two global batches of 16 per optimizer step (DDP all-reduces once per step), gradients
     clipped, a Huber loss and two validation metrics of the user's own. The cursor counts
     optimizer steps, so a checkpoint never holds half a step: the run interrupted at step 17
@@ -84,7 +82,7 @@ def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tm
     final = final_state(resumed_dir)
     assert_same_tensors(final, final_state(whole_dir))
     assert losses(resumed_dir) == losses(whole_dir)
-    assert losses(whole_dir) != reference["losses"]  # the Huber loss was used
+    assert losses(whole_dir) != uninterrupted["losses"]  # the Huber loss was used
     history = read_metrics_history(resumed_dir)
     assert [row["step"] for row in history] == list(range(1, 40))
     assert all(row["grad_norm"] > 0 for row in history)  # the norm before clipping
@@ -111,7 +109,7 @@ def test_accumulation_clipping_own_loss_and_metrics_resume_exactly(reference, tm
     assert measured == pytest.approx(expected, rel=1e-5)
 
 
-def test_early_stopping_keeps_its_patience_across_a_retry(reference, tmp_path):
+def test_early_stopping_keeps_its_patience_across_a_retry(uninterrupted_one_worker, tmp_path):
     """val_loss never improves by min_delta after epoch 1, and patience is 1: training stops
     after epoch 2 (step 26), a completed run with its reason. The first attempt fails at
     step 23, after epoch 1's verdict was checkpointed at step 20; the retry restores it. (A
@@ -123,6 +121,7 @@ def test_early_stopping_keeps_its_patience_across_a_retry(reference, tmp_path):
             "early-stop",
             schedule=stopping,
             faults=[{"kind": "raise", "at_step": 23}],
+            scaling=ONE_WORKER,
         )
     )
     with pytest.raises(TrainingCodeError):
@@ -139,10 +138,10 @@ def test_early_stopping_keeps_its_patience_across_a_retry(reference, tmp_path):
     assert newest.manifest["cursor"] == {"epoch": 2, "samples": 0}
     assert newest.manifest["early_stopping"]["bad_epochs"] == 1
     # Until it stopped, the run is the reference run, step for step, across the retry.
-    assert losses(run_dir) == reference["losses"][:26]
+    assert losses(run_dir) == uninterrupted_one_worker["losses"][:26]
     result = build_result(spec, run_dir, str(tmp_path), "completed")
     assert result.stop_reason == finished["stopped"] and result.epochs_completed == 2
-    assert [a.world_size for a in result.attempts] == [2, 2]
+    assert [a.world_size for a in result.attempts] == [1, 1]
     assert all(a.peak_worker_rss_mb > 100 for a in result.attempts)
     assert is_finished(spec, result)  # the flow returns it as it is
     # Run again, it trains nothing: the newest checkpoint says the run stopped.
