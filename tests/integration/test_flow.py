@@ -44,16 +44,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def happy(relaytrain_ray, relaytrain_prefect, tmp_path_factory):
-    spec = build_spec(tiny_spec_dict(tmp_path_factory.mktemp("flow"), "flow-happy"))
+    """The tiny spec's run through the flow, on one worker (what its tests check does not
+    depend on the ranks; the 2-worker flow is the fault test's)."""
+    spec = build_spec(
+        tiny_spec_dict(tmp_path_factory.mktemp("flow"), "flow-happy", scaling=ONE_WORKER)
+    )
     state = training(spec, return_state=True)
     assert state.is_completed(), state
-    # Captured now: a later test continues this run with more epochs.
-    reference = {"state": final_state(run_dir_of(spec)), "losses": losses(run_dir_of(spec))}
-    return spec, state, reference
+    return spec, state
 
 
 def test_happy_path_tasks_artifacts_and_result(happy):
-    spec, state, _ = happy
+    spec, state = happy
     result = state.result()
     flow_run_id = state.state_details.flow_run_id
     assert result.status == "completed" and result.run_name == "flow-happy"
@@ -91,22 +93,24 @@ def test_happy_path_tasks_artifacts_and_result(happy):
         assert client.read_flow_run(flow_run_id).name == "flow-happy"
 
 
-def test_retention_keeps_the_newest_and_the_measured_best(happy, uninterrupted):
+def test_retention_keeps_the_newest_and_the_measured_best(happy, uninterrupted_one_worker):
     """On the run's real directory: keep_last 2 + keep_best 1 by val_loss (min) left exactly
     those, and the best checkpoint is the one whose weights score the lowest val_loss when
     evaluated (the uninterrupted run kept every checkpoint of the same weights)."""
-    spec, state, _ = happy
-    kept, best = expected_retention(uninterrupted["checkpoints"], keep_last=2)
+    spec, state = happy
+    kept, best = expected_retention(uninterrupted_one_worker["checkpoints"], keep_last=2)
     assert_retained(run_dir_of(spec), state.result().best_checkpoint_uri, kept, best)
 
 
-def test_the_best_checkpoint_is_the_one_its_metric_was_measured_on(uninterrupted, tmp_path):
+def test_the_best_checkpoint_is_the_one_its_metric_was_measured_on(
+    uninterrupted_one_worker, tmp_path
+):
     """checkpoint.every 10 does not divide the 13-step epoch. Every checkpoint records only
     what its own weights score, evaluated on the driver; the one called best (keep_best 1 by
     val_loss, max) scores its recorded value, no validated checkpoint of the same weights
     scores better, and it survives keep_last 1 though it is not the newest."""
     policy = {"keep_last": 1, "keep_best": 1, "best_metric": "val_loss", "best_mode": "max"}
-    spec = build_spec(tiny_spec_dict(tmp_path, "flow-keep", checkpoint=policy))
+    spec = build_spec(tiny_spec_dict(tmp_path, "flow-keep", checkpoint=policy, scaling=ONE_WORKER))
     result = training(spec)
     run_dir = run_dir_of(spec)
     measured = measure_checkpoints(spec, run_dir)
@@ -115,14 +119,15 @@ def test_the_best_checkpoint_is_the_one_its_metric_was_measured_on(uninterrupted
     assert result.best_metrics["val_loss"] == pytest.approx(
         measured[best.step]["measured"]["val_loss"], rel=1e-5
     )
-    assert_records_what_it_measures(uninterrupted["checkpoints"])
-    kept, expected_best = expected_retention(uninterrupted["checkpoints"], keep_last=1, mode="max")
+    reference = uninterrupted_one_worker["checkpoints"]  # every checkpoint kept
+    assert_records_what_it_measures(reference)
+    kept, expected_best = expected_retention(reference, keep_last=1, mode="max")
     assert best.step == expected_best and expected_best != max(kept)
     assert_retained(run_dir, result.best_checkpoint_uri, kept, expected_best)
 
 
 def test_finished_run_returns_stored_result_unless_more_epochs(happy):
-    spec, first, _ = happy
+    spec, first = happy
     again = training(spec, return_state=True)
     assert again.result().attempts == first.result().attempts
     assert "train" not in task_runs(again.state_details.flow_run_id)
@@ -135,9 +140,8 @@ def test_finished_run_returns_stored_result_unless_more_epochs(happy):
     assert result.attempts[1].resumed_from_step == 39
 
 
-def test_raise_fault_is_retried_and_resume_is_exact(happy, uninterrupted, tmp_path):
+def test_raise_fault_is_retried_and_resume_is_exact(relaytrain_prefect, uninterrupted, tmp_path):
     """Also the fault matrix's case 1 (an exception in training code), with its row."""
-    _, _, reference = happy
     spec = with_fault(build_spec(tiny_spec_dict(tmp_path, "flow-fault")), "raise", at_step=17)
     state = training(spec, return_state=True)
     assert state.is_completed()
@@ -160,8 +164,8 @@ def test_raise_fault_is_retried_and_resume_is_exact(happy, uninterrupted, tmp_pa
     assert lost.detection_s > 0 and lost.new_group_s > 0 and lost.recompute_s > 0
     assert lost.new_group_s < result.attempts[1].duration_s
     assert lost.total_s + account.training_s < result.wall_time_s
-    assert_same_tensors(final_state(run_dir), reference["state"])
-    assert losses(run_dir) == reference["losses"]
+    assert_same_tensors(final_state(run_dir), uninterrupted["state"])
+    assert losses(run_dir) == uninterrupted["losses"]
 
 
 def test_spec_error_is_not_retried(relaytrain_ray, relaytrain_prefect, tmp_path):
@@ -250,16 +254,14 @@ def slow_spec_file(tmp_path: Path, name: str) -> Path:
 def start_cli(
     spec_file: Path, name: str, ray_address: str, command: tuple[str, ...] = ()
 ) -> subprocess.Popen:
-    """The run's command line: ``python -m flows.training``, or ``command`` (the console
-    script ``relaytrain run``) with the same options."""
+    """The run's command line, in the repository: ``python -m flows.training``, or ``command``
+    (the console script ``relaytrain run``) with the same options. No PYTHONPATH: the spec's
+    model, the tests' own, imports from the working directory, in the flow's process and in
+    its Ray workers, as a user's project module would."""
     from prefect.settings import PREFECT_API_URL
 
-    env = {
-        **os.environ,
-        "PREFECT_API_URL": PREFECT_API_URL.value(),
-        "RAY_ADDRESS": ray_address,
-        "PYTHONPATH": str(REPO),  # the tests' own model, whatever the working directory
-    }
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({"PREFECT_API_URL": str(PREFECT_API_URL.value()), "RAY_ADDRESS": ray_address})
     launcher = list(command) or [sys.executable, "-m", "flows.training"]
     return subprocess.Popen(
         [*launcher, "--config", str(spec_file), "--run-name", name],
@@ -309,7 +311,8 @@ def test_interrupted_flow_process_resumes_on_rerun(
     assert cpus_free(ray) >= free_before
     assert run_dir.scan().newest.step >= committed  # nothing committed was lost
     rerun_at = time.time()
-    # run again as a user would, with the console script (the same run, resumed)
+    # run again as a user would, with the console script (the same run, resumed): it imports
+    # the spec's model (tests.helpers) from the working directory, as `python -m` does
     relaytrain = str(Path(sys.executable).with_name("relaytrain"))
     rerun = start_cli(spec_file, name, address, command=(relaytrain, "run"))
     output, _ = rerun.communicate(timeout=300)
@@ -326,36 +329,6 @@ def test_interrupted_flow_process_resumes_on_rerun(
         committed_before=committed,
         rerun_to_resume_s=round(attempts[-1]["resumed_at"] - rerun_at, 1),
     )
-
-
-def test_the_console_script_imports_the_projects_own_modules(relaytrain_prefect):
-    """``relaytrain run`` in a project directory imports the modules its spec names from there,
-    as ``python -m flows.training`` does: examples/own_loop.yaml's loop is found (and the spec
-    then refused for its memory:// storage, before anything runs). On the session's Prefect
-    API (without one, Prefect would start a temporary server for the command)."""
-    from prefect.settings import PREFECT_API_URL
-
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
-    relaytrain = str(Path(sys.executable).with_name("relaytrain"))
-    done = subprocess.run(
-        [
-            relaytrain,
-            "run",
-            "--config",
-            "examples/own_loop.yaml",
-            "--set",
-            "run.storage=memory://x",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 2
-    assert "cannot be imported" not in done.stderr + done.stdout
-    assert "memory:// lives in one process" in done.stderr + done.stdout
 
 
 def test_cli_refuses_a_bad_spec_before_running(capsys):
