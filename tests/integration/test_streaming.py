@@ -29,6 +29,7 @@ from tests.recovery import (
 from trainer_core import storage
 from trainer_core.data import footers, rank_stream
 from trainer_core.errors import DataFileDamagedError, SpecError, TrainingCodeError
+from trainer_core.run import engine
 from trainer_core.run.engine import run_attempt
 from trainer_core.spec.overrides import build_spec
 from trainer_core.spec.run_spec import RunSpec
@@ -153,13 +154,14 @@ def test_global_batches_survive_two_workers_then_one_then_two(ray_cluster, tmp_p
 
 
 def test_a_dataset_on_s3_streams_and_resumes(ray_cluster, tmp_path, s3_server, monkeypatch):
-    """The dataset on the moto server (the run directory local): 2 workers fail at step 13,
-    the retry resumes from step 10 and trains the same global batches."""
+    """The dataset on the moto server (the run directory local): 1 worker fails at step 13,
+    the retry resumes from step 10 and trains the same global batches (which do not depend on
+    the worker count: the test above)."""
     for key, value in s3_server.credential_env().items():
         monkeypatch.setenv(key, value)
     dataset = s3_server.uri(f"tables/elastic-{tmp_path.name}")
     write_dataset(dataset)
-    kept, attempts, spec = run_attempts(tmp_path, dataset, [(2, 13), (2, None)])
+    kept, attempts, spec = run_attempts(tmp_path, dataset, [(1, 13), (1, None)])
     assert [a.get("resumed_from_step") for a in attempts] == [0, 10]
     assert_epochs_cover_every_sample_once(kept)
     assert kept == expected_batches(spec)
@@ -238,7 +240,7 @@ def snapshot_reference(ray_cluster, tmp_path_factory) -> dict[str, Any]:
 def test_a_file_added_between_attempts_is_ignored(relaytrain_prefect, snapshot_reference, tmp_path):
     """The run pins its dataset at the first attempt: a Parquet file that lands before the
     retry is not read, and the run ends bit-identical to an uninterrupted run over the
-    original files. A new run over the same directory trains on the new file too."""
+    original files. A new run over the same directory pins the new file too."""
     dataset = tmp_path / "table"
     write_dataset(str(dataset))
     reference = snapshot_reference["result"]
@@ -253,9 +255,14 @@ def test_a_file_added_between_attempts_is_ignored(relaytrain_prefect, snapshot_r
     assert [Path(f["path"]).name for f in pinned["files"]] == [
         f"part-{i}.parquet" for i in (0, 1, 2)
     ]
-    # A new run sees the new rows: more of them, so more steps an epoch.
-    fresh = run_attempt(_snapshot_spec(tmp_path, dataset, "fresh", []))
-    assert fresh.steps_completed > reference.steps_completed
+    # A new run pins the directory as it is now, the new file with it: more rows, so more steps
+    # (the plan its first attempt would train).
+    fresh = _snapshot_spec(tmp_path, dataset, "fresh", [])
+    pinned = engine.pin_dataset(fresh, run_dir_of(fresh))
+    assert pinned is not None and "part-3.parquet" in {
+        Path(f["path"]).name for f in pinned.record["files"]
+    }
+    assert engine.validate_workload(fresh, pinned) > reference.steps_completed
 
 
 def test_a_file_rewritten_between_attempts_is_refused(relaytrain_prefect, ray_cluster, tmp_path):
