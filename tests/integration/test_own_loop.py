@@ -113,17 +113,28 @@ def measure(spec) -> dict[str, tuple]:
     return found
 
 
-def test_an_own_loop_that_fails_mid_epoch_resumes_bit_for_bit_through_the_flow(
+def test_an_own_loop_that_returns_early_then_fails_mid_epoch_resumes_bit_for_bit(
     own_reference, relaytrain_prefect, tmp_path
 ):
-    """A code fault at step 28 (epoch 1), a Prefect retry from the checkpoint of step 25: the
-    same batches, dropout and schedule, so the same bits as the uninterrupted run."""
-    spec = build_spec(own_raw(tmp_path, "faulted", faults=[{"kind": "raise", "at_step": 28}]))
+    """One run, two ways to stop short:
+    - The example's loop returns after step 12 (not a checkpoint step), holding a 13th batch it
+      never reports: the attempt completes with step 12 checkpointed.
+    - Run again through the flow, it goes on from step 12 and meets a code fault at step 28
+      (epoch 1); a Prefect retry resumes from the checkpoint of step 25.
+    The same batches, dropout and schedule throughout: the same bits as the uninterrupted run."""
+    raw = own_raw(tmp_path, "returns", faults=[{"kind": "raise", "at_step": 28, "attempt": 2}])
+    raw["train_loop"] = "tests.helpers:own_loop_that_returns_at"
+    raw["train_loop_config"] |= {"stop_at": 12, "marker": str(tmp_path / "returned")}
+    spec = build_spec(raw)
+    first = run_attempt(spec)
+    assert first.status == "completed" and first.steps_completed == 12
+    assert run_dir_of(spec).scan().newest.step == 12
     state = training(spec, return_state=True)
     assert state.is_completed()
     result = state.result()
-    assert [a.status for a in result.attempts] == ["failed", "completed"]
-    assert result.attempts[1].resumed_from_step == 25
+    assert [a.status for a in result.attempts] == ["completed", "failed", "completed"]
+    assert [a.resumed_from_step for a in result.attempts[1:]] == [12, 25]
+    assert result.steps_completed == 42
     run_dir = run_dir_of(spec)
     assert_same_tensors(final_state(run_dir), own_reference["state"])
     assert losses(run_dir) == own_reference["losses"]
@@ -132,23 +143,6 @@ def test_an_own_loop_that_fails_mid_epoch_resumes_bit_for_bit_through_the_flow(
     measured = measure(spec)
     assert measured[result.best_checkpoint_uri][2] == max(a for _, _, a in measured.values())
     assert result.best_model_uri is not None
-
-
-def test_an_own_loop_that_returns_early_goes_on_from_there_next_time(own_reference, tmp_path):
-    """The example's loop returns after step 12 (not a checkpoint step), holding a 13th batch it
-    never reports: the attempt completes with step 12 checkpointed, and running the spec again
-    trains the rest, ending bit for bit where the uninterrupted run does."""
-    raw = own_raw(tmp_path, "returns")
-    raw["train_loop"] = "tests.helpers:own_loop_that_returns_at"
-    raw["train_loop_config"] |= {"stop_at": 12, "marker": str(tmp_path / "returned")}
-    spec = build_spec(raw)
-    first = run_attempt(spec)
-    assert first.status == "completed" and first.steps_completed == 12
-    assert run_dir_of(spec).scan().newest.step == 12
-    second = run_attempt(spec)
-    assert second.resumed_from_step == 12 and second.steps_completed == 42
-    assert_same_tensors(final_state(run_dir_of(spec)), own_reference["state"])
-    assert losses(run_dir_of(spec)) == own_reference["losses"]
 
 
 def test_an_own_loop_on_the_columns_form_resumes_on_the_same_crops(relaytrain_ray, tmp_path):

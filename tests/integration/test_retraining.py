@@ -13,6 +13,7 @@ from flows.retraining import retraining
 from tests.conftest import ONE_WORKER
 from trainer_core import storage
 from trainer_core.checkpoint.registry import Registry
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data.arrays import synthetic_arrays
 from trainer_core.spec.overrides import build_spec
 
@@ -31,6 +32,9 @@ def write_day(folder, date: str, shift: float) -> None:
 
 
 def test_nightly_slots_warm_start_compare_and_promote(relaytrain_ray, relaytrain_prefect, tmp_path):
+    """Night 1 fails in training (no retries), promotes nothing, and re-run (the README: same
+    slot) resumes that night's run and promotes it; night 2 warm-starts from it, is compared on
+    the same holdout and kept out by the margin; night 2 re-run trains nothing."""
     lake = tmp_path / "lake"
     lake.mkdir()
     write_day(lake, "2026-01-01", 0.0)
@@ -45,15 +49,26 @@ def test_nightly_slots_warm_start_compare_and_promote(relaytrain_ray, relaytrain
             "task": "regression",
             "batch_size": 16,
         },
+        retries={"infrastructure": 0, "code": 0},
         scaling=ONE_WORKER,
     )
     del raw["data"]["synthetic"]
     raw["run"].pop("name")
     spec = build_spec(raw)
-    first = retraining(spec, model_name="nightly-mlp", slot=datetime(2026, 1, 1, 2, tzinfo=UTC))
-    assert first.training.run_name == "nightly-mlp-20260101-0200"
+    flaky = build_spec({**raw, "faults": [{"kind": "raise", "at_step": 17, "attempt": 1}]})
+    night = datetime(2026, 1, 1, 2, tzinfo=UTC)
+    failed = retraining(flaky, model_name="nightly-mlp", slot=night, return_state=True)
+    assert failed.is_failed()
+    runs = storage.resolve(str(tmp_path / "runs"))
+    registry = Registry(runs, "nightly-mlp")
+    assert registry.champion() is None  # a failed night promotes nothing
+    committed = RunDirectory(runs.child("nightly-mlp-20260101-0200")).scan().newest.step
+    first = retraining(flaky, model_name="nightly-mlp", slot=night)
+    assert first.training.run_name == "nightly-mlp-20260101-0200"  # that night's run again
+    failure, resumed = first.training.attempts
+    assert (failure.status, failure.error_class) == ("failed", "TrainingCodeError")
+    assert resumed.status == "completed" and resumed.resumed_from_step == committed < 17
     assert first.warm_started_from is None and first.comparison.promoted
-    registry = Registry(storage.resolve(str(tmp_path / "runs")), "nightly-mlp")
     champion = registry.champion()
     assert champion.run_name == "nightly-mlp-20260101-0200"
     second = retraining(
@@ -68,30 +83,3 @@ def test_nightly_slots_warm_start_compare_and_promote(relaytrain_ray, relaytrain
         spec, model_name="nightly-mlp", promote_margin=1e9, slot=datetime(2026, 1, 2, 2, tzinfo=UTC)
     )
     assert again.training.attempts == second.training.attempts  # the slot did not train twice
-
-
-def test_rerunning_a_failed_night_resumes_that_nights_run(
-    relaytrain_ray, relaytrain_prefect, tmp_path
-):
-    """The README: re-running a failed night resumes that night's run (same slot, same run)."""
-    raw = tiny_spec_dict(
-        tmp_path / "runs",
-        None,
-        retries={"infrastructure": 0, "code": 0},
-        faults=[{"kind": "raise", "at_step": 17, "rank": 0, "attempt": 1}],
-        scaling=ONE_WORKER,
-    )
-    raw["run"].pop("name")
-    spec = build_spec(raw)
-    night = datetime(2026, 3, 4, 2, tzinfo=UTC)
-    failed = retraining(spec, model_name="flaky", slot=night, return_state=True)
-    assert failed.is_failed()
-    registry = Registry(storage.resolve(str(tmp_path / "runs")), "flaky")
-    assert registry.champion() is None  # a failed night promotes nothing
-
-    rerun = retraining(spec, model_name="flaky", slot=night)
-    assert rerun.training.run_name == "flaky-20260304-0200"  # that night's run, not a new one
-    first, second = rerun.training.attempts
-    assert (first.status, first.error_class) == ("failed", "TrainingCodeError")
-    assert second.status == "completed" and second.resumed_from_step == 13
-    assert rerun.training.steps_completed == 39 and rerun.comparison.promoted
