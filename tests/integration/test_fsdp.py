@@ -69,34 +69,6 @@ def test_fsdp_resumes_exactly_and_consumers_read_its_checkpoint(uninterrupted, t
     assert_same_tensors(exports.read(run_dir, latest), exported)
 
 
-def test_corrupt_dcp_shard_falls_back_to_the_older_checkpoint(uninterrupted, tmp_path):
-    spec = build_spec(
-        tiny_raw(
-            tmp_path,
-            "fsdp-corrupt",
-            scaling=FSDP,
-            checkpoint={"asynchronous": False},
-            faults=[{"kind": "raise", "at_step": 25}],
-        )
-    )
-    with pytest.raises(TrainingCodeError):
-        run_attempt(spec)
-    run_dir = run_dir_of(spec)
-    newest = run_dir.scan().newest
-    shard = tmp_path / "fsdp-corrupt" / newest.name / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped byte of rank 1's shard
-    shard.write_bytes(bytes(data))
-    events: list[dict] = []
-    second = run_attempt(spec, on_event=events.append)
-    resumed = next(e for e in events if e["kind"] == "resumed")
-    assert resumed["step"] == 13 and [s["step"] for s in resumed["skipped"]] == [20]
-    assert "__1_0.distcp" in resumed["skipped"][0]["reason"]
-    assert second.resumed_from_step == 13
-    assert_same_tensors(final_state(run_dir), uninterrupted["state"])
-    assert losses(run_dir) == uninterrupted["losses"]
-
-
 #: The tiny spec's MLP without dropout: no per-rank RNG, so a run's arithmetic does not depend on
 #: its worker count, but for the order floats are summed in.
 NO_DROPOUT = {"name": "mlp", "kwargs": {"hidden": [16, 16], "dropout": 0.0}}

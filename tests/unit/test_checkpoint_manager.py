@@ -115,6 +115,7 @@ def _resume_from_the_older_one(rank: int, world: int, root: str) -> None:
     loaded = _load(root, state, rank, world, [2, 1])
     assert loaded.checkpoint is not None and loaded.checkpoint.step == 1, loaded
     assert [skip["step"] for skip in loaded.skipped] == [2], loaded.skipped
+    assert "__1_0.distcp" in loaded.skipped[0]["reason"]  # names the damaged shard
     assert set(_adam_steps(state).values()) == {1.0}, _adam_steps(state)
     _step(state, rank, 2)
     after = _step(state, rank, 3)
