@@ -9,6 +9,8 @@
 #      e2e modules alone, 624 and 740 s), and its drain deadlines and heartbeats need the CPU.
 #      With phase 2 beside it as well (all at once), the three lanes ended after 2160 s against
 #      2394 s in phases, but the multi-node module took 1780 s and one of its waits timed out.
+#      Its two modules in two processes (two clusters) beside the e2e modules: 842 s, and three
+#      tests of test_jobs.py timed out waiting for their workers.
 #   2. The integration modules and the unit tests on 2 xdist processes, a module to each at a
 #      time (tests/conftest.py groups them; the longest first, the unit tests last), each process
 #      with its own session Ray cluster.
