@@ -104,7 +104,10 @@ def test_an_elastic_run_goes_on_with_fewer_workers_and_grows_back(
 
     Fewer is usually 2, but Ray's policy sizes the new group by the CPUs free at that moment,
     and a dead group's actor on a surviving node can still hold its CPU: then it starts 1 and
-    grows to 2 at its next look (a CI run saw the wait for exactly 2 time out)."""
+    grows to 2 at its next look (a CI run saw the wait for exactly 2 time out). On a loaded
+    machine Ray may not know the node is dead yet: the group it sizes to 3 then times out
+    starting (a "startup" restart, which starts no group) and the next one has fewer (seen in a
+    full suite run: restart 1 infrastructure, restart 2 startup after 60 s, then 2 workers)."""
     cluster.ensure_worker_nodes(3)
     dataset, logs = str(tmp_path / "table"), tmp_path / "logs"
     write_dataset(dataset)
@@ -116,10 +119,9 @@ def test_an_elastic_run_goes_on_with_fewer_workers_and_grows_back(
     wait_until(lambda: committed_step(run_dir) >= 5, what="a commit")
     cluster.command("kill", nodes[-1])
 
-    def shrunk():
+    def shrunk():  # the first group that started after the node was lost
         (record,) = run_dir.read_attempts()
-        restarts = record.get("restarts") or []
-        return bool(restarts) and restarts[0].get("world_size_after") in (1, 2)
+        return next((r for r in record.get("restarts") or [] if "resumed_at" in r), None)
 
     wait_until(shrunk, what="the group to go on with fewer workers")
     cluster.command("add")
@@ -129,21 +131,29 @@ def test_an_elastic_run_goes_on_with_fewer_workers_and_grows_back(
     assert task_runs(state.state_details.flow_run_id)["train"].run_count == 1
     (attempt,) = run_dir.read_attempts()
     assert attempt["status"] == "completed"
-    lost, *later = attempt["restarts"]
+    restarts = attempt["restarts"]
+    lost = restarts[0]
     # The group fails when its rank on the lost node dies; or Ray's policy, which looks at the
     # nodes every resize_interval_s, finds the node gone first and shrinks the group.
     assert lost["reason"] in ("infrastructure", "capacity"), lost
-    assert lost["world_size_before"] == 3 and lost["world_size_after"] in (1, 2), lost
-    assert lost["last_step"] - lost["resumed_from_step"] <= 10  # two intervals at most
+    assert lost["world_size_before"] == 3, lost
+    started = [r for r in restarts if "resumed_at" in r]  # each started a group
+    shrink = started[0]
+    between = restarts[1 : restarts.index(shrink)]
+    assert all(r["reason"] == "startup" for r in between), between  # sized to the dead node
+    assert shrink["world_size_after"] in (1, 2), shrink
+    assert lost["last_step"] - shrink["resumed_from_step"] <= 10  # two intervals at most
+    later = started[1:]
     grown = [r for r in later if r["reason"] == "capacity" and r["world_size_after"] == 3]
     assert grown, later
-    kept = kept_batches(groups_trained(logs), attempt["restarts"])
+    kept = kept_batches(groups_trained(logs), started)
     assert_epochs_cover_every_sample_once(kept, ELASTIC_EPOCHS)
     assert kept == expected_batches(spec, ELASTIC_EPOCHS)
     result = state.result()  # the flow's result, and the summary artifact, say the sizes
-    assert result.attempts[0].restarts[0].world_size_after == lost["world_size_after"]
+    shown = result.attempts[0].restarts[restarts.index(shrink)]
+    assert shown.world_size_after == shrink["world_size_after"]
     text = render_markdown(spec, result)
-    assert f"3 → {lost['world_size_after']} workers" in text and " → 3 workers" in text
+    assert f"3 → {shrink['world_size_after']} workers" in text and " → 3 workers" in text
     record_matrix_row("elastic node killed, grown back", run_dir, storage="s3 (moto), Jobs API")
 
 
