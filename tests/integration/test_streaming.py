@@ -258,11 +258,10 @@ def test_a_file_added_between_attempts_is_ignored(relaytrain_prefect, snapshot_r
     # A new run pins the directory as it is now, the new file with it: more rows, so more steps
     # (the plan its first attempt would train).
     fresh = _snapshot_spec(tmp_path, dataset, "fresh", [])
-    pinned = engine.pin_dataset(fresh, run_dir_of(fresh))
-    assert pinned is not None and "part-3.parquet" in {
-        Path(f["path"]).name for f in pinned.record["files"]
-    }
-    assert engine.validate_workload(fresh, pinned) > reference.steps_completed
+    now = engine.pin_dataset(fresh, run_dir_of(fresh))
+    assert now is not None and now.record is not None
+    assert "part-3.parquet" in {Path(f["path"]).name for f in now.record["files"]}
+    assert engine.validate_workload(fresh, now) > reference.steps_completed
 
 
 def test_a_file_rewritten_between_attempts_is_refused(relaytrain_prefect, ray_cluster, tmp_path):
