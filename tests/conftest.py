@@ -24,7 +24,8 @@ ONE_WORKER = {"num_workers": 1}
 __all__ = ["ONE_WORKER", "tiny_raw"]
 
 #: The longest integration modules (about that many seconds in one process: the last one-process
-#: run's figures, split by test for the modules split since), started first under
+#: run's figures, from before the suite's cuts since, which shortened test_flow, test_columns,
+#: test_engine and test_training_options most; re-measure before reordering), started first under
 #: ``make test``'s 2 xdist processes (tools/test.sh, ``--no-loadscope-reorder``) so that no long
 #: module starts last while the other process idles.
 LONGEST_FIRST = (
