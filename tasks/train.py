@@ -102,6 +102,13 @@ class ProgressRelay:
                 event["error_class"],
                 event["error_message"],
             )
+        if kind == "waiting_for_resources":
+            self.logger.warning(
+                "the Ray cluster is busy (%s): the worker group waits up to %g s "
+                "(scaling.wait_for_resources_s) for other runs to free it",
+                event["short"],
+                event["wait_s"],
+            )
         if kind == "resizing":
             self.logger.warning(
                 "the cluster holds %s workers now: resizing the worker group from %s",

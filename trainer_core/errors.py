@@ -50,6 +50,12 @@ class ClusterCapacityError(SpecError):
     """The Ray cluster cannot hold the requested workers (Ray itself would wait forever)."""
 
 
+class ClusterBusyError(RelaytrainError):
+    """Other work held the resources the worker group needs for longer than the run waits
+    for them (``scaling.wait_for_resources_s``). Not retried: a retry would queue again; the
+    run resumes from its newest commit when it is started again."""
+
+
 class IncompatibleRunError(SpecError):
     """The run directory was written by an incompatible spec, schema or Ray version."""
 

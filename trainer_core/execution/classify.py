@@ -114,6 +114,20 @@ def classify(error: BaseException) -> BaseException:
     return TrainingCodeError(f"{type(error).__name__}: {error}", error_type=type(error).__name__)
 
 
+def group_never_started(error: BaseException) -> bool:
+    """Whether fit() failed because its worker group's resources never came free (Ray's start
+    timeout: the placement group was still pending)."""
+    from ray.train import ControllerError
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    if not isinstance(error, ControllerError):
+        return False
+    failure = error.controller_failure
+    return isinstance(failure, WorkerGroupStartupTimeoutError) or isinstance(
+        _unwrap(failure), WorkerGroupStartupTimeoutError
+    )
+
+
 def _worker_group_failure(error: Exception, raw: dict[int, BaseException]) -> Exception:
     """What the failures of a worker group's ranks (rank -> error) mean, taken together."""
     from ray.train.v2._internal.exceptions import (

@@ -78,17 +78,32 @@ def local_cluster(num_cpus: int) -> Iterator[Any]:
         yield ray
 
 
+def group_needs(spec: RunSpec) -> dict[str, float]:
+    """What the smallest worker group of ``spec`` needs in all (an elastic run's MIN), by
+    resource."""
+    per_worker = dict(spec.scaling.resources_per_worker or {})
+    per_worker.setdefault("GPU" if spec.scaling.use_gpu else "CPU", 1.0)
+    return {name: amount * spec.scaling.min_workers for name, amount in per_worker.items()}
+
+
+def short_of(spec: RunSpec) -> str | None:
+    """What the worker group needs that is not free now, other work holding it ("2 CPU
+    needed, 1 free"); None when the group fits in what is free."""
+    free = ray.available_resources()
+    for resource, needed in group_needs(spec).items():
+        if needed > free.get(resource, 0.0):
+            return f"{needed:g} {resource} needed, {free.get(resource, 0.0):g} free"
+    return None
+
+
 def check_capacity(spec: RunSpec) -> None:
     """Refuse a worker group the cluster can never hold (Ray would wait forever): the fixed
     count, or an elastic run's MIN."""
-    per_worker = dict(spec.scaling.resources_per_worker or {})
-    per_worker.setdefault("GPU" if spec.scaling.use_gpu else "CPU", 1.0)
     total = ray.cluster_resources()
     workers = spec.scaling.min_workers
     asked = spec.scaling.num_workers
     shown = f"{list(asked)} (at least {workers})" if isinstance(asked, tuple) else f"{asked}"
-    for resource, amount in per_worker.items():
-        needed = amount * workers
+    for resource, needed in group_needs(spec).items():
         available = total.get(resource, 0.0)
         if needed > available:
             raise ClusterCapacityError(

@@ -28,6 +28,8 @@ from ray.train.v2._internal.callbacks.placement_group_callback import (
 )
 from ray.train.v2._internal.constants import (
     DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+    DEFAULT_WORKER_GROUP_START_TIMEOUT_S,
+    WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
     get_env_vars_to_propagate,
 )
 
@@ -53,6 +55,9 @@ class AbortableTorchTrainer(TorchTrainer):
     reclaimed_before: set[str] = set()
     #: Whether Ray's preemption watcher runs (``watches_preemption``).
     watch_preemption: bool = False
+    #: On a busy cluster, how long a worker group waits for its resources in Ray's queue
+    #: (``scaling.wait_for_resources_s``), when longer than Ray's start timeout; None: Ray's.
+    start_timeout_s: float | None = None
 
     def _create_default_callbacks(self) -> list[Any]:
         # Ray's datasets callback starts a DatasetManager actor for every worker group,
@@ -70,6 +75,10 @@ class AbortableTorchTrainer(TorchTrainer):
             DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
         )
         env_vars[PREEMPTION_WATCHER_ENV] = "1" if self.watch_preemption else "0"
+        if self.start_timeout_s is not None:
+            ray_s = float(env_vars.get(WORKER_GROUP_START_TIMEOUT_S_ENV_VAR, 0))
+            ray_s = ray_s or DEFAULT_WORKER_GROUP_START_TIMEOUT_S
+            env_vars[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = f"{max(ray_s, self.start_timeout_s):g}"
         # The controller sets these itself (Ray Train reads them when it uses them), not
         # through a runtime_env: an actor with a runtime_env of its own needs a new process,
         # one without takes an idle one of the job's (0.5-1 s sooner to the first step).

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,11 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainer_core import storage
+from trainer_core.errors import ClusterBusyError
+from trainer_core.execution.classify import group_never_started
 from trainer_core.execution.cluster import (
     apply_ray_env_defaults,
+    short_of,
     watches_preemption,
 )
 from trainer_core.execution.worker_config import WorkerConfig
@@ -171,13 +175,50 @@ def fit(
     """
     from trainer_core.execution.controller import MetricsRelay
 
+    waiting = _wait_for_resources(spec, handle)
     # The relay is the driver's mailbox: it lives on the driver's node, never on a worker node
     # that may be the one being lost (a retry right after a node death could land there).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     relay = MetricsRelay.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
     trainer = _trainer(spec, plan, loop, relay)
     trainer.reclaimed_before = reclaimed_before
-    _Fitting(trainer, relay, handle, plan.run_name).run(poll_interval_s, lost)
+    trainer.start_timeout_s = None if waiting is None else waiting[1]
+    try:
+        _Fitting(trainer, relay, handle, plan.run_name).run(poll_interval_s, lost)
+    except Exception as error:
+        if waiting is not None and group_never_started(error):
+            short, wait_s = waiting
+            raise ClusterBusyError(
+                f"the Ray cluster stayed busy ({short} when the attempt began): the worker "
+                f"group could not start within scaling.wait_for_resources_s={wait_s:g} s. "
+                "Raise it, run fewer runs at once on this cluster, or add nodes; started "
+                "again, the run resumes from its newest checkpoint"
+            ) from error
+        raise
+
+
+def _wait_for_resources(spec: RunSpec, handle: EventHandler) -> tuple[str, float] | None:
+    """On a cluster whose free resources do not fit the worker group now (other runs hold
+    them): what it is short of and how long the group may wait in Ray's queue
+    (``scaling.wait_for_resources_s``), said to ``handle``; None when it fits. A wait of 0
+    fails at once."""
+    short = short_of(spec)
+    if short is None:
+        return None
+    wait_s = spec.scaling.wait_for_resources_s
+    if wait_s == 0:
+        raise ClusterBusyError(
+            f"the Ray cluster is busy ({short}) and scaling.wait_for_resources_s=0 says not to "
+            "wait: raise it, run fewer runs at once on this cluster, or add nodes"
+        )
+    logger.warning(
+        "the Ray cluster is busy (%s): waiting up to %g s (scaling.wait_for_resources_s) for "
+        "other work to free it",
+        short,
+        wait_s,
+    )
+    handle({"kind": "waiting_for_resources", "time": time.time(), "short": short, "wait_s": wait_s})
+    return short, wait_s
 
 
 class _Fitting:
