@@ -28,8 +28,6 @@ from ray.train.v2._internal.callbacks.placement_group_callback import (
 )
 from ray.train.v2._internal.constants import (
     DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-    DEFAULT_WORKER_GROUP_START_TIMEOUT_S,
-    WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
     get_env_vars_to_propagate,
 )
 
@@ -41,6 +39,7 @@ from trainer_core.execution.controller import (
     PlacementGroupsToDriver,
     RelayFlushBeforeShutdown,
 )
+from trainer_core.execution.worker_start import FIRST_GROUP_WAIT_ENV
 
 
 class AbortableTorchTrainer(TorchTrainer):
@@ -55,9 +54,9 @@ class AbortableTorchTrainer(TorchTrainer):
     reclaimed_before: set[str] = set()
     #: Whether Ray's preemption watcher runs (``watches_preemption``).
     watch_preemption: bool = False
-    #: On a busy cluster, how long a worker group waits for its resources in Ray's queue
+    #: How long the attempt's first worker group may wait for its resources in Ray's queue
     #: (``scaling.wait_for_resources_s``), when longer than Ray's start timeout; None: Ray's.
-    start_timeout_s: float | None = None
+    first_group_wait_s: float | None = None
 
     def _create_default_callbacks(self) -> list[Any]:
         # Ray's datasets callback starts a DatasetManager actor for every worker group,
@@ -75,10 +74,8 @@ class AbortableTorchTrainer(TorchTrainer):
             DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
         )
         env_vars[PREEMPTION_WATCHER_ENV] = "1" if self.watch_preemption else "0"
-        if self.start_timeout_s is not None:
-            ray_s = float(env_vars.get(WORKER_GROUP_START_TIMEOUT_S_ENV_VAR, 0))
-            ray_s = ray_s or DEFAULT_WORKER_GROUP_START_TIMEOUT_S
-            env_vars[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = f"{max(ray_s, self.start_timeout_s):g}"
+        if self.first_group_wait_s is not None:
+            env_vars[FIRST_GROUP_WAIT_ENV] = repr(self.first_group_wait_s)
         # The controller sets these itself (Ray Train reads them when it uses them), not
         # through a runtime_env: an actor with a runtime_env of its own needs a new process,
         # one without takes an idle one of the job's (0.5-1 s sooner to the first step).

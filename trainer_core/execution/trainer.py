@@ -175,36 +175,36 @@ def fit(
     """
     from trainer_core.execution.controller import MetricsRelay
 
-    waiting = _wait_for_resources(spec, handle)
+    _say_if_busy(spec, handle)
     # The relay is the driver's mailbox: it lives on the driver's node, never on a worker node
     # that may be the one being lost (a retry right after a node death could land there).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     relay = MetricsRelay.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
     trainer = _trainer(spec, plan, loop, relay)
     trainer.reclaimed_before = reclaimed_before
-    trainer.start_timeout_s = None if waiting is None else waiting[1]
+    wait_s = spec.scaling.wait_for_resources_s
+    trainer.first_group_wait_s = wait_s or None
+    fitting = _Fitting(trainer, relay, handle, plan.run_name)
     try:
-        _Fitting(trainer, relay, handle, plan.run_name).run(poll_interval_s, lost)
+        fitting.run(poll_interval_s, lost)
     except Exception as error:
-        if waiting is not None and group_never_started(error):
-            short, wait_s = waiting
+        if not fitting.group_began and group_never_started(error):
             raise ClusterBusyError(
-                f"the Ray cluster stayed busy ({short} when the attempt began): the worker "
-                f"group could not start within scaling.wait_for_resources_s={wait_s:g} s. "
+                f"the Ray cluster stayed busy: the worker group could not start within "
+                f"scaling.wait_for_resources_s={wait_s:g} s ({short_of(spec) or 'room now'}). "
                 "Raise it, run fewer runs at once on this cluster, or add nodes; started "
                 "again, the run resumes from its newest checkpoint"
             ) from error
         raise
 
 
-def _wait_for_resources(spec: RunSpec, handle: EventHandler) -> tuple[str, float] | None:
-    """On a cluster whose free resources do not fit the worker group now (other runs hold
-    them): what it is short of and how long the group may wait in Ray's queue
-    (``scaling.wait_for_resources_s``), said to ``handle``; None when it fits. A wait of 0
-    fails at once."""
+def _say_if_busy(spec: RunSpec, handle: EventHandler) -> None:
+    """When the cluster's free resources do not fit the worker group now (other runs hold
+    them), say what it is short of and how long the group waits for them in Ray's queue
+    (``scaling.wait_for_resources_s``); with a wait of 0, fail at once."""
     short = short_of(spec)
     if short is None:
-        return None
+        return
     wait_s = spec.scaling.wait_for_resources_s
     if wait_s == 0:
         raise ClusterBusyError(
@@ -218,7 +218,6 @@ def _wait_for_resources(spec: RunSpec, handle: EventHandler) -> tuple[str, float
         wait_s,
     )
     handle({"kind": "waiting_for_resources", "time": time.time(), "short": short, "wait_s": wait_s})
-    return short, wait_s
 
 
 class _Fitting:
@@ -232,6 +231,8 @@ class _Fitting:
         self.run_name = run_name
         self.outcome: dict[str, Any] = {}
         self.placement_groups: list[Any] = []
+        #: Whether a worker group of the attempt began (an event of its start came).
+        self.group_began = False
         self.thread = threading.Thread(
             target=self._fit, name=f"relaytrain-fit-{run_name}", daemon=True
         )
@@ -249,6 +250,7 @@ class _Fitting:
             if event["kind"] == PLACEMENT_GROUP_EVENT:
                 self.placement_groups.append(event["placement_group"])
             else:
+                self.group_began = self.group_began or event["kind"] in ("fresh_start", "resumed")
                 self.handle(event)
 
     def run(self, poll_interval_s: float, lost: Callable[[], BaseException | None] | None) -> None:

@@ -12,6 +12,7 @@ which has them; a setting a worker reads (a collective timeout, logging) still r
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
@@ -57,9 +58,26 @@ def worker_runtime_env(custom: dict[str, Any]) -> dict[str, Any]:
     return runtime_env
 
 
+#: Set in a controller's environment (``scaling.wait_for_resources_s``): how long the first
+#: worker group it starts may wait for its resources in Ray's queue, other work holding them.
+FIRST_GROUP_WAIT_ENV = "RELAYTRAIN_FIRST_GROUP_WAIT_S"
+
+
 class PooledWorkerGroup(WorkerGroup):
     """Ray Train's worker group, its workers started as the job's plain worker processes (an
-    idle one when Ray has one) when no setting they read asks for a runtime env."""
+    idle one when Ray has one) when no setting they read asks for a runtime env.
+
+    The attempt's first group waits for its resources up to ``FIRST_GROUP_WAIT_ENV`` (when
+    longer than Ray's start timeout): on a cluster other runs share, it waits in Ray's queue of
+    placement groups for them to finish. A group restarted in place keeps Ray's timeout, which
+    tells a group sized to a node that is gone from one that must queue."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        wait_s = os.environ.pop(FIRST_GROUP_WAIT_ENV, None)  # the first group's alone
+        if wait_s is not None:
+            ray_s = self._worker_group_start_timeout_s
+            self._worker_group_start_timeout_s = max(ray_s, float(wait_s))
 
     @staticmethod
     def _get_worker_runtime_env(custom_runtime_env: Any) -> Any:

@@ -34,9 +34,9 @@ class ScalingSection(_Section):
     #: Ray's placement of the worker group: "PACK" fills nodes in turn, "SPREAD" puts the
     #: workers on as many nodes as it can.
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    #: Seconds an attempt waits for its worker group's resources while other work (other runs
-    #: on a shared cluster) holds them; Ray starts the group as soon as they are free. Past it
-    #: the attempt fails with ``ClusterBusyError``, which spends no retry. 0: fail at once.
+    #: Seconds an attempt's first worker group waits for its resources while other work (other
+    #: runs on a shared cluster) holds them; Ray starts it as soon as they are free. Past it the
+    #: attempt fails with ``ClusterBusyError``, which spends no retry. 0: fail at once.
     wait_for_resources_s: Annotated[float, Field(ge=0)] = 1800.0
     #: The job server of a remote Ray cluster (e.g. ``http://head:8265``): the train task then
     #: submits each attempt as a Ray job. ``RELAYTRAIN_RAY_JOB_ADDRESS`` sets it from the
