@@ -49,6 +49,7 @@ BENCHMARKS = (
     "precision",
     "data",
     "elastic",
+    "queue",
     "chaos",
 )
 
