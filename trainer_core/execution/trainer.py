@@ -182,13 +182,14 @@ def fit(
     relay = MetricsRelay.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
     trainer = _trainer(spec, plan, loop, relay)
     trainer.reclaimed_before = reclaimed_before
-    wait_s = spec.scaling.wait_for_resources_s
+    # An elastic run sizes its group to what the cluster holds, again when one cannot start.
+    wait_s = 0.0 if spec.scaling.elastic else spec.scaling.wait_for_resources_s
     trainer.first_group_wait_s = wait_s or None
     fitting = _Fitting(trainer, relay, handle, plan.run_name)
     try:
         fitting.run(poll_interval_s, lost)
     except Exception as error:
-        if not fitting.group_began and group_never_started(error):
+        if wait_s and not fitting.group_began and group_never_started(error):
             raise ClusterBusyError(
                 f"the Ray cluster stayed busy: the worker group could not start within "
                 f"scaling.wait_for_resources_s={wait_s:g} s ({short_of(spec) or 'room now'}). "
@@ -201,8 +202,9 @@ def fit(
 def _say_if_busy(spec: RunSpec, handle: EventHandler) -> None:
     """When the cluster's free resources do not fit the worker group now (other runs hold
     them), say what it is short of and how long the group waits for them in Ray's queue
-    (``scaling.wait_for_resources_s``); with a wait of 0, fail at once."""
-    short = short_of(spec)
+    (``scaling.wait_for_resources_s``); with a wait of 0, fail at once. Not for an elastic run,
+    which sizes its group to what the cluster holds."""
+    short = None if spec.scaling.elastic else short_of(spec)
     if short is None:
         return
     wait_s = spec.scaling.wait_for_resources_s

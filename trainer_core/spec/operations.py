@@ -36,7 +36,8 @@ class ScalingSection(_Section):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     #: Seconds an attempt's first worker group waits for its resources while other work (other
     #: runs on a shared cluster) holds them; Ray starts it as soon as they are free. Past it the
-    #: attempt fails with ``ClusterBusyError``, which spends no retry. 0: fail at once.
+    #: attempt fails with ``ClusterBusyError``, which spends no retry. 0: fail at once. Not
+    #: for an elastic run, which sizes its group to what the cluster holds.
     wait_for_resources_s: Annotated[float, Field(ge=0)] = 1800.0
     #: The job server of a remote Ray cluster (e.g. ``http://head:8265``): the train task then
     #: submits each attempt as a Ray job. ``RELAYTRAIN_RAY_JOB_ADDRESS`` sets it from the
