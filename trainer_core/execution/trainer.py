@@ -190,11 +190,13 @@ def fit(
         fitting.run(poll_interval_s, lost)
     except Exception as error:
         if wait_s and not fitting.group_began and group_never_started(error):
+            now = short_of(spec)
             raise ClusterBusyError(
                 f"the Ray cluster stayed busy: the worker group could not start within "
-                f"scaling.wait_for_resources_s={wait_s:g} s ({short_of(spec) or 'room now'}). "
-                "Raise it, run fewer runs at once on this cluster, or add nodes; started "
-                "again, the run resumes from its newest checkpoint"
+                f"scaling.wait_for_resources_s={wait_s:g} s "
+                f"({f'now {now}' if now else 'it has room now'}). Raise it, run fewer runs at "
+                "once on this cluster, or add nodes; started again, the run resumes from its "
+                "newest checkpoint"
             ) from error
         raise
 
