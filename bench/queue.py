@@ -90,7 +90,7 @@ def drive(spec_file: Path, out_file: Path) -> None:
         json.dumps(
             {
                 "started": started,
-                "waited": "waiting_for_resources" in seen,
+                "told_busy": "waiting_for_resources" in seen,
                 "group_began": seen.get("fresh_start", seen.get("resumed")),
                 "finished": time.time(),
                 "status": result.status,
@@ -115,28 +115,26 @@ def finished(process: subprocess.Popen, out_file: Path) -> dict[str, Any]:
     return json.loads(out_file.read_text())
 
 
-def same_bits(root: Path, a: str, b: str) -> bool:
-    """Whether runs ``a`` and ``b`` under ``root`` ended at the same weights and optimizer."""
-    from tests.recovery import assert_same_tensors, final_state
+def run_dir(root: Path, name: str) -> Any:
     from trainer_core import storage
     from trainer_core.checkpoint.run_directory import RunDirectory
 
-    def state(name: str) -> dict[str, Any]:
-        return final_state(RunDirectory(storage.resolve(str(root / "runs")).child(name)))
+    return RunDirectory(storage.resolve(str(root / "runs")).child(name))
+
+
+def same_bits(root: Path, a: str, b: str) -> bool:
+    """Whether runs ``a`` and ``b`` under ``root`` ended at the same weights and optimizer."""
+    from tests.recovery import assert_same_tensors, final_state
 
     try:
-        assert_same_tensors(state(a), state(b))
+        assert_same_tensors(final_state(run_dir(root, a)), final_state(run_dir(root, b)))
     except AssertionError:
         return False
     return True
 
 
 def attempts_of(root: Path, name: str) -> list[str]:
-    from trainer_core import storage
-    from trainer_core.checkpoint.run_directory import RunDirectory
-
-    run_dir = RunDirectory(storage.resolve(str(root / "runs")).child(name))
-    return [a["status"] for a in run_dir.read_attempts()]
+    return [a["status"] for a in run_dir(root, name).read_attempts()]
 
 
 def use_of_slots(runs: list[dict[str, Any]]) -> tuple[float, float]:
@@ -187,7 +185,7 @@ def measure(root: Path, epochs: int) -> dict[str, Any]:
         "longest_wait_s": max(r["group_began"] - r["started"] for r in queued),
         # Runs that saw the cluster short when they began (the others started at the same
         # moment and saw it free: they wait all the same).
-        "told_busy": sum(r["waited"] for r in queued),
+        "told_busy": sum(r["told_busy"] for r in queued),
         "one_attempt_each": all(
             attempts_of(root, f"queued-{s}") == ["completed"] for s in range(RUNS)
         ),
