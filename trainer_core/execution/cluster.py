@@ -89,11 +89,25 @@ def group_needs(spec: RunSpec) -> dict[str, float]:
 def short_of(spec: RunSpec) -> str | None:
     """What the worker group needs that is not free now, other work holding it ("2 CPU
     needed, 1 free"); None when the group fits in what is free."""
+    return shortfall(group_needs(spec))
+
+
+def shortfall(needs: dict[str, float]) -> str | None:
+    """What of ``needs`` (resource -> amount) is not free now ("2 CPU needed, 1 free"); None
+    when all of it is."""
     free = ray.available_resources()
-    for resource, needed in group_needs(spec).items():
+    for resource, needed in needs.items():
         if needed > free.get(resource, 0.0):
             return f"{needed:g} {resource} needed, {free.get(resource, 0.0):g} free"
     return None
+
+
+def held_by_other_work(needs: dict[str, float]) -> bool:
+    """Whether the cluster's live nodes hold ``needs`` in all but not free now: other work
+    holds what a group needs (a busy cluster), as against nodes lost or the group placeable."""
+    total = ray.cluster_resources()
+    fits_in_all = all(needed <= total.get(name, 0.0) for name, needed in needs.items())
+    return fits_in_all and shortfall(needs) is not None
 
 
 def check_capacity(spec: RunSpec) -> None:

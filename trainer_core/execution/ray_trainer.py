@@ -54,8 +54,8 @@ class AbortableTorchTrainer(TorchTrainer):
     reclaimed_before: set[str] = set()
     #: Whether Ray's preemption watcher runs (``watches_preemption``).
     watch_preemption: bool = False
-    #: How long the attempt's first worker group may wait for its resources in Ray's queue
-    #: (``scaling.wait_for_resources_s``), when longer than Ray's start timeout; None: Ray's.
+    #: How long the attempt's first worker group may wait in Ray's queue while other work holds
+    #: its resources (``scaling.wait_for_resources_s``, ``QueuedPlacementGroup``); None: Ray's.
     first_group_wait_s: float | None = None
 
     def _create_default_callbacks(self) -> list[Any]:

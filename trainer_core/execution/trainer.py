@@ -186,10 +186,14 @@ def fit(
     wait_s = 0.0 if spec.scaling.elastic else spec.scaling.wait_for_resources_s
     trainer.first_group_wait_s = wait_s or None
     fitting = _Fitting(trainer, relay, handle, plan.run_name)
+    began = time.monotonic()
     try:
         fitting.run(poll_interval_s, lost)
     except Exception as error:
-        if wait_s and not fitting.group_began and group_never_started(error):
+        # Only a wait that ran to its bound: a group the cluster had room for, or lacked the
+        # nodes for, fails at Ray's start timeout as any failure of the cluster.
+        waited_out = wait_s and time.monotonic() - began >= wait_s
+        if waited_out and not fitting.group_began and group_never_started(error):
             now = short_of(spec)
             raise ClusterBusyError(
                 f"the Ray cluster stayed busy: the worker group could not start within "

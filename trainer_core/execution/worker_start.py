@@ -13,6 +13,7 @@ which has them; a setting a worker reads (a collective timeout, logging) still r
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
@@ -26,6 +27,9 @@ from ray.train.v2._internal.constants import (
     get_env_vars_to_propagate,
 )
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
+from ray.train.v2._internal.execution.worker_group.placement_group_handle import (
+    DefaultPlacementGroupHandle,
+)
 
 #: Ray Train settings that only its controller (and the callbacks it runs) reads. Ray 2.60's
 #: readers: the controller (health checks, group start, preemption watcher and its poll) and
@@ -61,23 +65,61 @@ def worker_runtime_env(custom: dict[str, Any]) -> dict[str, Any]:
 #: Set in a controller's environment (``scaling.wait_for_resources_s``): how long the first
 #: worker group it starts may wait for its resources in Ray's queue, other work holding them.
 FIRST_GROUP_WAIT_ENV = "RELAYTRAIN_FIRST_GROUP_WAIT_S"
+#: How long a group whose resources came free (or whose nodes are gone) still waits for Ray to
+#: place it before it fails as at Ray's own start timeout.
+PLACING_GRACE_S = 5.0
+
+
+class QueuedPlacementGroup(DefaultPlacementGroupHandle):
+    """The attempt's first group's placement group, which waits past Ray's start timeout, up to
+    ``wait_s`` in all, while other work holds what the group needs (``held_by_other_work``:
+    the cluster's live nodes hold it in all, but not free). Once the cluster has room for it, or
+    lacks the nodes for it, it fails as at Ray's timeout (a retry, as before: a node lost, a
+    placement Ray did not make), a grace of ``PLACING_GRACE_S`` after."""
+
+    def __init__(self, placement_group: Any, needs: dict[str, float], wait_s: float):
+        super().__init__(placement_group)
+        self.needs, self.wait_s = needs, wait_s
+
+    def wait(self, timeout_seconds: float | int = 30) -> bool:
+        from trainer_core.execution.cluster import held_by_other_work
+
+        deadline = time.monotonic() + max(self.wait_s, float(timeout_seconds))
+        if super().wait(timeout_seconds):
+            return True
+        grace_until = None
+        while (left := deadline - time.monotonic()) > 0:
+            if held_by_other_work(self.needs):
+                grace_until = None
+            elif grace_until is None:
+                grace_until = time.monotonic() + PLACING_GRACE_S
+            elif time.monotonic() >= grace_until:
+                return False
+            if super().wait(min(left, PLACING_GRACE_S)):
+                return True
+        return False
 
 
 class PooledWorkerGroup(WorkerGroup):
     """Ray Train's worker group, its workers started as the job's plain worker processes (an
     idle one when Ray has one) when no setting they read asks for a runtime env.
 
-    The attempt's first group waits for its resources up to ``FIRST_GROUP_WAIT_ENV`` (when
-    longer than Ray's start timeout): on a cluster other runs share, it waits in Ray's queue of
-    placement groups for them to finish. A group restarted in place keeps Ray's timeout, which
-    tells a group sized to a node that is gone from one that must queue."""
+    The attempt's first group waits for its resources up to ``FIRST_GROUP_WAIT_ENV`` while other
+    work holds them (``QueuedPlacementGroup``): on a cluster other runs share, it waits in
+    Ray's queue of placement groups for them to finish. A group restarted in place keeps Ray's
+    timeout, which tells a group sized to a node that is gone from one that must queue."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         wait_s = os.environ.pop(FIRST_GROUP_WAIT_ENV, None)  # the first group's alone
-        if wait_s is not None:
-            ray_s = self._worker_group_start_timeout_s
-            self._worker_group_start_timeout_s = max(ray_s, float(wait_s))
+        self._queue_wait_s = float(wait_s) if wait_s is not None else None
+
+    def _create_placement_group(self, scaling_config: Any, context: Any) -> Any:
+        handle = super()._create_placement_group(scaling_config, context)
+        if self._queue_wait_s is None or not isinstance(handle, DefaultPlacementGroupHandle):
+            return handle
+        needs = {name: n * context.num_workers for name, n in context.resources_per_worker.items()}
+        return QueuedPlacementGroup(handle.placement_group, needs, self._queue_wait_s)
 
     @staticmethod
     def _get_worker_runtime_env(custom_runtime_env: Any) -> Any:
