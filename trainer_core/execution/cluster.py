@@ -78,12 +78,18 @@ def local_cluster(num_cpus: int) -> Iterator[Any]:
         yield ray
 
 
+def worker_needs(spec: RunSpec) -> dict[str, float]:
+    """What one worker of ``spec`` needs, by resource (1 CPU, or 1 GPU, unless it says)."""
+    per_worker = dict(spec.scaling.resources_per_worker or {})
+    per_worker.setdefault("GPU" if spec.scaling.use_gpu else "CPU", 1.0)
+    return per_worker
+
+
 def group_needs(spec: RunSpec) -> dict[str, float]:
     """What the smallest worker group of ``spec`` needs in all (an elastic run's MIN), by
     resource."""
-    per_worker = dict(spec.scaling.resources_per_worker or {})
-    per_worker.setdefault("GPU" if spec.scaling.use_gpu else "CPU", 1.0)
-    return {name: amount * spec.scaling.min_workers for name, amount in per_worker.items()}
+    workers = spec.scaling.min_workers
+    return {name: amount * workers for name, amount in worker_needs(spec).items()}
 
 
 def short_of(spec: RunSpec) -> str | None:
@@ -112,7 +118,7 @@ def held_by_other_work(needs: dict[str, float]) -> bool:
 
 def check_capacity(spec: RunSpec) -> None:
     """Refuse a worker group the cluster can never hold (Ray would wait forever): the fixed
-    count, or an elastic run's MIN."""
+    count, or an elastic run's MIN, in all; one worker on the largest of its live nodes."""
     total = ray.cluster_resources()
     workers = spec.scaling.min_workers
     asked = spec.scaling.num_workers
@@ -125,6 +131,20 @@ def check_capacity(spec: RunSpec) -> None:
                 f"the Ray cluster has {available:g}: lower scaling.num_workers or "
                 "scaling.resources_per_worker, or add nodes",
                 field="scaling.num_workers",
+            )
+    largest: dict[str, float] = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            for resource, amount in node.get("Resources", {}).items():
+                largest[resource] = max(largest.get(resource, 0.0), amount)
+    for resource, needed in worker_needs(spec).items():
+        if needed > largest.get(resource, 0.0):
+            raise ClusterCapacityError(
+                f"scaling.resources_per_worker asks {needed:g} {resource} for each worker, but "
+                f"the largest node of the Ray cluster has {largest.get(resource, 0.0):g} (a "
+                "worker runs on one node): lower scaling.resources_per_worker, or add a node "
+                "that large",
+                field="scaling.resources_per_worker",
             )
 
 

@@ -42,6 +42,30 @@ def test_job_server_binds_loopback_only(cluster):
     assert listening and set(listening) == {"127.0.0.1"}
 
 
+def test_a_worker_larger_than_any_node_is_refused_before_it_queues(
+    cluster, relaytrain_prefect, run_storage
+):
+    """Three one-CPU nodes hold 3 CPUs in all but no worker of 2: the run is refused at once
+    with an error that names scaling.resources_per_worker and the largest node, on no retry
+    (one Ray job), with no attempt recorded. The oracle is the cluster's own nodes."""
+    raw = slow_raw(run_storage, "multinode-too-large", cluster)
+    raw["scaling"].update(num_workers=1, resources_per_worker={"CPU": 2})
+    spec = build_spec(raw)
+    cluster.ensure_worker_nodes(2)  # 2 CPUs or more in all: the total check lets it through
+    state = training(spec, return_state=True)
+    assert state.is_failed()
+    message = str(state.message) + str(state.result(raise_on_failure=False))
+    assert "scaling.resources_per_worker asks 2 CPU for each worker" in message
+    assert "the largest node of the Ray cluster has 1" in message
+    submitted = [
+        j.submission_id
+        for j in JobSubmissionClient(cluster.job_address).list_jobs()
+        if (j.submission_id or "").startswith("relaytrain-multinode-too-large-")
+    ]
+    assert submitted == [jobs.submission_id("multinode-too-large", 1)]
+    assert run_dir_of(spec).read_attempts() == []
+
+
 @pytest.mark.parametrize("how", ["killed", "preempted"])
 def test_lost_node_resumes_on_the_remaining_nodes(
     cluster, relaytrain_prefect, uninterrupted, run_storage, how
