@@ -59,8 +59,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.chaos_analysis import verdict
-from bench.chaos_faults import KINDS, NODES, QUICK, Campaign, Settings
+from bench.chaos_analysis import stuck, verdict
+from bench.chaos_faults import KINDS, NODES, QUICK, Campaign, Overran, Settings
 from bench.common import Result, Target
 
 #: The command line, and what the test suite runs: a ``QUICK`` ``campaign`` on the cluster and
@@ -135,7 +135,10 @@ def campaign(workdir: Path, settings: Settings, setup: tuple[Any, ...]) -> dict[
     chaos = Campaign(cluster, s3, proxy, workdir, settings, env, prefect)
     tag = f"seed{settings.seed}-{int(time.time())}"
     reference_wall = chaos.reference(f"reference-{tag}")
-    wall = chaos.run(f"chaos-{tag}")
+    try:
+        wall = chaos.run(f"chaos-{tag}")
+    except Overran as e:
+        raise RuntimeError(f"{e}: {stuck(chaos)}") from e
     outcome = verdict(chaos, chaos.direct(f"chaos-{tag}"), chaos.direct(f"reference-{tag}"))
     figures = outcome["figures"]
     figures["wall_s"] = round(wall, 1)

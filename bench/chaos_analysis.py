@@ -8,12 +8,15 @@ campaign's record of its faults; each worker group that failed is charged to the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
+import time
 from typing import Any
 
 from bench.chaos_faults import KEEP_LAST, KINDS, Campaign, Fault
 from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.execution import cluster
 from trainer_core.run import attempts
 from trainer_core.run.attempts import AttemptRecord
 from trainer_core.run.summary import attempt_summaries, steps_computed
@@ -225,3 +228,32 @@ def _during_recovery(faults: list[Fault], found: list[dict[str, Any]]) -> int:
     """Faults that arrived while a worker group was failing over (failure to resume)."""
     windows = [(f["at"], f["resumed_at"]) for f in found if f["resumed_at"]]
     return sum(1 for fault in faults if any(a < fault.at < b for a, b in windows))
+
+
+def stuck(chaos: Campaign) -> str:
+    """What the run under faults was doing (when it ``Overran``): the faults so far, its
+    attempts, Ray's jobs and placement groups, and the flow's log without Ray's own lines."""
+    from ray.util.state import list_placement_groups
+
+    address = chaos.cluster.job_address
+    faults = [(f.kind, time.strftime("%H:%M:%S", time.localtime(f.at))) for f in chaos.faults]
+    parts = [f"faults: {faults}"]
+    with contextlib.suppress(Exception):
+        records = [
+            (a["attempt"], a.get("status"), a.get("last_step"), a.get("error_class"))
+            for a in chaos.run_dir.read_attempts()
+        ]
+        parts.append(f"attempts (number, status, last step, error): {records}")
+    with contextlib.suppress(Exception):
+        jobs = cluster.job_submission_client(address).list_jobs()
+        parts.append(f"jobs: {[(j.submission_id, j.status.value) for j in jobs]}")
+    with contextlib.suppress(Exception):
+        groups = list_placement_groups(address=address, limit=100)
+        parts.append(f"placement groups: {[(g.placement_group_id[:8], g.state) for g in groups]}")
+    ours = [
+        line
+        for line in chaos.flow_log.read_text().splitlines()
+        if "(raylet)" not in line and "[state-dump]" not in line and "(gcs" not in line
+    ]
+    parts.append("flow log:\n" + "\n".join(ours[-60:]))
+    return "\n".join(parts)
