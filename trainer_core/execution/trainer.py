@@ -20,6 +20,8 @@ from trainer_core.errors import ClusterBusyError
 from trainer_core.execution.classify import group_never_started
 from trainer_core.execution.cluster import (
     apply_ray_env_defaults,
+    group_needs,
+    held_by_other_work,
     short_of,
     watches_preemption,
 )
@@ -190,17 +192,17 @@ def fit(
     try:
         fitting.run(poll_interval_s, lost)
     except Exception as error:
-        # Only a wait that ran to its bound: a group the cluster had room for, or lacked the
-        # nodes for, fails at Ray's start timeout as any failure of the cluster.
+        # Only a wait that ran to its bound on a cluster still busy: a group the cluster has
+        # room for, or lacks the nodes for, failed at Ray's start timeout as any failure of
+        # the cluster (a wait_for_resources_s under Ray's timeout must not rename that).
         waited_out = wait_s and time.monotonic() - began >= wait_s
-        if waited_out and not fitting.group_began and group_never_started(error):
-            now = short_of(spec)
+        never_started = not fitting.group_began and group_never_started(error)
+        if waited_out and never_started and held_by_other_work(group_needs(spec)):
             raise ClusterBusyError(
                 f"the Ray cluster stayed busy: the worker group could not start within "
-                f"scaling.wait_for_resources_s={wait_s:g} s "
-                f"({f'now {now}' if now else 'it has room now'}). Raise it, run fewer runs at "
-                "once on this cluster, or add nodes; started again, the run resumes from its "
-                "newest checkpoint"
+                f"scaling.wait_for_resources_s={wait_s:g} s (now {short_of(spec)}). Raise it, "
+                "run fewer runs at once on this cluster, or add nodes; started again, the run "
+                "resumes from its newest checkpoint"
             ) from error
         raise
 
