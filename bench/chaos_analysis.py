@@ -14,7 +14,8 @@ import statistics
 import time
 from typing import Any
 
-from bench.chaos_faults import KEEP_LAST, KINDS, Campaign, Fault
+from bench.chaos_faults import KEEP_LAST, Campaign
+from bench.chaos_kinds import KINDS, Fault
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.execution import cluster
 from trainer_core.run import attempts

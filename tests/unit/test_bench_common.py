@@ -41,7 +41,7 @@ def test_a_chaos_outage_armed_for_the_next_upload_counts_from_when_it_cut():
     flow killed meanwhile): the failure it causes is charged to it from the cut, not left with
     "no fault before it" (a CI run of the short campaign failed so, 34 s after the arming)."""
     from bench.chaos_analysis import EFFECT_S, attribute, in_effect
-    from bench.chaos_faults import Fault
+    from bench.chaos_kinds import Fault
 
     armed = Fault("s3_outage", 100.0, {"outage_s": 6.8, "when": "the next checkpoint upload"})
     now = Fault("s3_outage", 300.0, {"outage_s": 4.0, "when": "now"})
@@ -108,7 +108,7 @@ def test_a_chaos_failure_is_judged_by_the_faults_before_it():
     """A failure on a budget none of its causes calls for, one with no cause, and a resume from
     a damaged checkpoint are each a problem; the recovery counts for the newest cause."""
     from bench.chaos_analysis import EFFECT_S, judge_failures
-    from bench.chaos_faults import Fault
+    from bench.chaos_kinds import Fault
 
     kill = Fault("worker_kill", 100.0)
     corrupt = Fault("corrupt", 101.0, {"step": 40, "file": "model.pt"})

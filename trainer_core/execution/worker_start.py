@@ -31,6 +31,8 @@ from ray.train.v2._internal.execution.worker_group.placement_group_handle import
     DefaultPlacementGroupHandle,
 )
 
+from trainer_core.execution.cluster import held_by_other_work
+
 #: Ray Train settings that only its controller (and the callbacks it runs) reads. Ray 2.60's
 #: readers: the controller (health checks, group start, preemption watcher and its poll) and
 #: the async controller actor (blocking-get warnings).
@@ -82,8 +84,6 @@ class QueuedPlacementGroup(DefaultPlacementGroupHandle):
         self.needs, self.wait_s = needs, wait_s
 
     def wait(self, timeout_seconds: float | int = 30) -> bool:
-        from trainer_core.execution.cluster import held_by_other_work
-
         deadline = time.monotonic() + max(self.wait_s, float(timeout_seconds))
         if super().wait(timeout_seconds):
             return True
