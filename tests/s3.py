@@ -199,6 +199,19 @@ def moto_s3(log_dir: Path, bucket: str = "relaytrain") -> Iterator[S3Server]:
 #: The start of an HTTP request (what ``OutageProxy.slow`` delays).
 REQUEST_LINE = re.compile(rb"(GET|PUT|POST|HEAD|DELETE) ")
 
+#: What stores answer a write with once they are full: MinIO past its drives' free-space threshold
+#: (cmd/api-errors.go, ErrStorageFull) and Ceph's RGW past a user or bucket quota
+#: (rgw_common.cc, ERR_QUOTA_EXCEEDED): (HTTP status line, error code, message).
+STORE_FULL_ANSWERS = {
+    "minio": (
+        "507 Insufficient Storage",
+        "XMinioStorageFull",
+        "Storage backend has reached its minimum free drive threshold. Please delete a few "
+        "objects to proceed.",
+    ),
+    "ceph": ("403 Forbidden", "QuotaExceeded", ""),
+}
+
 
 class OutageProxy:
     """A loopback TCP proxy to ``target_port`` that can stop and restart like a server, or
@@ -229,6 +242,9 @@ class OutageProxy:
         self.delayed = 0  # requests delayed
         #: (time, request line) of every request, when a list (set it to one to record).
         self.request_log: list[tuple[float, bytes]] | None = None
+        #: While set (``fill``): every PUT is answered by the proxy as this full store would.
+        self._full: str | None = None
+        self.refused = 0  # writes refused as a full store
 
     def __enter__(self) -> OutageProxy:
         self.up()
@@ -280,6 +296,23 @@ class OutageProxy:
         with self._lock:
             self._latency = None
             self.events.append((time.time(), "fast"))
+
+    def fill(self, store: str = "minio") -> None:
+        """Answer every PUT from now on (uploads, parts, copies) as ``store`` does when full
+        (``STORE_FULL_ANSWERS``), the request's body read first; reads and deletes go on
+        (``free`` ends it)."""
+        with self._lock:
+            self._full = store
+            self.events.append((time.time(), "full"))
+
+    def free(self) -> None:
+        with self._lock:
+            self._full = None
+            self.events.append((time.time(), "freed"))
+
+    @property
+    def is_full(self) -> bool:
+        return self._full is not None
 
     def arm(self, cut_on: bytes, outage_s: float) -> None:
         """Cut once more: down when ``cut_on`` next matches, for ``outage_s``."""
@@ -351,6 +384,9 @@ class OutageProxy:
                         return
                 if from_client and REQUEST_LINE.match(data) and self.request_log is not None:
                     self.request_log.append((time.time(), data[: data.find(b" HTTP/")]))
+                if from_client and self._full and data.startswith(b"PUT "):
+                    self._refuse_as_full(source, data)
+                    return
                 if from_client and self._latency is not None and self._slow_on.match(data):
                     with self._lock:
                         delay = self._rng.uniform(*self._latency)
@@ -362,6 +398,39 @@ class OutageProxy:
         finally:
             with contextlib.suppress(OSError):
                 sink.shutdown(socket.SHUT_WR)
+
+    def _refuse_as_full(self, client: socket.socket, data: bytes) -> None:
+        """Read the request's headers and body (unless it waits for 100-continue), answer 507
+        and close, as a full store does; the server never sees the request."""
+        while b"\r\n\r\n" not in data:
+            more = client.recv(65536)
+            if not more:
+                return
+            data += more
+        head, _, body = data.partition(b"\r\n\r\n")
+        headers = {
+            name.strip().lower(): value.strip()
+            for name, _, value in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+        }
+        if headers.get(b"expect", b"").lower() != b"100-continue":
+            remaining = int(headers.get(b"content-length", b"0")) - len(body)
+            while remaining > 0:
+                more = client.recv(min(remaining, 1 << 20))
+                if not more:
+                    return
+                remaining -= len(more)
+        with self._lock:
+            self.refused += 1
+            status, code, message = STORE_FULL_ANSWERS[self._full or "minio"]
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Error><Code>{code}</Code><Message>{message}</Message>"
+            "<RequestId>relaytrain-proxy</RequestId></Error>"
+        ).encode()
+        client.sendall(
+            f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+        )
 
     def _trigger(self, line: str) -> None:
         with self._lock:

@@ -217,6 +217,36 @@ def test_fault7_s3_write_denied_mid_run(uninterrupted_one_worker, relaytrain_pre
     )
 
 
+@pytest.mark.parametrize("client", ["pyarrow", "s3fs"])
+@pytest.mark.parametrize("store", ["minio", "ceph"])
+def test_a_full_object_store_is_storage_full_not_an_outage(s3, client, store):
+    """A full S3-compatible store answers writes with its own error: MinIO HTTP 507
+    XMinioStorageFull, Ceph's RGW 403 QuotaExceeded. Both were read as something else: MinIO's
+    as an outage (StorageUnavailableError, retried on the infrastructure budget; the docs say a
+    full store is not), Ceph's as refused credentials. Each is StorageFullError, raised without
+    the outage patience, naming the location and the fix; what was written stays readable, and
+    writes work again once space is freed."""
+    name = f"full-{client}-{store}-{uuid.uuid4().hex[:8]}"
+    with OutageProxy(s3.port) as proxy:
+        run = storage.resolve(s3.uri(name, port=proxy.port, fsspec=client == "s3fs"))
+        run.child("kept.bin").write_bytes(b"committed")
+        proxy.fill(store)
+        for size in (5, 12 << 20):  # one request, and a multipart upload (parts of 5 MiB+)
+            target = run.child(f"new-{size}.bin")
+            started = time.monotonic()
+            with pytest.raises(StorageFullError) as raised:
+                target.write_bytes(b"x" * size)
+            # no outage patience spent on it (RELAYTRAIN_STORAGE_PATIENCE_S: 5 s)
+            assert time.monotonic() - started < 4.0
+            assert target.uri in str(raised.value) and "Free space" in str(raised.value)
+            assert raised.value.field == "run.storage"
+        assert proxy.refused >= 2
+        assert run.child("kept.bin").read_bytes() == b"committed"
+        proxy.free()
+        run.child("new-5.bin").write_bytes(b"room again")
+        assert run.child("new-5.bin").read_bytes() == b"room again"
+
+
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str):
     """A real small filesystem (tmpfs) at ``path`` (needs CAP_SYS_ADMIN: root here)."""

@@ -47,7 +47,16 @@ FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 BAD_PATH_ERRNOS = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP)
 
 
-FULL_SIGNS = ("No space left on device", "Disk quota exceeded")
+#: A full disk, and full object stores in pyarrow's and s3fs's messages: MinIO past its drives'
+#: free-space threshold (HTTP 507 XMinioStorageFull), Ceph's RGW past a quota (403
+#: QuotaExceeded, which must not read as refused credentials).
+FULL_SIGNS = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "XMinioStorageFull",
+    "HTTP status 507",
+    "QuotaExceeded",
+)
 
 
 #: Packages whose own exception types mean "the connection failed" (not OSError subclasses).
