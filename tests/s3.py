@@ -429,7 +429,8 @@ class OutageProxy:
         ).encode()
         client.sendall(
             f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
         )
 
     def _trigger(self, line: str) -> None:
