@@ -34,7 +34,10 @@ EXPECTED_BUDGETS: dict[str, set[str]] = {
     "s3_slow": set(),  # storage slow, not gone: nothing may fail of it
     "corrupt": set(),
     "prefect_outage": set(),  # the orchestrator away: training goes on, nothing may fail of it
+    "disk_full": {"none"},  # StorageFullError, not retried: the flow fails, and is run again
 }
+#: The one failure on no budget (not retried) that a fault may cause: a full store's.
+NOT_RETRIED = {"none": "StorageFullError"}
 
 
 def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
@@ -169,6 +172,9 @@ def judge_failures(
                 f"{[f.kind for f in causes]} at {causes[0].at:.1f} was followed by a failure on "
                 f"the {failure['budget']} budget ({failure['error_class']})"
             )
+        expected_error = NOT_RETRIED.get(failure["budget"])
+        if expected_error and failure["error_class"] != expected_error:
+            problems.append(f"a failure no fault explains, not retried: {failure}")
         fault = causes[0]
         if failure["resumed_at"] is not None:
             per_kind[fault.kind].append(failure["resumed_at"] - fault.at)
@@ -179,13 +185,18 @@ def judge_failures(
 
 
 def flow_problems(campaign: Campaign) -> list[str]:
-    """Every second flow refused by the lease, and every fault injected before the run ended."""
+    """Every second flow refused by the lease, every failure of a full store named as one, and
+    every fault injected before the run ended."""
     problems = []
     for _, process, log in campaign.second_flows:
         code = process.poll()
         text = log.read_text()
         if code != 2 or ("LeaseHeldError" not in text and "is held by" not in text):
             problems.append(f"a second flow was not refused by the lease: exit {code}, {log}")
+    for exit in campaign.full_store_exits:
+        text = (campaign.workdir / exit["log"]).read_text()
+        if "storage is full" not in text or "run.storage" not in text:
+            problems.append(f"a flow failed of a full store without saying so: {exit}")
     if campaign.pending:
         problems.append(f"the run ended before these faults came: {campaign.pending}")
     return problems
@@ -214,6 +225,7 @@ def figures(
             1 for _, what in campaign.proxy.events if what.startswith("cut on")
         ),
         "flow_launches": campaign.launches,
+        "flow_failed_of_full_store": len(campaign.full_store_exits),
         "recovery_s_by_kind": {
             kind: {
                 "count": sum(f.kind == kind for f in campaign.faults),

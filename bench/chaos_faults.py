@@ -30,6 +30,8 @@ from trainer_core.checkpoint.run_directory import RunDirectory
 NODES = 3
 #: The newest commits that retention keeps (``checkpoint.keep_last`` of the campaign's spec).
 KEEP_LAST = 2
+#: How long after a store filled the flow's failure may be its doing.
+FULL_EFFECT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -55,12 +57,13 @@ class Settings:
     limit_s: float | None = None
 
 
-#: The test suite's: one fault of each kind at 8 s gaps (exponential), about 2 minutes under faults
-#: (14 epochs: with 12, a seeded schedule's eighth fault came after the run's last window).
+#: The test suite's: one fault of each kind at 7 s gaps (exponential), about 3 minutes under faults
+#: (18 epochs: with 14, ten kinds at 8 s gaps, a seeded schedule's seventh fault came after the
+#: run's last window).
 QUICK = Settings(
     faults=len(KINDS),
-    mean_gap_s=8.0,
-    epochs=14,
+    mean_gap_s=7.0,
+    epochs=18,
     delay_s=0.06,
     reference_delay_s=0.0,
     prefect_outage_s=(10.0, 20.0),
@@ -132,6 +135,8 @@ class Campaign(FaultKinds):
         self.flow_started_at = 0.0
         self.launches = 0
         self.unexpected_exits: list[dict[str, Any]] = []
+        #: The flow's exits of a full store (``disk_full``): each run again once space is freed.
+        self.full_store_exits: list[dict[str, Any]] = []
         self.second_flows: list[tuple[Fault, subprocess.Popen, Path]] = []
         self.committed_seen: set[int] = set()
         self.nodes_down = 0
@@ -193,14 +198,20 @@ class Campaign(FaultKinds):
         while True:
             self._watch_commits()
             self._fire_timers()
-            assert self.flow is not None
-            code = self.flow.poll()
+            code = None if self.flow is None else self.flow.poll()
             if code == 0:
                 break
-            if code is not None:  # failed on its own: what a user would do is run it again
+            if code is not None and self._failed_of_full_store():
+                self.full_store_exits.append(
+                    {"at": time.time(), "exit_code": code, "log": self.flow_log.name}
+                )
+                self.flow = None  # run again once space is freed
+            elif code is not None:  # failed on its own: what a user would do is run it again
                 self.unexpected_exits.append({"at": time.time(), "exit_code": code})
                 if len(self.unexpected_exits) > 3:
                     raise RuntimeError(f"the flow keeps failing: {self._log_tail()}")
+                self._launch()
+            if self.flow is None and not self.proxy.is_full:
                 self._launch()
             ready = self.pending and time.time() >= next_at and self._in_window()
             if ready and self._inject():
@@ -220,6 +231,12 @@ class Campaign(FaultKinds):
         self.launches += 1
         self.flow, self.flow_log = self.popen(self.spec, f"{self.name}-{self.launches}.log")
         self.flow_started_at = time.time()
+
+    def _failed_of_full_store(self) -> bool:
+        """The flow failed with StorageFullError while the store was full, or just after."""
+        filled = [f.at for f in self.faults if f.kind == "disk_full"]
+        recent = bool(filled) and time.time() - max(filled) < FULL_EFFECT_S
+        return recent and "StorageFullError" in self._log_tail()
 
     def _log_tail(self) -> str:
         return self.flow_log.read_text()[-4000:]

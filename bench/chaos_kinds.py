@@ -29,6 +29,7 @@ KINDS = (
     "s3_slow",
     "corrupt",
     "prefect_outage",
+    "disk_full",
 )
 NOTICE_S = 10.0
 
@@ -100,7 +101,8 @@ class FaultKinds:
         return {"node": node[:8], "deadline_s": NOTICE_S}
 
     def _flow_ready(self) -> bool:
-        """The flow lives and has held the lease a while; no second flow starts; the API is up."""
+        """The flow lives and has held the lease a while; no second flow starts; the API is up;
+        the store has room (a second flow must meet the lease, not a full store)."""
         live_second = any(p.poll() is None for _, p, _ in self.second_flows)
         return (
             self.flow is not None
@@ -108,6 +110,7 @@ class FaultKinds:
             and time.time() - self.flow_started_at > 20
             and not live_second
             and not self.api_down
+            and not self.proxy.is_full
         )
 
     def _flow_kill(self) -> dict[str, Any] | None:
@@ -146,6 +149,17 @@ class FaultKinds:
         self.proxy.slow(low, high)
         self._later(seconds, self.proxy.fast)
         return {"latency_s": [low, high], "for_s": seconds}
+
+    def _disk_full(self) -> dict[str, Any] | None:
+        """The store full (every write refused as a full MinIO refuses it), freed 4-10 s later.
+        A full store is not retried (docs/storage.md): the flow fails with StorageFullError, and
+        the campaign runs it again once space is freed, as an automation would."""
+        if not self._flow_ready() or self.proxy._listener is None:
+            return None
+        seconds = round(self.rng.uniform(4, 10), 1)
+        self.proxy.fill()
+        self._later(seconds, self.proxy.free)
+        return {"full_s": seconds}
 
     def _prefect_outage(self) -> dict[str, Any] | None:
         """The Prefect server killed (a crashed pod) mid-run, started again from a thread later."""

@@ -174,8 +174,9 @@ def _decide(
     spec: RunSpec, run_dir: RunDirectory, error: RelaytrainError, number: int
 ) -> RetryDecision:
     """Decide retry-or-stop from attempt ``number``, which the engine just recorded (or
-    failed before recording: a preflight check); record the verdict."""
-    records = attempts.read(run_dir)
+    failed before recording: a preflight check; or could not record how it ended: it is
+    closed here with ``error``); record the verdict."""
+    records = attempts.close_unrecorded(run_dir, number, error)
     if not records or records[-1].attempt < number or records[-1].status != "failed":
         failure = attempts.AttemptRecord(
             attempt=attempts.next_number(records),
@@ -186,7 +187,7 @@ def _decide(
         )
         return decide_retry(failure, records, spec.retries)
     decision = decide_retry(records[-1], records[:-1], spec.retries)
-    attempts.write(run_dir, records[-1].decided(decision.reason))
+    attempts.write_quietly(run_dir, records[-1].decided(decision.reason))
     return decision
 
 

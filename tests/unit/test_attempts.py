@@ -61,3 +61,32 @@ def test_records_of_other_releases_read_with_defaults():
     newer = AttemptRecord.from_json({"attempt": 4, "status": "failed", "a_later_field": 1})
     assert newer.attempt == 4 and not hasattr(newer, "a_later_field")
     assert AttemptRecord.from_json(old.to_json()) == old
+
+
+def test_an_attempt_the_engine_could_not_close_is_closed_by_the_train_task(tmp_path):
+    """The store was full when the engine recorded how attempt 1 ended (the chaos campaign's
+    ``disk_full``): the record stayed "running", the flow failed with StorageFullError, and the
+    next launch closed it as DriverLost on the infrastructure budget, a retry charged to a
+    failure that is not retried. The train task, which holds the error, closes it instead."""
+    from tasks.train import _decide
+    from tests.conftest import tiny_raw
+    from trainer_core.errors import StorageFullError
+    from trainer_core.spec.overrides import build_spec
+
+    spec = build_spec(tiny_raw(tmp_path, "r"))
+    run_dir = RunDirectory(storage.resolve(str(tmp_path / "run")))
+    attempts.write(run_dir, AttemptRecord.opened(1, "fresh start", 0))
+    write_metrics_segment(run_dir, 1, [{"step": s, "loss": 1.0} for s in range(1, 16)])
+    full = StorageFullError("storage is full: could not write attempts.jsonl", field="run.storage")
+    decision = _decide(spec, run_dir, full, 1)
+    assert not decision.retry and "not retryable" in decision.reason
+    (record,) = attempts.read(run_dir)
+    assert (record.status, record.error_class, record.error_budget) == (
+        "failed",
+        "StorageFullError",
+        "none",
+    )
+    assert record.last_step == 15 and record.ended_at and "not retryable" in record.retry_decision
+    attempts.write(run_dir, AttemptRecord.opened(2, "resume", 10))
+    attempts.close_abandoned(run_dir, 2)  # the next launch: nothing left to close
+    assert attempts.read(run_dir)[0].error_class == "StorageFullError"

@@ -9,12 +9,16 @@ written by an older release gets the defaults), never a missing key.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainer_core.checkpoint.history import last_recorded_step
 from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.errors import StorageError
+
+logger = logging.getLogger("relaytrain.attempts")
 
 Status = Literal["running", "failed", "completed"]
 
@@ -123,6 +127,33 @@ def read(run_dir: RunDirectory) -> list[AttemptRecord]:
 def write(run_dir: RunDirectory, record: AttemptRecord) -> None:
     """Insert or replace the record of ``record.attempt``."""
     run_dir.record_attempt(record.to_json())
+
+
+def write_quietly(run_dir: RunDirectory, record: AttemptRecord) -> bool:
+    """``write`` for the record of a failure: when the store refuses it (full, or away), the
+    failure being raised matters more than its record. Logged; False. The train task closes a
+    record left running with the error it holds (``close_unrecorded``), or the next attempt
+    does (``close_abandoned``)."""
+    try:
+        write(run_dir, record)
+    except StorageError as e:
+        logger.warning("could not record how attempt %s ended: %s", record.attempt, e)
+        return False
+    return True
+
+
+def close_unrecorded(
+    run_dir: RunDirectory, attempt: int, error: BaseException
+) -> list[AttemptRecord]:
+    """The records, ``attempt``'s closed as failed by ``error`` if it is still running (its
+    engine could not record the end: the store refused the write). Stored if the store takes
+    it now; the records as they are known either way."""
+    records = read(run_dir)
+    if records and records[-1].attempt == attempt and records[-1].status == "running":
+        last_step = last_recorded_step(run_dir, attempt) or 0
+        records[-1] = records[-1].failed(error, {}, last_step)
+        write_quietly(run_dir, records[-1])
+    return records
 
 
 def next_number(records: list[AttemptRecord]) -> int:

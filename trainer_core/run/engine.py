@@ -4,8 +4,8 @@ outcome. Ray is reached through ``trainer_core.execution`` only.
 ``run_attempt(spec)`` is one attempt: preflight checks on the driver (fail fast, no workers),
 Ray Train's ``fit()`` with ``RunConfig(storage_path, name=<run name>)`` so every attempt
 addresses the same run directory, metrics relayed to ``on_event`` while fit() runs, the attempt
-recorded in ``attempts.jsonl``, and any failure raised as a classified ``RelaytrainError``.
-A second call on the same run resumes from the newest committed checkpoint.
+recorded in ``attempts.jsonl``, any failure raised as a classified ``RelaytrainError``. Called
+again on the same run, it resumes from the newest committed checkpoint.
 """
 
 from __future__ import annotations
@@ -58,8 +58,7 @@ class Plan:
     resume_step: int | None
     candidates: list[int]
     reason: str
-    #: The dataset snapshot the workers read (``PinnedDataset.for_workers``; None: generated
-    #: data or a user's own loop).
+    #: The snapshot the workers read (``PinnedDataset.for_workers``); None: made data, own loop.
     dataset: dict[str, Any] | None = None
     #: The lease owner the attempt's commits are fenced by (None: no lease, e.g. a test).
     lease_owner: str | None = None
@@ -345,8 +344,9 @@ def run_attempt(
         except BaseException as error:
             answered = reclaimed_before | live.preempted_nodes  # by in-place restarts
             classified = classify.name_preemption(classify.classify(error), answered)
+            failed = record.failed(classified, live.outcome(), live.step)
             if not isinstance(classified, LeaseLostError):  # the run is another flow's now
-                attempts.write(run_dir, record.failed(classified, live.outcome(), live.step))
+                attempts.write_quietly(run_dir, failed)
             if classified is error:
                 raise
             raise classified from error
