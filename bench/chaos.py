@@ -23,7 +23,7 @@ so that every kind comes round (``--faults`` in all):
 - ``corrupt``: one file of the newest committed checkpoint damaged in storage;
 - ``prefect_outage``: the Prefect server (a real ``prefect server start`` on SQLite) killed
   while the flow trains, and started again on its database 30-90 s later (quick: 10-20 s).
-- ``disk_full``: the S3 store full for 4-10 s (every write answered HTTP 507
+- ``disk_full``: the S3 store full for 3-8 s (every write answered HTTP 507
   ``XMinioStorageFull``, as a full MinIO answers): a full store is not retried
   (docs/storage.md), so the flow fails with StorageFullError, and the command is run again once
   space is freed, as an automation would.
@@ -160,13 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument(
         "--faults", type=int, default=None, help="faults in all (default 24: 3 of each kind)"
     )
-    cli.add_argument("--mean-gap-s", type=float, default=None, help="default 15 (quick: 7)")
+    cli.add_argument("--mean-gap-s", type=float, default=None, help="default 15 (quick: 5)")
     cli.add_argument(
         "--epochs",
         type=int,
         default=None,
         help="the run's length: 64 steps an epoch, about 5.4 s each uninterrupted here "
-        "(default 100; quick: 18); a sparser campaign (--mean-gap-s 60) needs a longer run "
+        "(default 100; quick: 20); a sparser campaign (--mean-gap-s 60) needs a longer run "
         "to place its faults in",
     )
     args = cli.parse_args(argv)

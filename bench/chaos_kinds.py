@@ -151,12 +151,12 @@ class FaultKinds:
         return {"latency_s": [low, high], "for_s": seconds}
 
     def _disk_full(self) -> dict[str, Any] | None:
-        """The store full (every write refused as a full MinIO refuses it), freed 4-10 s later.
+        """The store full (every write refused as a full MinIO refuses it), freed 3-8 s later.
         A full store is not retried (docs/storage.md): the flow fails with StorageFullError, and
         the campaign runs it again once space is freed, as an automation would."""
         if not self._flow_ready() or self.proxy._listener is None:
             return None
-        seconds = round(self.rng.uniform(4, 10), 1)
+        seconds = round(self.rng.uniform(3, 8), 1)
         self.proxy.fill()
         self._later(seconds, self.proxy.free)
         return {"full_s": seconds}

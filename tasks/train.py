@@ -173,9 +173,11 @@ class ProgressRelay:
 def _decide(
     spec: RunSpec, run_dir: RunDirectory, error: RelaytrainError, number: int
 ) -> RetryDecision:
-    """Decide retry-or-stop from attempt ``number``, which the engine just recorded (or
-    failed before recording: a preflight check; or could not record how it ended: it is
-    closed here with ``error``); record the verdict."""
+    """Decide retry-or-stop from the attempt that ended in ``error``: ``error.attempt`` where
+    the engine ran it (a re-attached Ray job's may be older than ``number``, the next one), and
+    just recorded it (or could not record how it ended: it is closed here with ``error``); else
+    ``number``, failed before its record (a preflight check). Record the verdict."""
+    number = getattr(error, "attempt", number)
     records = attempts.close_unrecorded(run_dir, number, error)
     if not records or records[-1].attempt < number or records[-1].status != "failed":
         failure = attempts.AttemptRecord(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from trainer_core import storage
 from trainer_core.checkpoint.history import write_metrics_segment
 from trainer_core.checkpoint.run_directory import RunDirectory
@@ -63,22 +65,31 @@ def test_records_of_other_releases_read_with_defaults():
     assert AttemptRecord.from_json(old.to_json()) == old
 
 
-def test_an_attempt_the_engine_could_not_close_is_closed_by_the_train_task(tmp_path):
+@pytest.mark.parametrize("reattached", [False, True])
+def test_an_attempt_the_engine_could_not_close_is_closed_by_the_train_task(tmp_path, reattached):
     """The store was full when the engine recorded how attempt 1 ended (the chaos campaign's
     ``disk_full``): the record stayed "running", the flow failed with StorageFullError, and the
     next launch closed it as DriverLost on the infrastructure budget, a retry charged to a
-    failure that is not retried. The train task, which holds the error, closes it instead."""
+    failure that is not retried. The train task, which holds the error, closes it instead; also
+    when it re-attached to the attempt's Ray job after its flow was killed (it took the next
+    number, 2, for its own: the attempt comes with the error across the job's log)."""
     from tasks.train import _decide
     from tests.conftest import tiny_raw
+    from trainer_core import errors
     from trainer_core.errors import StorageFullError
     from trainer_core.spec.overrides import build_spec
 
     spec = build_spec(tiny_raw(tmp_path, "r"))
     run_dir = RunDirectory(storage.resolve(str(tmp_path / "run")))
-    attempts.write(run_dir, AttemptRecord.opened(1, "fresh start", 0))
+    record = AttemptRecord.opened(1, "fresh start", 0)
+    attempts.write(run_dir, record)
     write_metrics_segment(run_dir, 1, [{"step": s, "loss": 1.0} for s in range(1, 16)])
     full = StorageFullError("storage is full: could not write attempts.jsonl", field="run.storage")
-    decision = _decide(spec, run_dir, full, 1)
+    refused = RunDirectory(storage.resolve(str(tmp_path / "file")))
+    (tmp_path / "file").write_text("a file where the run directory should be")
+    assert not attempts.write_quietly(refused, record.failed(full, {}, 15), full)
+    raised = errors.from_json(errors.to_json(full))  # as a Ray job's outcome carries it
+    decision = _decide(spec, run_dir, raised, 2 if reattached else 1)
     assert not decision.retry and "not retryable" in decision.reason
     (record,) = attempts.read(run_dir)
     assert (record.status, record.error_class, record.error_budget) == (

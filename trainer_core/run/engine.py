@@ -346,7 +346,7 @@ def run_attempt(
             classified = classify.name_preemption(classify.classify(error), answered)
             failed = record.failed(classified, live.outcome(), live.step)
             if not isinstance(classified, LeaseLostError):  # the run is another flow's now
-                attempts.write_quietly(run_dir, failed)
+                attempts.write_quietly(run_dir, failed, classified)
             if classified is error:
                 raise
             raise classified from error

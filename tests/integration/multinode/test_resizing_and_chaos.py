@@ -214,7 +214,7 @@ def test_a_seeded_chaos_campaign_ends_as_the_uninterrupted_run(cluster, s3_serve
     """bench/chaos.py's short campaign: one fault of every kind in the fault matrix (worker and
     node killed, a drain with notice, the flow process killed and run again, a second flow, an
     S3 outage, S3 slow, the newest checkpoint damaged, the Prefect server killed and started
-    again, the store full for a while) at seeded 7 s gaps, overlapping recoveries. The run ends
+    again, the store full for a while) at seeded 5 s gaps, overlapping recoveries. The run ends
     bit-identical to the uninterrupted one, every step's row once, no commit lost, each failure
     on its fault's budget (``bench.chaos.verdict``)."""
     from bench.chaos import KINDS, QUICK, campaign, flow_env, prefect_server
