@@ -68,9 +68,25 @@ def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
                     "error_class": record.error_class,
                     "resumed_at": following.resumed_at if following else None,
                     "resumed_from_step": following.resumed_from_step if following else None,
+                    # when the attempt is known to have run (DriverLost: no ended_at)
+                    "between": (record.started_at, following.started_at if following else None),
                 }
             )
     return sorted(found, key=lambda f: f["at"])
+
+
+def place_lost_drivers(found: list[dict[str, Any]], flow_exits: list[float]) -> None:
+    """A DriverLost attempt (its record closed by a later launch, no ``ended_at``) ended when
+    its flow went: the last flow exit the campaign caused (a kill, a full store's failure)
+    between its start and the next attempt's."""
+    for failure in found:
+        if failure["error_class"] != "DriverLost":
+            continue
+        began, until = failure["between"]
+        ends = [t for t in flow_exits if (began or 0) <= t <= (until or float("inf"))]
+        if ends:
+            failure["at"] = max(ends)
+    found.sort(key=lambda f: f["at"])
 
 
 #: How long after a fault a failure may still be its doing: a drain's deadline (10 s), an
@@ -111,6 +127,8 @@ def verdict(
     """The checks (``problems``: empty when everything held) and the figures."""
     records = attempts.read(run_dir)
     found = failures(records)
+    kills = [f.at for f in campaign.faults if f.kind == "flow_kill"]
+    place_lost_drivers(found, kills + [e["at"] for e in campaign.full_store_exits])
     effective = in_effect(campaign.faults, campaign.proxy.events)
     causes_problems, per_kind = judge_failures(campaign.faults, effective, found)
     problems = [
@@ -118,7 +136,27 @@ def verdict(
         *causes_problems,
         *flow_problems(campaign),
     ]
-    return {"problems": problems, "figures": figures(campaign, records, found, effective, per_kind)}
+    return {
+        "problems": problems,
+        "figures": figures(campaign, records, found, effective, per_kind),
+        "attempts": [
+            {k: getattr(r, k) for k in ATTEMPT_FIELDS} | {"restarts": len(r.restarts)}
+            for r in records
+        ],
+    }
+
+
+#: What the result keeps of each attempt record (to read a failed check back).
+ATTEMPT_FIELDS = (
+    "attempt",
+    "status",
+    "started_at",
+    "ended_at",
+    "resumed_from_step",
+    "last_step",
+    "error_class",
+    "error_budget",
+)
 
 
 def outcome_problems(

@@ -128,3 +128,22 @@ def test_a_chaos_failure_is_judged_by_the_faults_before_it():
     assert "damaged checkpoint of step 40" in problems[0]
     assert "['drain'] at 200.0 was followed by a failure on the code budget" in problems[1]
     assert f"no fault in the {EFFECT_S:g} s before it" in problems[2]
+
+
+def test_a_lost_driver_failed_when_its_flow_went():
+    """An attempt whose record a later launch closed (DriverLost, no end time) counted as
+    failing when it started: the 40-fault campaign of 2026-11-28 found no fault in the 30 s
+    before an attempt that had run for 4 minutes before a full store failed its flow. It is
+    placed at the last flow exit between its start and the next attempt's."""
+    from bench.chaos_analysis import judge_failures, place_lost_drivers
+    from bench.chaos_kinds import Fault
+
+    full = Fault("disk_full", 300.0)
+    lost = {"at": 60.0, "budget": "infrastructure", "error_class": "DriverLost",
+            "resumed_at": 330.0, "resumed_from_step": 2480, "between": (60.0, 325.0)}  # fmt: skip
+    assert judge_failures([full], [full], [dict(lost)])[0]  # placed at its start: a problem
+    found = [dict(lost)]
+    place_lost_drivers(found, [250.0, 311.0, 400.0])  # a kill before, its exit, a later one
+    assert found[0]["at"] == 311.0
+    problems, per_kind = judge_failures([full], [full], found)
+    assert problems == [] and per_kind["disk_full"] == [30.0]
