@@ -100,7 +100,8 @@ def chaos_setup(workdir: Path) -> Iterator[tuple[Any, ...]]:
     and a Prefect server (``prefect_server``); the environment a flow process gets."""
     from bench import harness
     from tests.multinode import MultiNodeCluster
-    from tests.s3 import OutageProxy, moto_s3
+    from tests.outage_proxy import OutageProxy
+    from tests.s3 import moto_s3
 
     with moto_s3(workdir) as s3, OutageProxy(s3.port) as proxy:
         cluster = MultiNodeCluster(num_workers=NODES, env=s3.credential_env())

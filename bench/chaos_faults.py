@@ -107,8 +107,8 @@ def total_steps(raw: dict) -> int:
 
 class Campaign(FaultKinds):
     """Drives one run through its faults. ``cluster`` is a ``tests.multinode.MultiNodeCluster``,
-    ``s3`` a ``tests.s3.S3Server``, ``proxy`` an ``OutageProxy`` in front of it, ``prefect`` the
-    ``tests.prefect_server.PrefectServer`` that ``env`` names."""
+    ``s3`` a ``tests.s3.S3Server``, ``proxy`` a ``tests.outage_proxy.OutageProxy`` in front of
+    it, ``prefect`` the ``tests.prefect_server.PrefectServer`` that ``env`` names."""
 
     def __init__(
         self,

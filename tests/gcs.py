@@ -7,7 +7,8 @@
 - ``GcsServer.uri(prefix)`` is ``gs://bucket/prefix?endpoint_override=...&scheme=http``
   (pyarrow's GcsFileSystem); ``uri(prefix, fsspec=True)`` is
   ``fsspec+gcs://bucket/prefix?endpoint_url=http://...`` (gcsfs). ``port=`` routes either
-  through another port, e.g. ``tests.s3.OutageProxy`` (but see "Resumable uploads" below).
+  through another port, e.g. ``tests.outage_proxy.OutageProxy`` (but see "Resumable uploads"
+  below).
 
 Credentials. fake-gcs-server accepts any request, signed or not (it cannot test refused
 credentials). The clients still need something to sign with:

@@ -110,7 +110,7 @@ def test_a_scan_seen_again_lists_each_checkpoint_once_and_reads_none(
     """Retention scans the run after every commit. A scan by a directory that scanned before
     lists the run and each checkpoint (its files' sizes; pyarrow in one request each), as the
     server sees it: no marker, manifest or file is read or asked about again."""
-    from tests.s3 import OutageProxy
+    from tests.outage_proxy import OutageProxy
     from trainer_core.checkpoint.run_directory import RunDirectory
 
     for key, value in s3_server.credential_env().items():
@@ -139,7 +139,7 @@ def test_finalize_reads_each_metrics_segment_once(s3_runs, s3_server, monkeypatc
 
     from tasks.finalize import finalize
     from tasks.setup import Prepared
-    from tests.s3 import OutageProxy
+    from tests.outage_proxy import OutageProxy
 
     spec, state, _, _ = s3_runs["pyarrow"]
     first = state.result()

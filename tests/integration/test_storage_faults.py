@@ -16,6 +16,7 @@ import pytest
 
 from flows.training import training
 from tests.conftest import ONE_WORKER, tiny_raw
+from tests.outage_proxy import OutageProxy
 from tests.prefect_api import logs, task_runs
 from tests.recovery import (
     assert_recovered,
@@ -25,7 +26,7 @@ from tests.recovery import (
     record_matrix_row,
     run_dir_of,
 )
-from tests.s3 import OutageProxy, record_timing
+from tests.s3 import record_timing
 from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import (

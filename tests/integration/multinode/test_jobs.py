@@ -126,7 +126,7 @@ def test_killed_flow_reattaches_to_its_running_job(
     however long the rerun takes to start."""
     from prefect.settings import PREFECT_API_URL
 
-    from tests.s3 import OutageProxy
+    from tests.outage_proxy import OutageProxy
 
     name = "multinode-reattach"
     port = int(cluster.job_address.rsplit(":", 1)[1])

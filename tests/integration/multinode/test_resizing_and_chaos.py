@@ -218,7 +218,7 @@ def test_a_seeded_chaos_campaign_ends_as_the_uninterrupted_run(cluster, s3_serve
     bit-identical to the uninterrupted one, every step's row once, no commit lost, each failure
     on its fault's budget (``bench.chaos.verdict``)."""
     from bench.chaos import KINDS, QUICK, campaign, flow_env, prefect_server
-    from tests.s3 import OutageProxy
+    from tests.outage_proxy import OutageProxy
 
     cluster.ensure_worker_nodes(3)
     wait_until(lambda: not cluster.worker_nodes(), what="the previous run's workers to go")
