@@ -210,7 +210,7 @@ def report(result: Result, outcome: dict[str, Any], settings: Settings) -> None:
     figures = result.figures = outcome["figures"]
     figures["problems"] = outcome["problems"]
     figures["faults"] = outcome["faults"]
-    figures["attempts"] = outcome["attempts"]
+    figures["attempt_records"] = outcome["attempts"]
     figures["row_name"] = "fault kind"
     figures["rows"] = figures["recovery_s_by_kind"]
     count = len(figures["faults"])
