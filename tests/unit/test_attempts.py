@@ -87,7 +87,8 @@ def test_an_attempt_the_engine_could_not_close_is_closed_by_the_train_task(tmp_p
     full = StorageFullError("storage is full: could not write attempts.jsonl", field="run.storage")
     refused = RunDirectory(storage.resolve(str(tmp_path / "file")))
     (tmp_path / "file").write_text("a file where the run directory should be")
-    assert not attempts.write_quietly(refused, record.failed(full, {}, 15), full)
+    assert not attempts.write_quietly(refused, record.failed(full, {}, 15))  # refused, quietly
+    full.attempt = 1  # type: ignore[attr-defined]  # as engine.run_attempt tags what it raises
     raised = errors.from_json(errors.to_json(full))  # as a Ray job's outcome carries it
     decision = _decide(spec, run_dir, raised, 2 if reattached else 1)
     assert not decision.retry and "not retryable" in decision.reason

@@ -129,16 +129,11 @@ def write(run_dir: RunDirectory, record: AttemptRecord) -> None:
     run_dir.record_attempt(record.to_json())
 
 
-def write_quietly(
-    run_dir: RunDirectory, record: AttemptRecord, error: BaseException | None = None
-) -> bool:
+def write_quietly(run_dir: RunDirectory, record: AttemptRecord) -> bool:
     """``write`` for the record of a failure: when the store refuses it (full, or away), the
     failure being raised matters more than its record. Logged; False. The train task closes a
     record left running with the error it holds (``close_unrecorded``), or the next attempt
-    does (``close_abandoned``). ``error``, the failure, is tagged with the attempt it ended
-    (``error.attempt``: it crosses a Ray job's log with the error), for the train task."""
-    if error is not None:
-        error.attempt = record.attempt  # type: ignore[attr-defined]
+    does (``close_abandoned``)."""
     try:
         write(run_dir, record)
     except StorageError as e:

@@ -4,8 +4,8 @@ outcome. Ray is reached through ``trainer_core.execution`` only.
 ``run_attempt(spec)`` is one attempt: preflight checks on the driver (fail fast, no workers),
 Ray Train's ``fit()`` with ``RunConfig(storage_path, name=<run name>)`` so every attempt
 addresses the same run directory, metrics relayed to ``on_event`` while fit() runs, the attempt
-recorded in ``attempts.jsonl``, any failure raised as a classified ``RelaytrainError``. Called
-again on the same run, it resumes from the newest committed checkpoint.
+recorded in ``attempts.jsonl``, any failure raised as a classified ``RelaytrainError`` (tagged
+with its attempt). Called again on the same run, it resumes from the newest committed checkpoint.
 """
 
 from __future__ import annotations
@@ -325,8 +325,7 @@ def run_attempt(
         cluster.check_capacity(spec)
         reclaimed_before = cluster.preempted_nodes()
         _prepare_run_directory(spec, run_dir, plan)
-        # The built-in loop starts from step 0 when nothing is committed; a loop of the user's
-        # own resumes from Ray's checkpoint, which only its workers know.
+        # From step 0 when nothing is committed; a user's loop from what only its workers know.
         start = plan.resume_step if plan.resume_step is not None or spec.ray_loop else 0
         record = attempts.AttemptRecord.opened(plan.attempt, plan.reason, start)
         attempts.write(run_dir, record)
@@ -344,9 +343,10 @@ def run_attempt(
         except BaseException as error:
             answered = reclaimed_before | live.preempted_nodes  # by in-place restarts
             classified = classify.name_preemption(classify.classify(error), answered)
+            classified.attempt = plan.attempt  # type: ignore[attr-defined]  # for the train task
             failed = record.failed(classified, live.outcome(), live.step)
             if not isinstance(classified, LeaseLostError):  # the run is another flow's now
-                attempts.write_quietly(run_dir, failed, classified)
+                attempts.write_quietly(run_dir, failed)
             if classified is error:
                 raise
             raise classified from error
