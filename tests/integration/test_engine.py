@@ -30,6 +30,7 @@ from trainer_core.errors import (
     SpecError,
     TrainingCodeError,
 )
+from trainer_core.run import attempts
 from trainer_core.run.engine import run_attempt
 from trainer_core.run.summary import build_result
 from trainer_core.spec.overrides import build_spec
@@ -130,11 +131,21 @@ def test_corrupt_newest_checkpoint_falls_back(reference, tmp_path):
     data[len(data) // 2] ^= 0xFF  # same size, one flipped byte: only the sha256 can tell
     model_file.write_bytes(bytes(data))
     events = []
-    second = run_attempt(spec, on_event=events.append)
+    stored_at_resume = []  # what the attempt's record said once its workers resumed
+
+    def on_event(event):
+        events.append(event)
+        if event["kind"] == "resumed":
+            stored_at_resume.append(attempts.read(run_dir)[-1].resumed_from_step)
+
+    second = run_attempt(spec, on_event=on_event)
     resumed = next(e for e in events if e["kind"] == "resumed")
     assert resumed["step"] == 13
     assert [s["step"] for s in resumed["skipped"]] == [20]
     assert second.resumed_from_step == 13
+    # A record its driver cannot close (the flow killed, the store full) keeps where the workers
+    # resumed, not the plan's first candidate: the damaged step 20.
+    assert stored_at_resume == [13]
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]
     record_matrix_row("6 newest checkpoint corrupted (flipped byte)", run_dir, retry="run_attempt")

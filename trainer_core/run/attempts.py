@@ -62,6 +62,11 @@ class AttemptRecord:
     def opened(cls, attempt: int, plan: str, resume_step: int | None) -> AttemptRecord:
         return cls(attempt, "running", time.time(), plan=plan, resumed_from_step=resume_step)
 
+    def running(self, outcome: dict[str, Any]) -> AttemptRecord:
+        """Still running, with what its workers said of themselves so far (where they resumed,
+        their restarts): what the record keeps if its driver cannot close it."""
+        return dataclasses.replace(self, **_known(outcome))
+
     def failed(
         self, error: BaseException, outcome: dict[str, Any], last_step: int
     ) -> AttemptRecord:

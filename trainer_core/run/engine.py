@@ -332,8 +332,8 @@ def run_attempt(
         live = LiveState(step=plan.resume_step or 0, resumed_from=start)
 
         def handle(event: dict[str, Any]) -> None:
-            if live.apply(event):  # a worker group ended or began: the record says so now
-                attempts.write(run_dir, replace(record, restarts=live.restarts))
+            if live.apply(event):  # a worker group began or ended: the record says so now
+                attempts.write(run_dir, record.running(live.outcome()))
             if on_event is not None:
                 on_event(event)
 

@@ -52,13 +52,11 @@ class LiveState:
         }
 
     def apply(self, event: dict[str, Any]) -> bool:
-        """Fold ``event`` in; True when it ended or began a worker group of the attempt (a
-        restart to record)."""
+        """Fold ``event`` in; True when it ended or began a worker group of the attempt (the
+        record to update: where the workers resumed, a restart)."""
         kind = event["kind"]
         self._fold(event, kind)
-        return kind in ("restarting", "resizing") or (
-            kind in ("resumed", "fresh_start") and bool(event.get("group"))
-        )
+        return kind in ("restarting", "resizing", "resumed", "fresh_start")
 
     def _fold(self, event: dict[str, Any], kind: str) -> None:
         if kind in ("resumed", "fresh_start"):  # a worker group began (0: the attempt's first)
