@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -25,6 +27,62 @@ from trainer_core.tracking import mlflow_log, tensorboard_log
 PROGRESS_INTERVAL_S = 2.0
 #: How long the end of an attempt waits for its last progress update to reach the API.
 FINAL_PROGRESS_WAIT_S = 10.0
+
+
+#: What the run should know of, by event kind: the log level, the message and its arguments.
+NOTICES: dict[str, tuple[int, str, Callable[[dict[str, Any]], tuple[Any, ...]]]] = {
+    "restarting": (
+        logging.WARNING,
+        "worker group restarting in place (restart %s; %s budget: %s) after %s: %s",
+        lambda e: (
+            e["restart"],
+            e["error_budget"],
+            "no limit" if e["limit"] is None else f"at most {e['limit']}",
+            e["error_class"],
+            e["error_message"],
+        ),
+    ),
+    "waiting_for_resources": (
+        logging.WARNING,
+        "the Ray cluster is busy (%s): the worker group waits up to %g s "
+        "(scaling.wait_for_resources_s) for other runs to free it",
+        lambda e: (e["short"], e["wait_s"]),
+    ),
+    "resizing": (
+        logging.WARNING,
+        "the cluster holds %s workers now: resizing the worker group from %s",
+        lambda e: (e["to"], e["world_size"]),
+    ),
+    "preemption_notice": (
+        logging.WARNING,
+        "node(s) of rank(s) %s drain for preemption in %.1f s: checkpoint committed at step %s, "
+        "just in time",
+        lambda e: (e["ranks"], e["seconds_left"], e["step"]),
+    ),
+    "slow_checkpoint_writes": (
+        logging.WARNING,
+        "checkpoint writes outlast checkpoint.every=%s: at step %s training waited %.2f s for "
+        "the previous write, which began %.2f s of training earlier. Raise checkpoint.every or "
+        "use faster storage (said once per worker group)",
+        lambda e: (e["every"], e["step"], e["wait_s"], e["since_s"]),
+    ),
+    "straggler": (
+        logging.WARNING,
+        "rank %s on node %s is a straggler: its steps take %.2fx its peers' median (over %sx "
+        "for %s report windows in a row; the run's summary has the breakdown)",
+        lambda e: (e["rank"], e["node"], e["ratio"], step_time.RATIO, step_time.WINDOWS),
+    ),
+    "dataset_added": (
+        logging.INFO,
+        "%s file(s) added to %s since this run took its dataset snapshot are ignored (a new "
+        "run.name trains on them): %s",
+        lambda e: (
+            len(e["files"]),
+            e["uri"],
+            ", ".join(e["files"][:5]) + (" ..." if len(e["files"]) > 5 else ""),
+        ),
+    ),
+}
 
 
 def should_retry(task: Any, task_run: TaskRun, state: State) -> bool:
@@ -92,65 +150,9 @@ class ProgressRelay:
 
     def _log_notice(self, kind: str, event: dict[str, Any]) -> None:
         """Say what the run should know of: a restart or resize, a drain, slow writes, new files."""
-        if kind == "restarting":
-            limit = "no limit" if event["limit"] is None else f"at most {event['limit']}"
-            self.logger.warning(
-                "worker group restarting in place (restart %s; %s budget: %s) after %s: %s",
-                event["restart"],
-                event["error_budget"],
-                limit,
-                event["error_class"],
-                event["error_message"],
-            )
-        if kind == "waiting_for_resources":
-            self.logger.warning(
-                "the Ray cluster is busy (%s): the worker group waits up to %g s "
-                "(scaling.wait_for_resources_s) for other runs to free it",
-                event["short"],
-                event["wait_s"],
-            )
-        if kind == "resizing":
-            self.logger.warning(
-                "the cluster holds %s workers now: resizing the worker group from %s",
-                event["to"],
-                event["world_size"],
-            )
-        if kind == "preemption_notice":
-            self.logger.warning(
-                "node(s) of rank(s) %s drain for preemption in %.1f s: checkpoint committed at "
-                "step %s, just in time",
-                event["ranks"],
-                event["seconds_left"],
-                event["step"],
-            )
-        if kind == "slow_checkpoint_writes":
-            self.logger.warning(
-                "checkpoint writes outlast checkpoint.every=%s: at step %s training waited "
-                "%.2f s for the previous write, which began %.2f s of training earlier. Raise "
-                "checkpoint.every or use faster storage (said once per worker group)",
-                event["every"],
-                event["step"],
-                event["wait_s"],
-                event["since_s"],
-            )
-        if kind == "straggler":
-            self.logger.warning(
-                "rank %s on node %s is a straggler: its steps take %.2fx its peers' median "
-                "(over %sx for %s report windows in a row; the run's summary has the breakdown)",
-                event["rank"],
-                event["node"],
-                event["ratio"],
-                step_time.RATIO,
-                step_time.WINDOWS,
-            )
-        if kind == "dataset_added":
-            self.logger.info(
-                "%s file(s) added to %s since this run took its dataset snapshot are ignored "
-                "(a new run.name trains on them): %s",
-                len(event["files"]),
-                event["uri"],
-                ", ".join(event["files"][:5]) + (" ..." if len(event["files"]) > 5 else ""),
-            )
+        if kind in NOTICES:
+            level, message, arguments = NOTICES[kind]
+            self.logger.log(level, message, *arguments(event))
 
     def publish(self) -> None:
         """Post the progress known now, without waiting for the API."""
