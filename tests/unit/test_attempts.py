@@ -81,9 +81,10 @@ def test_an_attempt_the_engine_could_not_close_is_closed_by_the_train_task(tmp_p
 
     spec = build_spec(tiny_raw(tmp_path, "r"))
     run_dir = RunDirectory(storage.resolve(str(tmp_path / "run")))
-    record = AttemptRecord.opened(1, "fresh start", 0)
+    # planned from step 5; the workers found it damaged and resumed from 3 (the engine's update)
+    record = AttemptRecord.opened(1, "resume from 5", 5).running({"resumed_from_step": 3})
     attempts.write(run_dir, record)
-    write_metrics_segment(run_dir, 1, [{"step": s, "loss": 1.0} for s in range(1, 16)])
+    write_metrics_segment(run_dir, 1, [{"step": s, "loss": 1.0} for s in range(4, 16)])
     full = StorageFullError("storage is full: could not write attempts.jsonl", field="run.storage")
     refused = RunDirectory(storage.resolve(str(tmp_path / "file")))
     (tmp_path / "file").write_text("a file where the run directory should be")
@@ -99,6 +100,7 @@ def test_an_attempt_the_engine_could_not_close_is_closed_by_the_train_task(tmp_p
         "none",
     )
     assert record.last_step == 15 and record.ended_at and "not retryable" in record.retry_decision
+    assert (record.status, record.resumed_from_step) == ("failed", 3)  # the workers' step, kept
     attempts.write(run_dir, AttemptRecord.opened(2, "resume", 10))
     attempts.close_abandoned(run_dir, 2)  # the next launch: nothing left to close
     assert attempts.read(run_dir)[0].error_class == "StorageFullError"

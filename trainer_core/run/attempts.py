@@ -1,6 +1,7 @@
 """The attempt record: one per attempt of a run, in the run directory's ``attempts.jsonl``.
 
-A typed, versioned record with a few verbs: ``opened`` when an attempt starts, ``failed`` or
+A typed, versioned record with a few verbs: ``opened`` when an attempt starts, ``running`` once
+its workers have said where they resumed (and at each restart in place), ``failed`` or
 ``completed`` when it ends, ``abandoned`` for one whose driver died without a word, and
 ``decided`` once the orchestrator chose to retry or stop. Readers get every field (a record
 written by an older release gets the defaults), never a missing key.
