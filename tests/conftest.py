@@ -23,21 +23,20 @@ ONE_WORKER = {"num_workers": 1}
 
 __all__ = ["ONE_WORKER", "tiny_raw"]
 
-#: The longest integration modules (about that many seconds in one process: the last one-process
-#: run's figures, from before the suite's cuts since, which shortened test_flow, test_columns,
-#: test_engine and test_training_options most; re-measure before reordering), started first under
-#: ``make test``'s 2 xdist processes (tools/test.sh, ``--no-loadscope-reorder``) so that no long
-#: module starts last while the other process idles.
-LONGEST_FIRST = (
-    "tests/integration/test_columns.py",  # 160
-    "tests/integration/test_flow.py",  # 160
-    "tests/integration/test_streaming.py",  # 120
-    "tests/integration/test_engine.py",  # 115
-    "tests/integration/test_storage_faults.py",  # 105
-    "tests/integration/test_fault_matrix.py",  # 100
-    "tests/integration/test_fsdp.py",  # 100
-    "tests/integration/test_tracking.py",  # 95
-    "tests/integration/test_training_options.py",  # 85
+#: The longest integration modules of phase 2, started first under ``make test``'s 2 xdist
+#: processes (tools/test.sh, ``--no-loadscope-reorder``) so that no long module starts last while
+#: the other process idles; ordered by the seconds each took there (setup, call and teardown of
+#: its tests, ``--durations=0``), the other process busy beside it. Re-measure before reordering.
+LONGEST_FIRST = (  # 2026-11-28
+    "tests/integration/test_engine.py",  # 403
+    "tests/integration/test_columns.py",  # 375
+    "tests/integration/test_flow.py",  # 321
+    "tests/integration/test_user_loop.py",  # 315
+    "tests/integration/test_fsdp.py",  # 298
+    "tests/integration/test_streaming.py",  # 278
+    "tests/integration/test_fault_matrix.py",  # 252
+    "tests/integration/test_storage_faults.py",  # 215
+    "tests/integration/test_training_options.py",  # 204
 )
 
 
