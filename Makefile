@@ -29,8 +29,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# Three phases on 2 cores (tools/test.sh): the multi-node tests beside the e2e modules, the rest
-# on 2 xdist processes, the step-time module alone. TEST_ARGS goes to each pytest call.
+# Three phases on 2 cores (tools/test.sh): the multi-node tests beside the e2e, tracking and
+# object-storage modules, the rest on 2 xdist processes, the step-time module alone. TEST_ARGS goes to each pytest call.
 test: $(STAMP) system lint
 	tools/test.sh $(TEST_ARGS)
 
