@@ -57,13 +57,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest modules first; under xdist (``--dist loadgroup``), each module is one unit of
-    work, so its module fixtures (a training run, a tracking server) are built once."""
+    """The longest modules first. Under ``make test``'s xdist (``--dist loadfile``) each module
+    is one unit of work, handed whole to one process in this order, so that its module fixtures
+    (a training run, a tracking server) are built once."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")

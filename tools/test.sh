@@ -17,7 +17,7 @@
 #      that lane took 866 s beside the multi-node package's 1054 s, and phase 2 1893 s against
 #      2165 s measured with them earlier that day.
 #   2. The other integration modules and the unit tests on 2 xdist processes, a module to each
-#      at a time (tests/conftest.py groups them; the longest first, the unit tests last), each
+#      at a time (xdist's loadfile; tests/conftest.py orders them, the longest first), each
 #      process with its own session Ray cluster. The machine is saturated either way: the six
 #      longest modules took 1034 s in one process against 1844 s of the two processes' time
 #      (922 s of wall) beside each other, so less work is what shortens this phase, not lanes.
@@ -33,6 +33,10 @@ PYTEST=${PYTEST:-.venv/bin/pytest}
 MULTINODE=tests/integration/multinode
 BESIDE=(tests/e2e tests/integration/test_tracking.py tests/integration/test_object_storage.py)
 ALONE=tests/integration/test_step_time.py
+# Phase 2's processes: each module whole to one of them (its module fixtures built once), in
+# tests/conftest.py's order. Not --dist loadgroup: under pytest 9.2 xdist 3.8 no longer reads
+# its groups (pytest-xdist#1386), and modules were split test by test, their fixtures built twice.
+PHASE2_PROCESSES=(-n 2 --dist loadfile --no-loadscope-reorder)
 
 # pytest, where "no test selected" (exit 5, under -k) is no failure
 run() {
@@ -58,8 +62,8 @@ echo "== phase 1, $MULTINODE:"
 cat "$lane_log"
 
 echo "== phase 2: the unit and integration tests on 2 processes"
-run tests/integration tests/unit --ignore="$MULTINODE" --ignore="$ALONE" "${MOVED[@]}" -n 2 \
-    --dist loadgroup --no-loadscope-reorder --durations=30 "$@" || status=1
+run tests/integration tests/unit --ignore="$MULTINODE" --ignore="$ALONE" "${MOVED[@]}" \
+    "${PHASE2_PROCESSES[@]}" --durations=30 "$@" || status=1
 
 echo "== phase 3: $ALONE alone"
 run "$ALONE" --durations=5 "$@" || status=1
