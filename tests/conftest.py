@@ -27,16 +27,20 @@ __all__ = ["ONE_WORKER", "tiny_raw"]
 #: processes (tools/test.sh, ``--no-loadscope-reorder``) so that no long module starts last while
 #: the other process idles; ordered by the seconds each took there (setup, call and teardown of
 #: its tests, ``--durations=0``), the other process busy beside it. Re-measure before reordering.
-LONGEST_FIRST = (  # 2026-11-28
-    "tests/integration/test_engine.py",  # 403
-    "tests/integration/test_columns.py",  # 375
-    "tests/integration/test_flow.py",  # 321
-    "tests/integration/test_user_loop.py",  # 315
-    "tests/integration/test_fsdp.py",  # 298
-    "tests/integration/test_streaming.py",  # 278
-    "tests/integration/test_fault_matrix.py",  # 252
-    "tests/integration/test_storage_faults.py",  # 215
-    "tests/integration/test_training_options.py",  # 204
+LONGEST_FIRST = (  # 2026-11-28, each module whole to one process (--dist loadfile)
+    "tests/integration/test_columns.py",  # 366
+    "tests/integration/test_engine.py",  # 315
+    "tests/integration/test_flow.py",  # 258
+    "tests/integration/test_streaming.py",  # 233
+    "tests/integration/test_fsdp.py",  # 185
+    "tests/integration/test_fault_matrix.py",  # 177
+    "tests/integration/test_storage_faults.py",  # 175
+    "tests/integration/test_training_options.py",  # 157
+    "tests/integration/test_user_loop.py",  # 149
+    "tests/integration/test_schedule.py",  # 111
+    "tests/integration/test_lease.py",  # 108
+    "tests/integration/test_bench_smoke.py",  # 92
+    "tests/integration/test_own_loop.py",  # 89
 )
 
 
