@@ -103,17 +103,40 @@ def reference_of(spec) -> dict:
     }
 
 
+def once_per_session(tmp_path_factory, name: str, make):
+    """``make(directory)``, once for the whole session: under xdist, the first process to ask
+    makes it in a directory of the session's shared temporary root, and the others wait for it
+    and read what it saved, instead of training it again."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(tmp_path_factory.mktemp(name))
+    import torch
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent  # the session's, above each process's own
+    saved = root / f"{name}.pt"
+    with FileLock(f"{saved}.lock"):
+        if saved.exists():
+            return torch.load(saved, weights_only=False)
+        directory = root / name
+        directory.mkdir()
+        value = make(directory)
+        torch.save(value, saved)
+        return value
+
+
 @pytest.fixture(scope="session")
 def uninterrupted(relaytrain_ray, tmp_path_factory):
     """The tiny spec's reference run, on its 2 DDP workers (``reference_run``)."""
-    return reference_run(tmp_path_factory.mktemp("reference"))
+    return once_per_session(tmp_path_factory, "reference", reference_run)
 
 
 @pytest.fixture(scope="session")
 def uninterrupted_one_worker(relaytrain_ray, tmp_path_factory):
     """The reference of the tests that train the tiny spec on ``ONE_WORKER``: its bits differ
     from 2 workers' (each rank draws its own dropout)."""
-    return reference_run(tmp_path_factory.mktemp("reference-1w"), scaling=ONE_WORKER)
+    return once_per_session(
+        tmp_path_factory, "reference-1w", lambda root: reference_run(root, scaling=ONE_WORKER)
+    )
 
 
 @pytest.fixture(scope="session")
