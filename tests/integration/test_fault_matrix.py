@@ -100,30 +100,38 @@ def corrupt(run_dir: RunDirectory, step: int, how: str) -> None:
 
 
 # A flipped byte (same size: only the sha256 tells) is test_engine's corrupt case, which adds its
-# row here; these two go through a Prefect retry.
-@pytest.mark.parametrize("how", ["truncated", "missing marker"])
+# row here; these two go through Prefect retries, one flow run meeting both.
 def test_corrupt_newest_checkpoint_falls_back(
-    relaytrain_prefect, uninterrupted_one_worker, tmp_path, how
+    relaytrain_prefect, uninterrupted_one_worker, tmp_path
 ):
+    """Attempt 1 fails at step 25 and, in the retry delay, its newest checkpoint (20) is
+    truncated: attempt 2 resumes from 13. It fails at step 35 and its newest (30) loses its
+    commit marker: attempt 3 resumes from 26, and the run ends as the uninterrupted one."""
     # One worker: which checkpoint a retry resumes from does not depend on how many ranks train.
-    name = f"matrix-corrupt-{how.replace(' ', '-')}"
-    raw = tiny_raw(tmp_path, name, scaling=ONE_WORKER)
-    raw["retries"] = {**raw["retries"], "delay_s": 4}  # the damage lands between the attempts
-    spec = with_fault(build_spec(raw), "raise", at_step=25)
+    raw = tiny_raw(tmp_path, "matrix-corrupt", scaling=ONE_WORKER)
+    raw["retries"] = {**raw["retries"], "code": 2, "delay_s": 4}  # damage between attempts
+    raw["faults"] = [
+        {"kind": "raise", "at_step": 25},
+        {"kind": "raise", "at_step": 35, "attempt": 2},
+    ]
+    spec = build_spec(raw)
     run_dir = run_dir_of(spec)
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(state=training(spec, return_state=True)))
     thread.start()
     deadline = time.time() + 300
-    while not any(a.get("status") == "failed" for a in run_dir.read_attempts()):
-        assert time.time() < deadline and thread.is_alive(), "attempt 1 never failed"
-        time.sleep(0.1)
-    corrupt(run_dir, 20, how)
+    for failed, (step, how) in enumerate([(20, "truncated"), (30, "missing marker")], start=1):
+        while sum(a.get("status") == "failed" for a in run_dir.read_attempts()) < failed:
+            assert time.time() < deadline and thread.is_alive(), f"attempt {failed} never failed"
+            time.sleep(0.1)
+        corrupt(run_dir, step, how)
     thread.join(timeout=300)
     assert box["state"].is_completed(), box["state"]
     attempts = assert_recovered(run_dir, uninterrupted_one_worker, interval=20, committed_before=13)
-    assert attempts[1]["resumed_from_step"] == 13  # past the damaged step 20
-    record_matrix_row(f"6 newest checkpoint corrupted ({how})", run_dir)
+    # past the damaged step 20, then past the unmarked step 30
+    assert [a.get("resumed_from_step") for a in attempts[1:]] == [13, 26]
+    for how in ("truncated", "missing marker"):
+        record_matrix_row(f"6 newest checkpoint corrupted ({how})", run_dir)
 
 
 def test_same_run_started_twice_at_once(
