@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from operator import methodcaller
 from pathlib import Path
 
 import pytest
@@ -288,29 +289,36 @@ def cpus_free(ray) -> float:
     return ray.available_resources().get("CPU", 0.0)
 
 
-@pytest.mark.parametrize("how", ["sigkill", "sigterm"])
 def test_interrupted_flow_process_resumes_on_rerun(
-    relaytrain_ray, relaytrain_prefect, uninterrupted_one_worker, tmp_path, how
+    relaytrain_ray, relaytrain_prefect, uninterrupted_one_worker, tmp_path
 ):
+    """The flow's process SIGTERMed mid-run (how Prefect cancels a flow run's process), run
+    again and SIGKILLed mid-run, then run again with the console script: each run resumes where
+    the last committed, each interruption frees the run's workers, and the run ends as the
+    uninterrupted one."""
     ray = relaytrain_ray
-    name = f"flow-{how}"
+    name = "flow-interrupted"
     spec_file = slow_spec_file(tmp_path, name)
     run_dir = RunDirectory(storage.resolve(str(tmp_path)).child(name))
     address = ray.get_runtime_context().gcs_address
     free_before = cpus_free(ray)
-    process = start_cli(spec_file, name, address)
-    committed = wait_for_commit(run_dir, 20, process)
-    if how == "sigkill":
-        process.kill()
-    else:  # how Prefect cancels a flow run's process
-        process.send_signal(signal.SIGTERM)
-    process.wait(timeout=30)
-    deadline = time.time() + 30  # the worker group is gone within 30 s
-    while cpus_free(ray) < free_before and time.time() < deadline:
-        time.sleep(0.5)
-    assert cpus_free(ray) >= free_before
-    assert run_dir.scan().newest.step >= committed  # nothing committed was lost
-    rerun_at = time.time()
+
+    def interrupt(process, at_least: int, stop) -> int:
+        committed = wait_for_commit(run_dir, at_least, process)
+        stop(process)
+        process.wait(timeout=30)
+        deadline = time.time() + 30  # the worker group is gone within 30 s
+        while cpus_free(ray) < free_before and time.time() < deadline:
+            time.sleep(0.5)
+        assert cpus_free(ray) >= free_before
+        assert run_dir.scan().newest.step >= committed  # nothing committed was lost
+        return committed
+
+    sigterm = methodcaller("send_signal", signal.SIGTERM)
+    terminated = interrupt(start_cli(spec_file, name, address), 10, sigterm)
+    second_at = time.time()
+    killed = interrupt(start_cli(spec_file, name, address), 20, methodcaller("kill"))
+    third_at = time.time()
     # run again as a user would, with the console script (the same run, resumed): it imports
     # the spec's model (tests.helpers) from the working directory, as `python -m` does
     relaytrain = str(Path(sys.executable).with_name("relaytrain"))
@@ -319,16 +327,20 @@ def test_interrupted_flow_process_resumes_on_rerun(
     assert rerun.returncode == 0, output
     assert f"run {name}: completed" in output and "relaytrain show" in output
     attempts = assert_recovered(
-        run_dir, uninterrupted_one_worker, interval=10, committed_before=committed
+        run_dir, uninterrupted_one_worker, interval=10, committed_before=terminated
     )
-    assert attempts[-1]["status"] == "completed" and attempts[-1]["resumed_from_step"] >= committed
-    case = "4 flow process SIGKILLed, re-run" if how == "sigkill" else "4b flow cancelled (SIGTERM)"
-    record_matrix_row(
-        case,
-        run_dir,
-        committed_before=committed,
-        rerun_to_resume_s=round(attempts[-1]["resumed_at"] - rerun_at, 1),
-    )
+    assert len(attempts) == 3 and attempts[-1]["status"] == "completed"
+    assert attempts[2]["resumed_from_step"] >= killed
+    for case, committed, attempt, rerun_at in (
+        ("4b flow cancelled (SIGTERM)", terminated, attempts[1], second_at),
+        ("4 flow process SIGKILLed, re-run", killed, attempts[2], third_at),
+    ):
+        record_matrix_row(
+            case,
+            run_dir,
+            committed_before=committed,
+            rerun_to_resume_s=round(attempt["resumed_at"] - rerun_at, 1),
+        )
 
 
 def test_cli_refuses_a_bad_spec_before_running(capsys):
