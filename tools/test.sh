@@ -18,11 +18,11 @@
 #      2165 s measured with them earlier that day.
 #   2. The other integration modules and the unit tests on 2 xdist processes, a module to each
 #      at a time (xdist's loadfile; tests/conftest.py orders them, the longest first), each
-#      process with its own session Ray cluster. The machine is saturated either way: the six
-#      longest modules took 1034 s in one process against 1844 s of the two processes' time
-#      (922 s of wall) beside each other, so less work is what shortens this phase, not lanes.
-#      With each module whole to one process (its module fixtures built once, not in both):
-#      1469 s on 2026-11-28, against 1893 s split test by test.
+#      process with its own session Ray cluster. They keep the 2 cores 97-99% busy (/proc/stat,
+#      2026-11-28): less work is what shortens this phase, not more lanes. Until 2026-11-28 the
+#      modules were dealt out test by test (see PHASE2_PROCESSES), their module fixtures built
+#      in both processes: that day, 1351 s that way (1f9fd38) against 1210 s whole (8cc2dda,
+#      which also trains five attempts fewer).
 #   3. The step-time module alone: it holds measured seconds against the sleeps it injects, which
 #      another process's load distorts (beside one, a straggler's all-reduce wait and a slow
 #      transform's data wait missed their marks by a few milliseconds).
