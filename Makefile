@@ -30,7 +30,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Three phases on 2 cores (tools/test.sh): the multi-node tests beside the e2e, tracking and
-# object-storage modules, the rest on 2 xdist processes, the step-time module alone. TEST_ARGS goes to each pytest call.
+# object-storage modules, the rest on 2 xdist processes (a module whole to each), the step-time
+# module alone. TEST_ARGS goes to each pytest call.
 test: $(STAMP) system lint
 	tools/test.sh $(TEST_ARGS)
 
