@@ -66,53 +66,72 @@ def test_a_worker_larger_than_any_node_is_refused_before_it_queues(
     assert run_dir_of(spec).read_attempts() == []
 
 
-@pytest.mark.parametrize("how", ["killed", "preempted"])
-def test_lost_node_resumes_on_the_remaining_nodes(
-    cluster, relaytrain_prefect, uninterrupted, run_storage, how
+def test_a_preempted_node_then_a_killed_node_resume_on_the_remaining_nodes(
+    cluster, relaytrain_prefect, uninterrupted, run_storage, tmp_path
 ):
-    raw = slow_raw(run_storage, f"multinode-{how}", cluster)
-    # A killed node ends the attempt (in_place 0), and Prefect's retry submits attempt 2 as a new
-    # Ray job: the path this case records (the default restart in place is test_fault_matrix's)
+    """Two worker nodes lost in one run (``retries.in_place`` 0), each a row of the fault matrix:
+
+    - at a commit >= 10, a node of the group drained for preemption (a 2 s deadline), then
+      killed: the group restarts in place, within the attempt, on the preemption budget;
+    - a node added back; that group held at its first step (a gate file) and one of its nodes
+      killed: the attempt fails on the infrastructure budget, and Prefect's retry submits
+      attempt 2 as a new Ray job (the path this case records; the default restart in place
+      after a killed node is test_fault_matrix's).
+
+    The run ends bit-identical to the uninterrupted one, no commit lost."""
+    raw = slow_raw(run_storage, "multinode-lost-nodes", cluster)
     raw["retries"]["in_place"] = 0
+    gate = tmp_path / "hold"
+    raw["model"]["kwargs"]["hold_while"] = str(gate)
     spec = build_spec(raw)
     run_dir = run_dir_of(spec)
-    if len(cluster.nodes()) < 3:
-        cluster.command("add")
+    cluster.ensure_worker_nodes(3)
     thread, box = run_flow_in_thread(spec)
     nodes = wait_until(
         lambda: len(cluster.worker_nodes()) == 2 and cluster.worker_nodes(), what="2 workers"
     )
     assert len(set(nodes)) == 2  # spread: one DDP worker per node
     wait_until(lambda: committed_step(run_dir) >= 10, what="a commit")
-    before = committed_step(run_dir)
-    victim = nodes[-1]
-    if how == "preempted":
-        answer = cluster.command("drain", victim, "2")
-        assert answer["accepted"], answer
-        time.sleep(2)
-    cluster.command("kill", victim)
+    before_drain = committed_step(run_dir)
+    answer = cluster.command("drain", nodes[-1], "2")
+    assert answer["accepted"], answer
+    time.sleep(2)
+    gate.touch()  # the next group holds at its first step until its node is killed
+    cluster.command("kill", nodes[-1])
+    cluster.command("add")  # 3 nodes again: attempt 2 needs 2 once the next one goes
+
+    def restarted():
+        (record,) = run_dir.read_attempts()
+        started = [r for r in record.get("restarts") or [] if "resumed_at" in r]
+        workers = cluster.worker_nodes()
+        return started and len(workers) == 2 and nodes[-1] not in workers and workers
+
+    survivors = wait_until(restarted, what="the group restarted in place on 2 nodes")
+    before_kill = committed_step(run_dir)
+    cluster.command("kill", survivors[-1])
+    gate.unlink()
     thread.join(timeout=600)
     state = box["state"]
     assert state.is_completed(), state
     # The lost node may be rank 0's, and take the checkpoint it was writing with it.
     attempts = assert_recovered(
-        run_dir, uninterrupted, interval=10, committed_before=before, write_lost=True
+        run_dir, uninterrupted, interval=10, committed_before=before_drain, write_lost=True
     )
-    runs = task_runs(state.state_details.flow_run_id)["train"].run_count
+    assert [a["status"] for a in attempts] == ["failed", "completed"]
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
+    (restart,) = attempts[0]["restarts"]  # the drained node: in place, on preemption's budget
+    assert restart["reason"] == "preemption" and "preempted" in restart["error_message"]
+    assert restart["world_size_before"] == restart["world_size_after"] == 2
+    assert restart["last_step"] - restart["resumed_from_step"] <= 20  # two intervals
+    assert attempts[0]["error_budget"] == "infrastructure"  # the killed node: a Prefect retry
+    assert attempts[1]["resumed_from_step"] >= before_kill
     ids = {j.submission_id for j in JobSubmissionClient(cluster.job_address).list_jobs()}
-    if how == "preempted":  # in place, within the attempt, on the preemption budget
-        assert [a["status"] for a in attempts] == ["completed"] and runs == 1
-        (restart,) = attempts[0]["restarts"]
-        assert restart["reason"] == "preemption" and "preempted" in restart["error_message"]
-        assert restart["world_size_before"] == restart["world_size_after"] == 2
-        assert restart["last_step"] - restart["resumed_from_step"] <= 20  # two intervals
-    else:
-        assert [a["status"] for a in attempts] == ["failed", "completed"] and runs == 2
-        assert attempts[0]["error_budget"] == "infrastructure"
-        assert jobs.submission_id(spec.run.name, 2) in ids
-    assert jobs.submission_id(spec.run.name, 1) in ids
-    case = "3 node killed" if how == "killed" else "8 node preempted (drain-node PREEMPTION)"
-    record_matrix_row(case, run_dir, committed_before=before, storage="s3 (moto), Jobs API")
+    assert {jobs.submission_id(spec.run.name, n) for n in (1, 2)} <= ids
+    for case, before in (
+        ("8 node preempted (drain-node PREEMPTION)", before_drain),
+        ("3 node killed", before_kill),
+    ):
+        record_matrix_row(case, run_dir, committed_before=before, storage="s3 (moto), Jobs API")
 
 
 def test_killed_flow_reattaches_to_its_running_job(
