@@ -54,7 +54,12 @@ class FaultKinds:
             if detail is not None:
                 del self.pending[index]
                 self.faults.append(Fault(kind, time.time(), detail))
-                print(f"[chaos] {time.strftime('%H:%M:%S')} {kind} {detail}", flush=True)
+                newest = max(self.committed_seen, default=0)
+                print(
+                    f"[chaos] {time.strftime('%H:%M:%S')} {kind} {detail} "
+                    f"(newest commit: step {newest} of {self.steps})",
+                    flush=True,
+                )
                 return True
         return False
 
