@@ -33,10 +33,11 @@ REPO = Path(__file__).resolve().parents[2]
 def counting_loop(config: dict[str, Any]) -> None:
     """One report an epoch with ``loss`` and ``score`` (highest at ``best_epoch``), and no
     ``step`` metric (nor ``epoch``, unless ``report_epoch``); a checkpoint every
-    ``checkpoint_every`` epochs. With ``kill_peer_at``, rank 1 of the first worker group dies
-    at that epoch while rank 0 waits for it in a collective (``marker`` makes it once), or,
-    with ``rank_0_computing``, while rank 0 computes something long (until Ray ends the
-    group)."""
+    ``checkpoint_every`` epochs. Each of ``peer_kills`` (``{"epoch", "start", "registered",
+    "rank_0_computing"}``) kills rank 1 of the worker group that started at epoch ``start``, at
+    ``epoch``, once Ray registered ``registered`` checkpoints, while rank 0 waits for it in a
+    collective or, with ``rank_0_computing``, computes something long (until Ray ends the
+    group); ``marker`` (a file per kill) makes each once."""
     import ray.train
     import ray.train.torch
     import torch.distributed as dist
@@ -58,14 +59,16 @@ def counting_loop(config: dict[str, Any]) -> None:
     x = torch.randn(64, 4, generator=generator)
     y = x.sum(dim=1, keepdim=True)
     for epoch in range(start, config["num_epochs"]):
-        first_time = epoch == config.get("kill_peer_at") and not os.path.exists(config["marker"])
-        if rank == 1 and first_time:
-            registered(Path(config["run_dir"]))
-            Path(config["marker"]).write_text("killed")
-            os.kill(os.getpid(), signal.SIGKILL)
-        first_group = start == 0
-        if rank == 0 and first_group and epoch == config.get("kill_peer_at"):
-            while config.get("rank_0_computing"):
+        kills = enumerate(config.get("peer_kills", ()))
+        kill = next(((i, k) for i, k in kills if (k["epoch"], k["start"]) == (epoch, start)), None)
+        if kill is not None and rank == 1:
+            marker = Path(f"{config['marker']}-{kill[0]}")
+            if not marker.exists():
+                registered(Path(config["run_dir"]), kill[1]["registered"])
+                marker.write_text("killed")
+                os.kill(os.getpid(), signal.SIGKILL)
+        if kill is not None and rank == 0:
+            while kill[1]["rank_0_computing"]:
                 time.sleep(1)  # until Ray ends the group: rank 1 died meanwhile
         dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank 1 that died
         optimizer.zero_grad()
@@ -96,21 +99,22 @@ def counting_loop(config: dict[str, Any]) -> None:
             )
 
 
-def registered(run_dir: Path, timeout_s: float = 120) -> None:
-    """Wait until Ray Train's snapshot lists a checkpoint of the run: its controller registers
-    a reported checkpoint when it next polls the workers, and a group lost before that loses
-    the checkpoint with it (Ray's registry; on a loaded machine the kill outran the poll, and
-    the run restarted from scratch). The kill is meant to land after a registered checkpoint."""
+def registered(run_dir: Path, count: int, timeout_s: float = 120) -> None:
+    """Wait until Ray Train's snapshot lists ``count`` checkpoints of the run (all are kept):
+    its controller registers a reported checkpoint when it next polls the workers, and a group
+    lost before that loses the checkpoint with it (Ray's registry; on a loaded machine the kill
+    outran the poll, and the run restarted from scratch). A kill is meant to land after its
+    group's registered checkpoint."""
     deadline = time.time() + timeout_s
     snapshot = run_dir / "checkpoint_manager_snapshot.json"
     while time.time() < deadline:
         try:
-            if json.loads(snapshot.read_text()).get("checkpoint_results"):
+            if len(json.loads(snapshot.read_text()).get("checkpoint_results") or ()) >= count:
                 return
         except (OSError, ValueError):
             pass
         time.sleep(0.1)
-    raise AssertionError(f"no checkpoint registered in {snapshot} within {timeout_s} s")
+    raise AssertionError(f"not {count} checkpoints registered in {snapshot} within {timeout_s} s")
 
 
 # -- what the loop says it ran ----------------------------------------------------------------
@@ -284,14 +288,14 @@ def test_a_finished_run_continues_when_its_train_loop_config_asks_for_more(
 # -- a lost peer ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rank_0", ["in_a_collective", "computing"])
 def test_a_lost_peer_is_an_infrastructure_failure_and_the_work_it_cost_is_counted(
-    relaytrain_ray, relaytrain_prefect, tmp_path, rank_0
+    relaytrain_ray, relaytrain_prefect, tmp_path
 ):
-    """Rank 1 dies while rank 0 waits for it in an all-reduce (rank 0's error is a lost peer)
-    or computes (Ray ends rank 0 when its controller finds rank 1 dead): recovered in place on
-    the infrastructure budget, not the loop's own failure; the epoch rank 0 reported and held
-    back (its rows are batched) counts as computed, and as run again."""
+    """Rank 1 dies twice (two restarts in place allowed): first while rank 0 waits for it in an
+    all-reduce (rank 0's error is a lost peer), then, in the group that resumed, while rank 0
+    computes (Ray ends rank 0 when its controller finds rank 1 dead). Each is recovered in
+    place on the infrastructure budget, not the loop's own failure; the epoch rank 0 reported
+    and held back (its rows are batched) counts as computed, and as run again."""
     from flows.training import training
 
     spec = own_loop_spec(
@@ -299,24 +303,29 @@ def test_a_lost_peer_is_an_infrastructure_failure_and_the_work_it_cost_is_counte
         "peer",
         workers=2,
         num_epochs=6,
-        checkpoint_every=2,
-        kill_peer_at=3,
-        rank_0_computing=rank_0 == "computing",
+        checkpoint_every=2,  # after epochs 1, 3 and 5: the groups resume at 2, then 4
+        peer_kills=[
+            {"epoch": 3, "start": 0, "registered": 1, "rank_0_computing": False},
+            {"epoch": 5, "start": 2, "registered": 2, "rank_0_computing": True},
+        ],
         marker=str(tmp_path / "killed"),
         run_dir=str(tmp_path / "peer"),
     )
+    spec = spec.model_copy(update={"retries": spec.retries.model_copy(update={"in_place": 2})})
     result = training(spec, return_state=True).result()
-    assert (tmp_path / "killed").exists()
+    assert (tmp_path / "killed-0").exists() and (tmp_path / "killed-1").exists()
     errors = [a.error_class for a in result.attempts] + [
         r.error_class for a in result.attempts for r in a.restarts
     ]
     assert "TrainingCodeError" not in errors, result.attempts
     assert len(result.attempts) == 1 and result.attempts[0].status == "completed"
-    (restart,) = result.attempts[0].restarts
-    assert restart.reason == "infrastructure" and restart.error_class == "InfrastructureError"
+    restarts = result.attempts[0].restarts
+    assert [(r.reason, r.error_class) for r in restarts] == [
+        ("infrastructure", "InfrastructureError")
+    ] * 2
     log = loop_log(tmp_path / "peer.log.jsonl")
     kept = final_timeline(log)
-    assert [line["epoch"] for line in log] == [0, 1, 2, 2, 3, 4, 5]  # epoch 3 lost no work
+    assert [line["epoch"] for line in log] == [0, 1, 2, 2, 3, 4, 4, 5]  # epochs 3, 5: no work
     assert result.steps_completed == len(kept) and result.steps_computed == len(log)
 
 
