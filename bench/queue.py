@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench import common, harness
 from bench.common import Result, Target
 
@@ -82,8 +84,6 @@ class BusyCores:
 
     @staticmethod
     def _busy_s() -> float:
-        import psutil
-
         times = psutil.cpu_times()
         return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
@@ -204,8 +204,6 @@ def use_of_slots(runs: list[dict[str, Any]]) -> tuple[float, float]:
 
 
 def measure(root: Path, epochs: int) -> dict[str, Any]:
-    import psutil
-
     alone, alone_trained, alone_busy = [], [], []
     for seed in range(RUNS):
         with BusyCores() as busy:

@@ -111,7 +111,7 @@ def test_corrupt_newest_checkpoint_falls_back(
     raw = tiny_raw(tmp_path, "matrix-corrupt", scaling=ONE_WORKER)
     raw["retries"] = {**raw["retries"], "code": 2, "delay_s": 4}  # damage between attempts
     raw["faults"] = [
-        {"kind": "raise", "at_step": 25},
+        {"kind": "raise", "at_step": 25, "attempt": 1},
         {"kind": "raise", "at_step": 35, "attempt": 2},
     ]
     spec = build_spec(raw)
