@@ -296,9 +296,9 @@ def summarize(
     result.targets.append(
         RSS_TARGET.check(rss, f"{large:g} MB vs {small:g} MB, data.memory_mb {budget}")
     )
-    # At the default budget (1024 MB) the small dataset fits: the reader holds most of it, and
-    # up to its budget of the large one. A figure, not the target.
-    result.figures["rss large/small at data.memory_mb 1024"] = common.ratio(
+    # At MEMORY_MB (1024) the small dataset fits: the reader holds most of it, and up to its
+    # budget of the large one. A figure, not the target.
+    result.figures[f"rss large/small at data.memory_mb {MEMORY_MB}"] = common.ratio(
         result.variants, f"rss/{large:g}MB", f"rss/{small:g}MB", "peak_rss_mb"
     )
     big = result.variants.get(f"rss/{large:g}MB-big-groups")
