@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -283,3 +285,23 @@ def test_epochs_closed_mid_epoch_stop_reading(dataset):
         break
     epochs.close()
     assert epochs.current is None
+
+
+def test_a_stream_let_go_frees_its_rows_without_the_cycle_collector(dataset):
+    """A worker drops a rank's stream (its epochs closed) and the decoded rows go with it, at
+    once: not when Python's cycle collector next runs, which may be epochs later, while the
+    next stream holds its own windows beside them."""
+    data = section(dataset, validation_fraction=0.2, batch_size=16, partitions=2)
+    layout = footers.scan(data)
+    gc.disable()
+    try:
+        rank = rank_stream.RankStream(layout, data, 4, 1, 0)
+        epochs = rank.epochs(0, 0, 2)
+        assert sum(len(rows.labels) for _, ahead in epochs for _, _, rows in ahead) > 0
+        epochs.close()
+        assert rank.reader._decoded  # what it held
+        reader, decoded = weakref.ref(rank.reader), weakref.ref(rank.reader._decoded)
+        del rank, epochs
+        assert reader() is None and decoded() is None
+    finally:
+        gc.enable()

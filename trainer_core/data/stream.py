@@ -31,79 +31,21 @@ from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
 
 
-class Reader:
-    """Rows of a layout by (row group, training row), for one rank.
+class RowGroupFiles:
+    """A layout's row groups read from its files (or its in-memory table) as the rows a form
+    reads: what ``Reader`` and its ``row_slices.SliceStore`` both call. Apart from the reader,
+    so the slice store holds no reference back to it, and a reader let go frees its decoded
+    rows at once, not when the cycle collector runs."""
 
-    Row groups are decoded in slices of ``slice_rows`` rows (``row_slices``: a row group that
-    small is one slice, a bigger one is streamed once and spilled slice by slice). Decoded
-    slices are kept, most recently used last, while they hold at most ``cache_rows`` rows (the
-    newest always stays): size it to the slices the live shuffle windows span (``RankStream``
-    does), or a batch re-reads them.
-    """
-
-    def __init__(
-        self,
-        layout: Layout,
-        data: DataSection,
-        seed: int,
-        cache_rows: int = 0,
-        slice_rows: int | None = None,
-    ):
+    def __init__(self, layout: Layout, data: DataSection):
         self.layout = layout
-        self.data = data.resolved()
-        self.seed = seed
-        self.fraction = self.data.validation_fraction
-        self.cache_rows = cache_rows
-        largest = max((g.rows for g in layout.row_groups), default=1)
+        self.data = data
         #: The tabular form's feature and label arrays, or the columns form's Arrow table.
-        self.rows_type = table_rows.rows_type(self.data)
-        self.slices = row_slices.SliceStore(
-            [g.rows for g in layout.row_groups],
-            slice_rows or largest,
-            self.read,
-            self._stream,
-            self.to_rows,
-            self.rows_type,
-        )
-        Key = tuple[int, int]  # (row group, slice)
-        self._decoded: collections.OrderedDict[Key, Rows] = collections.OrderedDict()
-        self._train_rows: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
-        #: Slices being read ahead (``prefetch``), by two threads: decoding overlaps use.
-        self._pending: dict[Key, concurrent.futures.Future[Rows]] = {}
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.rows_type = table_rows.rows_type(data)
         #: Each file's footer, once read (the reading threads share it; a race reads it twice).
         self._footers: dict[str, pq.FileMetaData] = {}
-        self.row_groups_read = 0  # slices decoded, whole row groups or parts
 
-    def _row_ids(self, group: int) -> np.ndarray:
-        g = self.layout.row_groups[group]
-        return np.arange(g.first_row, g.first_row + g.rows, dtype=np.int64)
-
-    def _is_train(self, group: int) -> np.ndarray:
-        """Which rows of ``group`` are training rows (from their ids: no data read)."""
-        return ~sample_order.is_validation(self._row_ids(group), self.seed, self.fraction)
-
-    def train_rows(self, group: int) -> np.ndarray:
-        """Indices within row group ``group`` of its training rows (kept for the row groups
-        that are decoded, and a few more)."""
-        found = self._train_rows.get(group)
-        if found is None:
-            found = np.flatnonzero(self._is_train(group))
-            self._train_rows[group] = found
-            while len(self._train_rows) > len(self._decoded) + 8:
-                self._train_rows.popitem(last=False)
-        else:
-            self._train_rows.move_to_end(group)
-        return found
-
-    def validation_rows(self, group: int) -> np.ndarray:
-        return np.flatnonzero(~self._is_train(group))
-
-    def train_counts(self) -> list[int]:
-        """Training rows per row group, from row ids alone (no data read)."""
-        return [int(self._is_train(g).sum()) for g in range(len(self.layout.row_groups))]
-
-    def _open(self, group: int) -> pa.NativeFile:
+    def open(self, group: int) -> pa.NativeFile:
         """Row group ``group``'s file, refused when its size is not the snapshot's."""
         g = self.layout.row_groups[group]
         assert self.layout.location is not None
@@ -139,13 +81,13 @@ class Reader:
         if self.layout.table is not None:
             table = self.layout.table.slice(g.first_row, g.rows)
         else:
-            with self._open(group) as f, self.decoding(group):
-                table = self._parquet(f, g.file).read_row_group(
+            with self.open(group) as f, self.decoding(group):
+                table = self.parquet(f, g.file).read_row_group(
                     g.index, columns=columns_of(self.data), use_threads=False
                 )
         return self.to_rows(table)
 
-    def _parquet(self, f: pa.NativeFile, name: str) -> pq.ParquetFile:
+    def parquet(self, f: pa.NativeFile, name: str) -> pq.ParquetFile:
         """``f`` as a Parquet file, its footer read once per file and kept (a row group read
         from object storage is then its column chunks' ranges alone, fetched coalesced)."""
         assert self.layout.location is not None
@@ -159,14 +101,14 @@ class Reader:
         self._footers.setdefault(name, parquet.metadata)
         return parquet
 
-    def _stream(self, group: int) -> Iterator[pa.RecordBatch]:
+    def stream(self, group: int) -> Iterator[pa.RecordBatch]:
         """Row group ``group``'s record batches, about ``STREAM_BATCH_BYTES`` each."""
         g = self.layout.row_groups[group]
         rows = max(64, int(row_slices.STREAM_BATCH_BYTES / row_bytes(self.layout)))
         if self.layout.table is not None:
             yield from self.layout.table.slice(g.first_row, g.rows).to_batches(rows)
             return
-        with self._open(group) as f, self.decoding(group):
+        with self.open(group) as f, self.decoding(group):
             yield from row_slices.stream_row_group(f, g.index, rows, columns_of(self.data))
 
     def read_labels(self, group: int) -> np.ndarray:
@@ -176,7 +118,7 @@ class Reader:
         if self.layout.table is not None:
             column = self.layout.table.slice(g.first_row, g.rows).column(self.data.label)
         else:
-            with self._open(group) as f, self.decoding(group):
+            with self.open(group) as f, self.decoding(group):
                 table = pq.ParquetFile(f, page_checksum_verification=True).read_row_group(
                     g.index, columns=[self.data.label]
                 )
@@ -186,6 +128,81 @@ class Reader:
                 f"data.label column {self.data.label!r} has null values", field="data.label"
             )
         return column.to_numpy(zero_copy_only=False)
+
+
+class Reader:
+    """Rows of a layout by (row group, training row), for one rank.
+
+    Row groups are decoded in slices of ``slice_rows`` rows (``row_slices``: a row group that
+    small is one slice, a bigger one is streamed once and spilled slice by slice). Decoded
+    slices are kept, most recently used last, while they hold at most ``cache_rows`` rows (the
+    newest always stays): size it to the slices the live shuffle windows span (``RankStream``
+    does), or a batch re-reads them.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        data: DataSection,
+        seed: int,
+        cache_rows: int = 0,
+        slice_rows: int | None = None,
+    ):
+        self.layout = layout
+        self.data = data.resolved()
+        self.seed = seed
+        self.fraction = self.data.validation_fraction
+        self.cache_rows = cache_rows
+        largest = max((g.rows for g in layout.row_groups), default=1)
+        self.files = RowGroupFiles(layout, self.data)
+        self.rows_type = self.files.rows_type
+        self.slices = row_slices.SliceStore(
+            [g.rows for g in layout.row_groups],
+            slice_rows or largest,
+            self.files.read,
+            self.files.stream,
+            self.files.to_rows,
+            self.rows_type,
+        )
+        Key = tuple[int, int]  # (row group, slice)
+        self._decoded: collections.OrderedDict[Key, Rows] = collections.OrderedDict()
+        self._train_rows: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        #: Slices being read ahead (``prefetch``), by two threads: decoding overlaps use.
+        self._pending: dict[Key, concurrent.futures.Future[Rows]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.row_groups_read = 0  # slices decoded, whole row groups or parts
+
+    def _row_ids(self, group: int) -> np.ndarray:
+        g = self.layout.row_groups[group]
+        return np.arange(g.first_row, g.first_row + g.rows, dtype=np.int64)
+
+    def _is_train(self, group: int) -> np.ndarray:
+        """Which rows of ``group`` are training rows (from their ids: no data read)."""
+        return ~sample_order.is_validation(self._row_ids(group), self.seed, self.fraction)
+
+    def train_rows(self, group: int) -> np.ndarray:
+        """Indices within row group ``group`` of its training rows (kept for the row groups
+        that are decoded, and a few more)."""
+        found = self._train_rows.get(group)
+        if found is None:
+            found = np.flatnonzero(self._is_train(group))
+            self._train_rows[group] = found
+            while len(self._train_rows) > len(self._decoded) + 8:
+                self._train_rows.popitem(last=False)
+        else:
+            self._train_rows.move_to_end(group)
+        return found
+
+    def read(self, group: int) -> Rows:
+        """Row group ``group`` decoded whole, bypassing the cache (``RowGroupFiles.read``)."""
+        return self.files.read(group)
+
+    def validation_rows(self, group: int) -> np.ndarray:
+        return np.flatnonzero(~self._is_train(group))
+
+    def train_counts(self) -> list[int]:
+        """Training rows per row group, from row ids alone (no data read)."""
+        return [int(self._is_train(g).sum()) for g in range(len(self.layout.row_groups))]
 
     def slice_keys(self, groups: np.ndarray, train_index: np.ndarray) -> list[tuple[int, int]]:
         """The (row group, slice) pairs training rows ``train_index[i]`` of ``groups[i]`` lie
@@ -285,14 +302,14 @@ def describe(layout: Layout, data: DataSection) -> data_mod.DatasetInfo:
     if data.columns_form:  # the transform makes the inputs: the model is built from its kwargs
         return data_mod.DatasetInfo(layout.num_rows, 0, 0)
     assert data.features is not None and data.label is not None
-    reader = Reader(layout, data, seed=0)
+    files = RowGroupFiles(layout, data)
     if isinstance(data.features, str):
         kind = layout.schema.field(data.features).type
         if pa.types.is_fixed_size_list(kind):
             width = kind.list_size
         elif pa.types.is_list(kind):
             first = next(i for i, g in enumerate(layout.row_groups) if g.rows)
-            with reader._open(first) as f, reader.decoding(first):
+            with files.open(first) as f, files.decoding(first):
                 batch = next(
                     row_slices.stream_row_group(
                         f, layout.row_groups[first].index, 1, columns_of(data)
@@ -310,7 +327,7 @@ def describe(layout: Layout, data: DataSection) -> data_mod.DatasetInfo:
             low = min(r[0] for r in ranges if r is not None)
             high = max(r[1] for r in ranges if r is not None)
         else:  # the label column alone, one row group at a time
-            labels = [reader.read_labels(i) for i, g in enumerate(layout.row_groups) if g.rows]
+            labels = [files.read_labels(i) for i, g in enumerate(layout.row_groups) if g.rows]
             low, high = min(int(x.min()) for x in labels), max(int(x.max()) for x in labels)
         if low < 0:
             raise SpecError(
