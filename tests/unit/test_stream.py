@@ -305,3 +305,32 @@ def test_a_stream_let_go_frees_its_rows_without_the_cycle_collector(dataset):
         assert reader() is None and decoded() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_windows_gathered_by_plan_give_each_positions_rows(tmp_path, monkeypatch, world_size):
+    """Against the rows each batch's positions name, read one batch at a time (the oracle): the
+    same ids and features, for every rank, with windows that end mid-share (7 rows against
+    shares of 4 and 3), row groups read in slices, and a resume from batch 9."""
+    monkeypatch.setenv("RELAYTRAIN_SPILL_DIR", str(tmp_path / "spill"))
+    write(tmp_path / "t" / "part-0.parquet", 0, 200, 80)
+    write(tmp_path / "t" / "part-1.parquet", 200, 90, 90)
+    data = section(tmp_path / "t", validation_fraction=0.1, batch_size=10, partitions=3)
+    layout = footers.scan(data)
+    for rank in range(world_size):
+        stream_ = rank_stream.RankStream(layout, data, 6, world_size, rank)
+        stream_.reader.slices.slice_rows = 32
+        order = sample_order.epoch_order(
+            stream_.train_counts, seed=6, epoch=2, batch_size=10, partitions=3, window=7
+        )
+        oracle = stream.Reader(layout, data, 6, cache_rows=10**6, slice_rows=32)
+        expected = []
+        for index in range(9, order.steps):
+            ids, rows = oracle.take(*order.locate(order.rank_positions(index, world_size, rank)))
+            expected.append((index, ids.tolist(), rows.features.tolist()))
+        ahead = rank_stream.Prefetcher(stream_.reader, order, world_size, rank, first=9)
+        try:
+            got = [(i, ids.tolist(), rows.features.tolist()) for i, ids, rows in ahead]
+        finally:
+            ahead.close()
+        assert got == expected and len(expected) > 10

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -42,18 +43,45 @@ class Arrays:
     def take(self, index: np.ndarray) -> Arrays:
         return Arrays(self.features[index], self.labels[index])
 
+    def slice(self, start: int, stop: int) -> Arrays:
+        """Rows ``start..stop - 1`` (views, no copy)."""
+        return Arrays(self.features[start:stop], self.labels[start:stop])
+
     @staticmethod
-    def take_parts(parts: list[tuple[np.ndarray, Arrays, np.ndarray]], count: int) -> Arrays:
+    def join(parts: list[Arrays]) -> Arrays:
+        """The parts' rows one after another, in one copy."""
+        if len(parts) == 1:
+            return Arrays(parts[0].features.copy(), parts[0].labels.copy())
+        return Arrays(
+            np.concatenate([p.features for p in parts]), np.concatenate([p.labels for p in parts])
+        )
+
+    @staticmethod
+    def take_parts(
+        parts: list[tuple[np.ndarray, Arrays, np.ndarray]], count: int, into: Any = None
+    ) -> Arrays:
         """``count`` rows from ``(positions, rows, index)`` parts: rows ``index`` of each part's
-        rows go to its positions, copied once (no part is taken out first)."""
+        rows go to its positions (``take`` gathers rows faster than fancy indexing does).
+        ``into``: rows no longer used whose arrays are written over when their shapes fit (a
+        window's arrays are tens of MB: new ones cost page faults, each time)."""
         if not parts:
             return Arrays(np.zeros((0, 0), np.float32), np.zeros(0, np.float32))
         first = parts[0][1]
-        features = np.empty((count, first.features.shape[1]), np.float32)
-        labels = np.empty(count, first.labels.dtype)
+        shape = (count, first.features.shape[1])
+        if (
+            isinstance(into, Arrays)
+            and into.features.shape == shape
+            and into.labels.dtype == first.labels.dtype
+            and into.features.flags.writeable
+            and into.labels.flags.writeable
+        ):
+            features, labels = into.features, into.labels
+        else:
+            features = np.empty(shape, np.float32)
+            labels = np.empty(count, first.labels.dtype)
         for where, rows, index in parts:
-            features[where] = rows.features[index]
-            labels[where] = rows.labels[index]
+            features[where] = rows.features.take(index, axis=0)
+            labels[where] = rows.labels.take(index)
         return Arrays(features, labels)
 
     @staticmethod
@@ -185,9 +213,14 @@ _SCALING_FIELDS = {"schema", "scale", "offset"}
 
 def _features_matrix(table: pa.Table, features: str | list[str]) -> np.ndarray:
     if isinstance(features, str):
-        column = table.column(features).combine_chunks()
+        chunked = table.column(features)
+        # One chunk (a row group read whole) is used as it is, not copied.
+        column = chunked.chunk(0) if chunked.num_chunks == 1 else chunked.combine_chunks()
         if pa.types.is_fixed_size_list(column.type) or pa.types.is_list(column.type):
-            values = column.flatten().to_numpy(zero_copy_only=False)
+            flat = column.flatten()
+            # Without nulls, the values' own buffer (read-only): asking for a copy-if-needed
+            # copies through a slow path whenever a validity bitmap is present, even empty.
+            values = flat.to_numpy(zero_copy_only=flat.null_count == 0)
             width = len(values) // max(len(column), 1)
             if width * len(column) != len(values):
                 raise SpecError(

@@ -3,8 +3,8 @@ order, read ahead in a thread (``Prefetcher``), and the validation rows."""
 
 from __future__ import annotations
 
+import collections
 import functools
-import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -153,6 +153,126 @@ class Epochs:
 _END = object()
 
 
+class Windows:
+    """One rank's rows of an epoch, gathered a shuffle window at a time, by plan.
+
+    When a batch first needs window ``w`` of a partition, the rank's rows of that whole window
+    are gathered in the window's order by one ``Reader.take`` (a few copies of many rows each,
+    not a few dozen rows per row group per batch); each batch is then a run of each of its
+    partitions' gathered windows. The slices of each partition's current and next window are
+    read ahead (``Reader.prefetch``), and the reader's cache drops first the slices no planned
+    window still needs. Rows and order are ``EpochOrder.rank_positions``': only where they are
+    gathered differs. Memory: a gathered window per partition, counted against the cache.
+    """
+
+    def __init__(self, reader: Reader, order: sample_order.EpochOrder, world_size: int, rank: int):
+        self.reader, self.order = reader, order
+        start, stop = sample_order.rank_slice(order.batch_size, world_size, rank)
+        bounds = np.concatenate([[0], np.cumsum(order.shares)])
+        #: (partition, first, stop): the rank's positions of each global batch's share of a
+        #: partition.
+        self.spans = [
+            (p, int(max(start, bounds[p]) - bounds[p]), int(min(stop, bounds[p + 1]) - bounds[p]))
+            for p in order.partitions_of(world_size, rank)
+        ]
+        Key = tuple[int, int]
+        #: Windows planned and not yet gathered: (items, row groups, rows, slices).
+        self._planned: dict[Key, tuple[np.ndarray, np.ndarray, np.ndarray, list[Key]]] = {}
+        self._done: set[Key] = set()
+        #: Each partition's gathered window: (window, items, row ids, rows).
+        self._live: dict[int, tuple[int, np.ndarray, np.ndarray, Any]] = {}
+        self.wanted: collections.Counter[Key] = collections.Counter()
+        reader.wanted, reader.outside_rows = self.wanted, 0
+        #: The windows of the batch read ahead last, by partition.
+        self._ahead: list[int] = []
+
+    def read_ahead(self, index: int) -> None:
+        """Plan, and start reading, each partition's window of batch ``index``, then each
+        one's next (every current window before any next: the batch needs them all)."""
+        windows = [
+            (index * int(self.order.shares[partition]) + first) // self.order.window
+            for partition, first, _ in self.spans
+        ]
+        if windows == self._ahead:  # most batches: no window starts
+            return
+        self._ahead = windows
+        for step_ahead in (0, 1):
+            for (partition, _, _), window in zip(self.spans, windows, strict=True):
+                self._plan(partition, window + step_ahead)
+
+    def _plan(self, partition: int, window: int) -> None:
+        if (partition, window) in self._planned or (partition, window) in self._done:
+            return
+        items = self._items(partition, window)
+        order = self.order
+        offsets = order.window_order(partition, window)[items - window * order.window]
+        positions = order.part_starts[partition] + window * order.window + offsets
+        groups, rows = order.locate(positions)
+        keys = self.reader.slice_keys(groups, rows) if len(items) else []
+        self.wanted.update(keys)
+        self.reader.prefetch(keys)
+        self._planned[(partition, window)] = (items, groups, rows, keys)
+
+    def _items(self, partition: int, window: int) -> np.ndarray:
+        """The partition's items (its shuffled sequence's indices) of ``window`` this rank
+        reads, ascending."""
+        share = int(self.order.shares[partition])
+        first, stop = next((f, s) for p, f, s in self.spans if p == partition)
+        low = window * self.order.window
+        high = min(low + self.order.window, self.order.part_length(partition))
+        items = np.arange(low, max(low, high), dtype=np.int64)
+        if stop - first < share:
+            within = items % share
+            items = items[(within >= first) & (within < stop)]
+        return items
+
+    def _window(self, partition: int, window: int) -> tuple[int, np.ndarray, np.ndarray, Any]:
+        live = self._live.get(partition)
+        if live is not None and live[0] == window:
+            return live
+        spent = None
+        if live is not None:  # batches read on from it: no batch needs it again
+            self.reader.outside_rows -= len(live[1])
+            spent = self._live.pop(partition)[3]  # its arrays take the next window's rows
+        self._plan(partition, window)
+        items, groups, rows, keys = self._planned.pop((partition, window))
+        self._done.add((partition, window))
+        ids, taken = self.reader.take(groups, rows, into=spent)
+        self.wanted.subtract(keys)
+        self._live[partition] = live = (window, items, ids, taken)
+        self.reader.outside_rows += len(items)
+        return live
+
+    def batch(self, index: int) -> tuple[np.ndarray, Any]:
+        """The row ids and rows of global batch ``index`` this rank trains on."""
+        ids: list[np.ndarray] = []
+        parts: list[Any] = []
+        size, rows_type = self.order.window, self.reader.rows_type
+        for partition, first, stop in self.spans:
+            share = int(self.order.shares[partition])
+            low, high = index * share + first, index * share + stop
+            while low < high:  # a batch's share can run over a window's end
+                window = low // size
+                live = self._live.get(partition)
+                if live is None or live[0] != window:
+                    live = self._window(partition, window)
+                _, items, window_ids, rows = live
+                end = min(high, (window + 1) * size)
+                start_at, end_at = np.searchsorted(items, [low, end]).tolist()
+                if end_at > start_at:
+                    ids.append(window_ids[start_at:end_at])
+                    part = rows.slice(start_at, end_at)
+                    # Copied when the next window is gathered into this one's arrays.
+                    parts.append(rows_type.join([part]) if end < high else part)
+                low = end
+        return np.concatenate(ids), self.reader.rows_type.join(parts)
+
+    def close(self) -> None:
+        """Let the gathered windows go, and the reader's cache their room."""
+        self._live.clear()
+        self.reader.outside_rows, self.reader.wanted = 0, None
+
+
 class Prefetcher:
     """One rank's rows for global batches ``first..order.steps-1`` of an epoch, read ahead by a
     background thread: at most ``depth`` batches wait in memory. Iterate for
@@ -194,19 +314,11 @@ class Prefetcher:
         rank: int,
         first: int,
     ) -> None:
-        partitions = order.partitions_of(world_size, rank)
-        asked: set[tuple[int, int]] = set()
+        windows = Windows(reader, order, world_size, rank)
         try:
             for index in range(first, order.steps):
-                # The row groups of each partition's current window, then of its next, read
-                # ahead (every current window before any next: the batch needs them all).
-                for step_ahead, partition in itertools.product((0, 1), partitions):
-                    ahead = index * int(order.shares[partition]) // order.window + step_ahead
-                    if (partition, ahead) not in asked:
-                        asked.add((partition, ahead))
-                        reader.prefetch(reader.slice_keys(*order.window_rows(partition, ahead)))
-                groups, rows = order.locate(order.rank_positions(index, world_size, rank))
-                ids, taken = reader.take(groups, rows)
+                windows.read_ahead(index)
+                ids, taken = windows.batch(index)
                 if self._make_batch is not None:
                     taken = self._make_batch(ids, taken)
                 if not self._put((index, ids, taken)):
@@ -214,6 +326,8 @@ class Prefetcher:
         except BaseException as error:  # handed to the consumer
             self._put(error)
             return
+        finally:
+            windows.close()
         if self.then is not None and not self._stop.is_set():
             self._following = self.then()
         self._put(_END)

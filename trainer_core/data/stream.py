@@ -135,9 +135,11 @@ class Reader:
 
     Row groups are decoded in slices of ``slice_rows`` rows (``row_slices``: a row group that
     small is one slice, a bigger one is streamed once and spilled slice by slice). Decoded
-    slices are kept, most recently used last, while they hold at most ``cache_rows`` rows (the
-    newest always stays): size it to the slices the live shuffle windows span (``RankStream``
-    does), or a batch re-reads them.
+    slices are kept, most recently used last, while they and the rows a reader's user holds
+    decoded beside them (``outside_rows``: ``rank_stream.Windows``' gathered windows) hold at
+    most ``cache_rows`` rows (the newest always stays): size it to the slices the live shuffle
+    windows span (``RankStream`` does), or a batch re-reads them. Slices no planned window
+    still needs (``wanted``, when a plan keeps it) go first.
     """
 
     def __init__(
@@ -170,6 +172,11 @@ class Reader:
         #: Slices being read ahead (``prefetch``), by two threads: decoding overlaps use.
         self._pending: dict[Key, concurrent.futures.Future[Rows]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        #: Rows held decoded outside the cache, counted against ``cache_rows``.
+        self.outside_rows = 0
+        #: How many planned windows still need each slice (None: no plan, least recently used
+        #: goes first).
+        self.wanted: collections.Counter[Key] | None = None
         self.row_groups_read = 0  # slices decoded, whole row groups or parts
 
     def _row_ids(self, group: int) -> np.ndarray:
@@ -208,7 +215,12 @@ class Reader:
         """The (row group, slice) pairs training rows ``train_index[i]`` of ``groups[i]`` lie
         in, in first-seen order."""
         keys: dict[tuple[int, int], None] = {}
-        for group in dict.fromkeys(np.asarray(groups).tolist()):
+        groups = np.asarray(groups)
+        found, first = np.unique(groups, return_index=True)
+        for group in found[np.argsort(first)].tolist():
+            if not self.slices.is_sliced(group):  # the usual case: one slice, the row group
+                keys[(group, 0)] = None
+                continue
             rows = self.train_rows(group)[train_index[groups == group]]
             for index in dict.fromkeys(self.slices.slice_of(rows, group).tolist()):
                 keys[(group, index)] = None
@@ -245,16 +257,29 @@ class Reader:
         arrays = pending.result() if pending is not None else self.slices.read(group, index)
         self.row_groups_read += 1
         self._decoded[key] = arrays
-        held = sum(len(a) for a in self._decoded.values())
-        while len(self._decoded) > 1 and held > self.cache_rows:
-            held -= len(self._decoded.popitem(last=False)[1])
+        self.evict()
         return arrays
 
+    def evict(self) -> None:
+        """Drop decoded slices until they and ``outside_rows`` fit ``cache_rows``: those no
+        planned window wants first, then the least recently used; the newest stays."""
+        held = self.outside_rows + sum(len(a) for a in self._decoded.values())
+        if held <= self.cache_rows:
+            return
+        wanted, newest = self.wanted, next(reversed(self._decoded), None)
+        unwanted = [] if wanted is None else [k for k in self._decoded if not wanted[k]]
+        for key in [*unwanted, *self._decoded]:
+            if held <= self.cache_rows:
+                return
+            dropped = self._decoded.pop(key, None) if key != newest else None
+            if dropped is not None:
+                held -= len(dropped)
+
     def take(
-        self, groups: Sequence[int] | np.ndarray, train_index: np.ndarray
+        self, groups: Sequence[int] | np.ndarray, train_index: np.ndarray, into: Any = None
     ) -> tuple[np.ndarray, Rows]:
         """The row ids and rows of training rows ``train_index[i]`` of row group ``groups[i]``,
-        in that order."""
+        in that order (written over ``into``, rows no longer used, where their shape fits)."""
         groups = np.asarray(groups)
         ids = np.empty(len(groups), dtype=np.int64)
         parts: list[tuple[np.ndarray, Any, np.ndarray]] = []
@@ -276,7 +301,7 @@ class Reader:
                 chosen = slices == index
                 within = rows[chosen] - self.slices.start(group, index)
                 parts.append((in_group[chosen], self.slice(group, index), within))
-        return ids, self.rows_type.take_parts(parts, len(groups))
+        return ids, self.rows_type.take_parts(parts, len(groups), into)
 
     def validation_parts(self, group: int) -> Iterator[tuple[np.ndarray, Rows]]:
         """Row group ``group``'s validation rows with their row ids, a slice at a time (not

@@ -35,6 +35,15 @@ class TableRows:
     def take(self, index: np.ndarray) -> TableRows:
         return TableRows(self.table.take(pa.array(np.asarray(index, dtype=np.int64))))
 
+    def slice(self, start: int, stop: int) -> TableRows:
+        """Rows ``start..stop - 1`` (no copy)."""
+        return TableRows(self.table.slice(start, stop - start))
+
+    @staticmethod
+    def join(parts: list[TableRows]) -> TableRows:
+        """The parts' rows one after another."""
+        return TableRows(pa.concat_tables([p.table for p in parts]).combine_chunks())
+
     def rows(self) -> list[dict[str, Any]]:
         """Each row as a dict of its columns' Python values (binary as bytes, lists as lists)."""
         return self.table.to_pylist()
@@ -44,9 +53,11 @@ class TableRows:
         return self.table.to_pydict()
 
     @staticmethod
-    def take_parts(parts: list[tuple[np.ndarray, TableRows, np.ndarray]], count: int) -> TableRows:
+    def take_parts(
+        parts: list[tuple[np.ndarray, TableRows, np.ndarray]], count: int, into: Any = None
+    ) -> TableRows:
         """``count`` rows from ``(positions, rows, index)`` parts: rows ``index`` of each part's
-        rows go to its positions."""
+        rows go to its positions (``into`` is not reused: Arrow's arrays are immutable)."""
         return TableRows.gather([(where, rows.take(index)) for where, rows, index in parts], count)
 
     @staticmethod
