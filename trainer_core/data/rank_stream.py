@@ -176,8 +176,9 @@ class Windows:
             for p in order.partitions_of(world_size, rank)
         ]
         Key = tuple[int, int]
-        #: Windows planned and not yet gathered: (items, row groups, rows, slices).
-        self._planned: dict[Key, tuple[np.ndarray, np.ndarray, np.ndarray, list[Key]]] = {}
+        #: The slices of each window planned and not yet gathered (its rows are located
+        #: again when it is: kept, they would take 24 bytes a row of every planned window).
+        self._planned: dict[Key, list[Key]] = {}
         self._done: set[Key] = set()
         #: Each partition's gathered window: (window, items, row ids, rows).
         self._live: dict[int, tuple[int, np.ndarray, np.ndarray, Any]] = {}
@@ -203,15 +204,20 @@ class Windows:
     def _plan(self, partition: int, window: int) -> None:
         if (partition, window) in self._planned or (partition, window) in self._done:
             return
+        items, groups, rows = self._locate(partition, window)
+        keys = self.reader.slice_keys(groups, rows) if len(items) else []
+        self.wanted.update(keys)
+        self.reader.prefetch(keys)
+        self._planned[(partition, window)] = keys
+
+    def _locate(self, partition: int, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rank's items of a window, and the (row group, training row) of each."""
         items = self._items(partition, window)
         order = self.order
         offsets = order.window_order(partition, window)[items - window * order.window]
         positions = order.part_starts[partition] + window * order.window + offsets
         groups, rows = order.locate(positions)
-        keys = self.reader.slice_keys(groups, rows) if len(items) else []
-        self.wanted.update(keys)
-        self.reader.prefetch(keys)
-        self._planned[(partition, window)] = (items, groups, rows, keys)
+        return items, groups, rows
 
     def _items(self, partition: int, window: int) -> np.ndarray:
         """The partition's items (its shuffled sequence's indices) of ``window`` this rank
@@ -235,8 +241,9 @@ class Windows:
             self.reader.outside_rows -= len(live[1])
             spent = self._live.pop(partition)[3]  # its arrays take the next window's rows
         self._plan(partition, window)
-        items, groups, rows, keys = self._planned.pop((partition, window))
+        keys = self._planned.pop((partition, window))
         self._done.add((partition, window))
+        items, groups, rows = self._locate(partition, window)
         ids, taken = self.reader.take(groups, rows, into=spent)
         self.wanted.subtract(keys)
         self._live[partition] = live = (window, items, ids, taken)
