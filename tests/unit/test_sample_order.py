@@ -87,17 +87,3 @@ def test_validation_rows_are_chosen_per_row_id_without_reading_data():
     assert np.array_equal(chosen[500:900], is_validation(ids[500:900], 3, 0.2))
     assert not np.array_equal(chosen, is_validation(ids, 4, 0.2))
     assert not is_validation(ids, 3, 0.0).any()
-
-
-def test_a_windows_row_groups_are_those_its_positions_lie_in():
-    o = order(window=16)
-    for partition in range(o.partitions):
-        windows = -(-o.part_length(partition) // 16)
-        for index in range(windows):
-            first = o.part_starts[partition] + index * 16
-            stop = min(first + 16, o.part_starts[partition] + o.part_length(partition))
-            groups, _ = o.locate(np.arange(first, stop))
-            listed = o.window_row_groups(partition, index)
-            assert sorted(listed.tolist()) == sorted(set(groups.tolist()))
-            assert listed[0] == groups[0]  # in the order the stream meets them
-        assert len(o.window_row_groups(partition, windows)) == 0

@@ -272,7 +272,7 @@ class Windows:
                     # Copied when the next window is gathered into this one's arrays.
                     parts.append(rows_type.join([part]) if end < high else part)
                 low = end
-        return np.concatenate(ids), self.reader.rows_type.join(parts)
+        return np.concatenate(ids), rows_type.join(parts)
 
     def close(self) -> None:
         """Let the gathered windows go, and the reader's cache their room."""

@@ -155,23 +155,6 @@ class EpochOrder:
             p for p in range(self.partitions) if max(start, bounds[p]) < min(stop, bounds[p + 1])
         ]
 
-    def window_rows(self, partition: int, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """(row group, index among its training rows) of every row window ``index`` of
-        ``partition`` reads, in stream order; empty past the partition's end."""
-        start = index * self.window
-        stop = min(start + self.window, self.part_length(partition))
-        if start >= stop:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty
-        first = self.part_starts[partition] + start
-        return self.locate(np.arange(first, first + stop - start))
-
-    def window_row_groups(self, partition: int, index: int) -> np.ndarray:
-        """The row groups (dataset order) window ``index`` of ``partition`` reads, in the
-        order the stream meets them; empty past the partition's end."""
-        groups, _ = self.window_rows(partition, index)
-        return groups[np.sort(np.unique(groups, return_index=True)[1])]
-
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(row group in dataset order, index among that row group's training rows) of each
         stream position."""
