@@ -92,18 +92,6 @@ class Arrays:
         return Arrays(features, labels)
 
     @staticmethod
-    def gather(parts: list[tuple[np.ndarray, Arrays]], count: int) -> Arrays:
-        """``count`` rows from ``(positions, rows)`` parts: part rows go to their positions."""
-        if not parts:
-            return Arrays(np.zeros((0, 0), np.float32), np.zeros(0, np.float32))
-        first = parts[0][1]
-        features = np.empty((count, first.features.shape[1]), np.float32)
-        labels = np.empty(count, first.labels.dtype)
-        for where, part in parts:
-            features[where], labels[where] = part.features, part.labels
-        return Arrays(features, labels)
-
-    @staticmethod
     def save(rows: Arrays, stem: str) -> None:
         np.save(f"{stem}-features.npy", rows.features)
         np.save(f"{stem}-labels.npy", rows.labels)

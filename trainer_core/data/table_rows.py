@@ -2,7 +2,8 @@
 it is from the Parquet files to ``data.transform``.
 
 It has the tabular form's ``Arrays`` interface, which the reader is written against: ``take``
-rows, ``gather`` parts of a batch into their places, and ``save``/``load`` a decoded slice to
+rows, ``take_parts`` of several row groups into their places (a shuffle window's gather),
+``slice`` and ``join`` runs of gathered rows (a batch), and ``save``/``load`` a decoded slice to
 and from the spill directory (Arrow IPC, memory-mapped when read back).
 """
 
