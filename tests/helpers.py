@@ -12,8 +12,9 @@ from trainer_core.train.workloads import MLP
 
 class SlowMLP(MLP):
     """The MLP, each training forward pass ``delay_s`` slower, and held while the file
-    ``hold_while`` exists in a worker of a process group (a test's gate: the job waits on its
-    nodes until the test removes it, while setup's checks on the driver go on; the weights are
+    ``hold_while`` exists in a worker of a process group, once ``hold_after`` training forward
+    passes have run in it (a test's gate: the job waits on its nodes until the test removes it,
+    while setup's checks and the commits of steps already reported go on; the weights are
     those of the MLP whatever the timing)."""
 
     def __init__(
@@ -22,19 +23,24 @@ class SlowMLP(MLP):
         num_outputs: int,
         delay_s: float = 0.02,
         hold_while: str = "",
+        hold_after: int = 0,
         **kwargs,
     ):
         super().__init__(num_inputs, num_outputs, **kwargs)
         self.delay_s = delay_s
         self.hold_while = hold_while
+        self.hold_after = hold_after
+        self.forwards = 0
 
     def forward(self, x):
         import torch.distributed as dist
 
         if self.training:
             time.sleep(self.delay_s)
-            while self.hold_while and dist.is_initialized() and os.path.exists(self.hold_while):
+            held = self.hold_while and dist.is_initialized() and self.forwards >= self.hold_after
+            while held and os.path.exists(self.hold_while):
                 time.sleep(0.1)
+            self.forwards += 1
         return super().forward(x)
 
 

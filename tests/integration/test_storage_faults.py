@@ -276,14 +276,20 @@ def _fill(path: Path) -> Path:
     return filler
 
 
-def _fill_after_commit(run_dir: RunDirectory, root: Path, step: int) -> threading.Thread:
+def _fill_after_commit(
+    run_dir: RunDirectory, root: Path, step: int, gate: Path
+) -> threading.Thread:
+    """Fill ``root`` once ``step`` is committed, then open ``gate`` (the run waits at it after
+    ``step``, so no later commit or retention can come first)."""
+
     def watch() -> None:
         deadline = time.time() + 300
         while time.time() < deadline:
             if run_dir.read_committed(step) is not None:
                 _fill(root)
-                return
+                break
             time.sleep(0.01)
+        gate.unlink()
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -294,11 +300,15 @@ def test_fault7_storage_full_mid_run(uninterrupted_one_worker, relaytrain_prefec
     """The disk fills up after step 13 is committed: a clear, non-retried StorageFullError;
     steps 10 and 13 intact, no partial checkpoint counted; after freeing space the run resumes."""
     with tmpfs(tmp_path / "small", "8m") as root:
+        gate = tmp_path / "gate"
+        gate.touch()
         slow = {"name": "tests.helpers:slow_mlp", "kwargs": {"hidden": [16, 16], "dropout": 0.1}}
-        slow["kwargs"]["delay_s"] = 0.05  # ~1 s between commits: room to fill the disk
+        # the worker waits at the gate after step 13 (epoch 0's validated checkpoint) until
+        # the test has seen it committed and filled the disk
+        slow["kwargs"] |= {"delay_s": 0.0, "hold_while": str(gate), "hold_after": 13}
         spec = build_spec(tiny_raw(root, "f7-full", model=slow, scaling=ONE_WORKER))
         run_dir = run_dir_of(spec)
-        watcher = _fill_after_commit(run_dir, root, 13)  # epoch 0's validated checkpoint
+        watcher = _fill_after_commit(run_dir, root, 13, gate)
         state = training(spec, return_state=True)
         watcher.join(5)
         assert state.is_failed()
