@@ -40,6 +40,10 @@ class MetricRows:
         #: The newest step's metrics alone: a checkpoint's manifest records these, so a
         #: validation's figures never outlive the weights they were measured on.
         self.latest: dict[str, float] = {}
+        #: The default process group and where its collectives take their tensors (known at
+        #: the first window: the group exists by then).
+        self.group: dist.ProcessGroup | None = None
+        self.device: torch.device | None = None
 
     def add(self, row: dict[str, Any]) -> None:
         """A step's row, its loss this rank's own."""
@@ -64,8 +68,13 @@ class MetricRows:
             values = [row["loss"] for row in self.pending]
             if times is not None:
                 values += own_row(times, self.rank, self.world_size)
-            losses = torch.tensor(values, dtype=torch.float64, device=collective_device())
-            work = dist.all_reduce(losses, async_op=True)
+            if self.group is None:
+                self.group, self.device = dist.group.WORLD, collective_device()
+                assert self.group is not None, "the process group is not initialized"
+            losses = torch.tensor(values, dtype=torch.float64, device=self.device)
+            # The group's own call, not dist.all_reduce: its checks and loggers cost a tenth of
+            # a window's aggregation, and a window's tensor needs none of them.
+            work = self.group.allreduce([losses])
             self.in_flight.append((work, losses, self.pending, extra))
             self.pending = []
         while self.in_flight and (flush or len(self.in_flight) > 1):
