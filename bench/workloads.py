@@ -182,7 +182,7 @@ def _plain_train(spec: RunSpec, rank: int, world: int, out: Path, loader: bool) 
             images.sampler.set_epoch(epoch)
             epoch_batches: Any = images
         else:  # relaytrain's batches, read and transformed ahead as its loop does
-            ahead = stream.epoch(epoch, make_batch=batches)
+            ahead = stream.epoch(epoch, make_batch=batches.start)
             epoch_batches = (batch for _, _, batch in ahead)
         ddp.train()
         waited = time.perf_counter()

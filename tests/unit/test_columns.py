@@ -11,7 +11,7 @@ import torch
 
 from tests.columns_workloads import write_lm_dataset
 from trainer_core.data import footers, rank_stream
-from trainer_core.data.transform import Batches, row_rng
+from trainer_core.data.transform import Batches, finished_in_order, row_rng
 from trainer_core.errors import SpecError
 from trainer_core.run.engine import validate_workload
 from trainer_core.spec.overrides import build_spec
@@ -72,7 +72,7 @@ def test_each_row_gets_its_own_draw_whatever_the_workers(lm_file):
             spec = data.model_copy(update={"transform_pool": pool})
             ranks = rank_stream.RankStream(footers.scan(spec), spec, 3, world_size, rank)
             batches = Batches(spec, seed=3)
-            ahead = ranks.epoch(epoch, first=index, make_batch=batches)
+            ahead = ranks.epoch(epoch, first=index, make_batch=batches.start)
             try:
                 parts.append(next(iter(ahead))[2])
             finally:
@@ -177,3 +177,57 @@ def test_the_lm_example_passes_its_setup_checks(tmp_path, lm_file):
     assert validate_workload(spec) > 30  # about 400 x 0.8 / 8 steps
     assert row_rng(0, 1, 5).random() == row_rng(0, 1, 5).random() != row_rng(0, 2, 5).random()
     assert np.isfinite(row_rng(2**32 - 1, 2**32 - 1, 2**63).random())
+
+
+@pytest.mark.parametrize("pool", ["threads", "processes"])
+def test_an_epoch_transformed_ahead_is_the_epoch_made_a_batch_at_a_time(lm_file, pool):
+    """The read-ahead thread starts up to data.prefetch batches behind the one it finishes: the
+    epoch's batches are still, in order, each made alone from the rows its positions name."""
+    data = section(lm_file, transform="tests.columns_workloads:noisy", batch_size=12)
+    data = data.model_copy(update={"transform_pool": pool, "prefetch": 3})
+    ranks = rank_stream.RankStream(footers.scan(data), data, 5, 2, 1)
+    batches = Batches(data, seed=5)
+    try:
+        ahead = ranks.epoch(1, first=2, make_batch=batches.start)
+        made = [(index, batch) for index, _, batch in ahead]
+        order = ranks.order(1)
+        assert [index for index, _ in made] == list(range(2, ranks.batches_per_epoch))
+        for index, batch in made:  # the oracle: this batch's rows, through the transform alone
+            groups, within = order.locate(order.rank_positions(index, 2, 1))
+            ids, rows = ranks.reader.take(groups, within)
+            alone = Batches(data.model_copy(update={"transform_workers": 0}), seed=5)
+            expected = alone(1, ids, rows)
+            assert torch.equal(batch["n"], expected["n"]) and torch.equal(
+                batch["draw"], expected["draw"]
+            )
+    finally:
+        batches.close()
+
+
+def test_batches_finish_in_order_with_the_next_started_and_an_error_in_its_place():
+    """``finished_in_order``: item k is finished only once ``ahead`` more are started, in the
+    order started; an error starting an item comes after every item before it."""
+    log: list[str] = []
+
+    def started(count: int, fail_at: int | None = None):
+        for k in range(count):
+            if k == fail_at:
+                raise OSError(f"reading item {k}")
+            log.append(f"start {k}")
+
+            def finish(k: int = k) -> int:
+                log.append(f"finish {k}")
+                return k * 10
+
+            yield finish, k
+
+    assert list(finished_in_order(started(4), ahead=2)) == [(0, 0), (10, 1), (20, 2), (30, 3)]
+    assert log == [
+        "start 0", "start 1", "start 2", "finish 0", "start 3", "finish 1", "finish 2", "finish 3"
+    ]  # fmt: skip
+    log.clear()
+    got = []
+    with pytest.raises(OSError, match="reading item 3"):
+        for result, _ in finished_in_order(started(5, fail_at=3), ahead=2):
+            got.append(result)
+    assert got == [0, 10, 20]

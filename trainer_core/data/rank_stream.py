@@ -12,10 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from trainer_core.data import row_slices, sample_order
+from trainer_core.data import row_slices, sample_order, transform
 from trainer_core.data.footers import Layout, row_bytes
 from trainer_core.data.stream import Reader
 from trainer_core.spec.sections import DataSection
+
+#: ``make_batch(epoch, row ids, rows)``: starts a batch (``Batches.start``), returning a function
+#: that finishes it.
+StartBatch = Callable[[int, np.ndarray, Any], Callable[[], Any]]
 
 
 class RankStream:
@@ -59,11 +63,11 @@ class RankStream:
         self,
         epoch: int,
         first: int = 0,
-        make_batch: Callable[[int, np.ndarray, Any], Any] | None = None,
+        make_batch: StartBatch | None = None,
     ) -> Prefetcher:
         """Global batches ``first..`` of ``epoch``, this rank's slice of each, read ahead;
-        ``make_batch(epoch, row ids, rows)`` (the columns form's transform) runs on each in
-        the read-ahead thread."""
+        ``make_batch(epoch, row ids, rows)`` (the columns form's ``Batches.start``) starts
+        each in the read-ahead thread, which finishes it (the function it returned) in order."""
         return Prefetcher(
             self.reader,
             self.order(epoch),
@@ -79,7 +83,7 @@ class RankStream:
         first_epoch: int,
         first: int,
         stop_epoch: int,
-        make_batch: Callable[[int, np.ndarray, Any], Any] | None = None,
+        make_batch: StartBatch | None = None,
     ) -> Epochs:
         """Epochs ``first_epoch..stop_epoch - 1`` (from global batch ``first`` of the first),
         each ``epoch``'s stream; the next epoch's reading starts as soon as this one's ends
@@ -115,7 +119,7 @@ class Epochs:
         first_epoch: int,
         first: int,
         stop_epoch: int,
-        make_batch: Callable[[int, np.ndarray, Any], Any] | None,
+        make_batch: StartBatch | None,
     ):
         self.stream, self.stop_epoch, self.make_batch = stream, stop_epoch, make_batch
         self.first_epoch, self.first = first_epoch, first
@@ -283,9 +287,10 @@ class Windows:
 class Prefetcher:
     """One rank's rows for global batches ``first..order.steps-1`` of an epoch, read ahead by a
     background thread: at most ``depth`` batches wait in memory. Iterate for
-    ``(batch index, row ids, rows)`` (rows made into a batch by ``make_batch(ids, rows)``
-    when given); a read or transform error is raised where the batch would have been. The
-    reader is the thread's alone while it runs."""
+    ``(batch index, row ids, rows)`` (rows made into a batch when ``make_batch(ids, rows)``
+    is given: it starts the batch and returns a function that finishes it, called once
+    ``depth`` more are started); a read or transform error is raised where the batch would
+    have been. The reader is the thread's alone while it runs."""
 
     def __init__(
         self,
@@ -295,7 +300,7 @@ class Prefetcher:
         rank: int,
         first: int = 0,
         depth: int = 2,
-        make_batch: Callable[[np.ndarray, Any], Any] | None = None,
+        make_batch: Callable[[np.ndarray, Any], Callable[[], Any]] | None = None,
     ):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -305,6 +310,7 @@ class Prefetcher:
         self._following: Prefetcher | None = None
         self._reader = reader
         self._make_batch = make_batch
+        self._depth = depth
         self._thread = threading.Thread(
             target=self._read,
             args=(reader, order, world_size, rank, first),
@@ -322,13 +328,26 @@ class Prefetcher:
         first: int,
     ) -> None:
         windows = Windows(reader, order, world_size, rank)
-        try:
+
+        def batches() -> Iterator[tuple[int, np.ndarray, Any]]:
             for index in range(first, order.steps):
                 windows.read_ahead(index)
                 ids, taken = windows.batch(index)
-                if self._make_batch is not None:
-                    taken = self._make_batch(ids, taken)
-                if not self._put((index, ids, taken)):
+                yield index, ids, taken
+
+        made: Iterator[tuple[int, np.ndarray, Any]] = batches()
+        if self._make_batch is not None:
+            # Up to ``depth`` batches are started (transformed in make_batch's pool) behind the
+            # one finished, beside the ``depth`` waiting in the queue.
+            make = self._make_batch
+            started = ((make(ids, rows), (index, ids)) for index, ids, rows in batches())
+            made = (
+                (index, ids, batch)
+                for batch, (index, ids) in transform.finished_in_order(started, self._depth)
+            )
+        try:
+            for item in made:
+                if not self._put(item):
                     return
         except BaseException as error:  # handed to the consumer
             self._put(error)

@@ -14,11 +14,12 @@ arrays. Without a transform, number and list-of-number columns become tensors as
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import multiprocessing
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +35,8 @@ from trainer_core.spec.sections import DataSection
 VALIDATION = 2**32 - 1
 
 Batch = dict[str, torch.Tensor]
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 def row_rng(seed: int, epoch: int, row_id: int) -> np.random.Generator:
@@ -112,8 +115,14 @@ class Batches:
         return self._pool
 
     def __call__(self, epoch: int, ids: np.ndarray, rows: TableRows) -> Batch:
+        return self.start(epoch, ids, rows)()
+
+    def start(self, epoch: int, ids: np.ndarray, rows: TableRows) -> Callable[[], Batch]:
+        """Start the batch of ``rows`` (their values are read now; the pool transforms them
+        while the caller goes on): a function that waits for it and collates it."""
         if self.path is None:
-            return column_tensors(rows.table)
+            batch = column_tensors(rows.table)
+            return lambda: batch
         key = epoch if self.training else VALIDATION
         columns = rows.columns()
         chunks = _chunks(len(ids), max(self.workers, 1))
@@ -130,10 +139,22 @@ class Batches:
             )
             for a, b in chunks
         ]
-        if pool is None or len(args) == 1:
+        if pool is None:
             parts = [transform_rows(*a) for a in args]
-        else:
-            parts = list(pool.map(transform_rows, *zip(*args, strict=True)))
+            return lambda: self._collated(parts)
+        futures = [pool.submit(transform_rows, *a) for a in args]
+        return lambda: self._collated([future.result() for future in futures])
+
+    def each(
+        self, epoch: int, parts: Iterable[tuple[np.ndarray, TableRows]], ahead: int
+    ) -> Iterator[Batch]:
+        """``parts`` (row ids and rows) as batches, in order, with up to ``ahead`` more started
+        behind the one handed out: the pool transforms the next while the caller uses it."""
+        started = ((self.start(epoch, ids, rows), None) for ids, rows in parts)
+        for batch, _ in finished_in_order(started, ahead):
+            yield batch
+
+    def _collated(self, parts: list[Any]) -> Batch:
         if self.data.transform_batched:
             return concatenate([as_tensors(part, self.field) for part in parts])
         samples = [sample for part in parts for sample in part]
@@ -143,6 +164,33 @@ class Batches:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def finished_in_order(
+    started: Iterable[tuple[Callable[[], T], U]], ahead: int
+) -> Iterator[tuple[T, U]]:
+    """Each started item's result (``finish()``) with what came with it, in order, finished
+    once ``ahead`` more have been started behind it (or the items have run out). An error
+    starting an item is raised where that item would have been, after those before it."""
+    pending: collections.deque[tuple[Callable[[], T], U]] = collections.deque()
+    items = iter(started)
+    while True:
+        try:
+            item = next(items)
+        except StopIteration:
+            break
+        except BaseException:
+            while pending:
+                finish, extra = pending.popleft()
+                yield finish(), extra
+            raise
+        pending.append(item)
+        if len(pending) > ahead:
+            finish, extra = pending.popleft()
+            yield finish(), extra
+    while pending:
+        finish, extra = pending.popleft()
+        yield finish(), extra
 
 
 def _chunks(count: int, parts: int) -> list[tuple[int, int]]:

@@ -48,7 +48,7 @@ class ColumnsLoop(BuiltinLoop):
 
     def _epochs(self, first_epoch: int, first: int) -> rank_stream.Epochs:
         assert self.spec.schedule is not None
-        return self.data.epochs(first_epoch, first, self.spec.schedule.epochs, self.batches)
+        return self.data.epochs(first_epoch, first, self.spec.schedule.epochs, self.batches.start)
 
     def _gradients(self, model: torch.nn.Module, micro_batches: list[Any]) -> float:
         self.last_batch = micro_batches[0]
@@ -69,7 +69,8 @@ class ColumnsLoop(BuiltinLoop):
         return self.workload.loss(self.workload.forward(model, batch), batch)
 
     def _validate(self) -> dict[str, float]:
-        batches = (self.eval_batches(0, ids, rows) for ids, rows in self.data.validation_with_ids())
+        parts = self.data.validation_with_ids()
+        batches = self.eval_batches.each(0, parts, ahead=self.data_spec.prefetch)
         return self.batch_validation.run(self.model, batches, dummy=self.last_batch)
 
     def _batch_to_device(self, batch: Batch) -> Batch:

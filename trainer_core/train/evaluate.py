@@ -49,7 +49,7 @@ def holdout(spec: RunSpec) -> Any:
     if data.columns_form:
         batches = Batches(data, spec.run.seed, training=False)
         try:
-            parts = [batches(0, ids, rows) for ids, rows in stream_.validation_with_ids()]
+            parts = list(batches.each(0, stream_.validation_with_ids(), ahead=data.prefetch))
         finally:
             batches.close()
     else:

@@ -220,7 +220,8 @@ class OwnLoop:
                 "restores the newest checkpoint and the cursor the batches start from"
             )
         first = self.cursor.batch(self.batch_size)
-        epochs = self.data.epochs(self.cursor.epoch, first, self.epochs, self._train_batches)
+        start = self._train_batches.start if self._train_batches is not None else None
+        epochs = self.data.epochs(self.cursor.epoch, first, self.epochs, start)
         try:
             for epoch, ahead in self.timings.waited(iter(epochs)):
                 for index, _, rows in self.timings.waited(iter(ahead)):
@@ -245,8 +246,9 @@ class OwnLoop:
                 for rows in self.data.validation():
                     yield self._on_device(rows)
                 return
-            for ids, rows in self.data.validation_with_ids():
-                yield self._on_device(self._eval_batches(0, ids, rows))
+            parts = self.data.validation_with_ids()
+            for batch in self._eval_batches.each(0, parts, ahead=self.data.data.prefetch):
+                yield self._on_device(batch)
         finally:
             self.clock.stop("validation", started)
 
