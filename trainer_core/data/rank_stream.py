@@ -286,7 +286,8 @@ class Windows:
 
 class Prefetcher:
     """One rank's rows for global batches ``first..order.steps-1`` of an epoch, read ahead by a
-    background thread: at most ``depth`` batches wait in memory. Iterate for
+    background thread: at most ``depth`` batches wait in memory (with ``make_batch``, as many
+    more are being made). Iterate for
     ``(batch index, row ids, rows)`` (rows made into a batch when ``make_batch(ids, rows)``
     is given: it starts the batch and returns a function that finishes it, called once
     ``depth`` more are started); a read or transform error is raised where the batch would
