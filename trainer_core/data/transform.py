@@ -76,7 +76,9 @@ def transform_rows(
 
 
 class Batches:
-    """Makes one rank's batches of the columns form: ``batches(epoch, ids, rows)``.
+    """Makes one rank's batches of the columns form: ``start(epoch, ids, rows)`` starts one
+    and returns what finishes it (the read-ahead thread keeps several started), ``each`` makes
+    a run of them that way (validation), ``batches(epoch, ids, rows)`` makes one at once.
 
     The rows are split into as many chunks as the pool has workers, transformed side by side,
     and collated (``data.collate``, else ``torch.utils.data.default_collate``); a batched
