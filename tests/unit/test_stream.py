@@ -157,7 +157,7 @@ def test_a_read_error_reaches_the_consumer(dataset):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_ranks_train_the_global_batches_and_share_validation(dataset, world_size):
     """Whatever the worker count, the ranks' slices joined are the one-worker global batches;
-    each rank validates on every world_size-th row group, and together on each row once."""
+    each rank validates its share of the validation rows, and together on each row once."""
     data = section(dataset, validation_fraction=0.2, batch_size=24, partitions=4)
     layout = footers.scan(data)
     ranks = [rank_stream.RankStream(layout, data, 7, world_size, r) for r in range(world_size)]
@@ -178,6 +178,36 @@ def test_ranks_train_the_global_batches_and_share_validation(dataset, world_size
     expected = np.concatenate([p.features[:, 0] for p in one.validation(chunk=1000)])
     assert sorted(validated.tolist()) == sorted(expected.tolist())
     assert len(expected) == layout.num_rows - one.train_rows
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_ranks_share_validation_within_a_row_group(tmp_path, world_size):
+    """A file as pyarrow or Spark writes it (one big row group): every rank validates a near
+    equal share of its validation rows, each row once (no rank validates the whole set while
+    the others wait), and reads only the slices its share lies in."""
+    write(tmp_path / "big.parquet", 0, 1000, 1000)
+    data = section(tmp_path / "big.parquet", validation_fraction=0.2)
+    layout = footers.scan(data)
+    one = rank_stream.RankStream(layout, data, 7, 1, 0)
+    expected = sorted(row for p in one.validation() for row in p.features[:, 0].tolist())
+    shares = []
+    for rank in range(world_size):
+        stream_ = rank_stream.RankStream(layout, data, 7, world_size, rank)
+        stream_.reader.slices.slice_rows = 100  # ten slices of the row group
+        read: list[int] = []
+        original = stream_.reader.slices.read
+
+        def watch(group, index, original=original, read=read):
+            read.append(index)
+            return original(group, index)
+
+        stream_.reader.slices.read = watch  # type: ignore[method-assign]
+        ids = [row for p in stream_.validation(chunk=16) for row in p.features[:, 0].tolist()]
+        shares.append(ids)
+        assert len(set(read)) <= 10 // world_size + 2
+    sizes = [len(share) for share in shares]
+    assert max(sizes) - min(sizes) <= 1, sizes
+    assert sorted(row for share in shares for row in share) == expected and len(expected) > 150
 
 
 def test_a_rank_holds_the_row_groups_of_its_windows_not_the_dataset(dataset):

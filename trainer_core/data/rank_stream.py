@@ -25,7 +25,8 @@ StartBatch = Callable[[int, np.ndarray, Any], Callable[[], Any]]
 class RankStream:
     """What rank ``rank`` of ``world_size`` trains and validates on: its slice of each global
     batch of ``data.batch_size`` samples, in the order of ``trainer_core.data.sample_order``, and
-    the validation rows of every ``world_size``-th row group from ``rank`` on."""
+    its slice of the validation rows in file order (a row group may be split between ranks:
+    one pyarrow or Spark wrote often holds them all)."""
 
     def __init__(self, layout: Layout, data: DataSection, seed: int, world_size: int, rank: int):
         self.data = data.resolved()
@@ -99,11 +100,25 @@ class RankStream:
     def validation_with_ids(self, chunk: int = 256) -> Iterator[tuple[np.ndarray, Any]]:
         """``validation``'s chunks with their rows' ids."""
         groups = self.reader.layout.row_groups
-        for group in range(self.rank, len(groups), self.world_size):
-            for ids, rows in self.reader.validation_parts(group):
-                for start in range(0, len(rows), chunk):
-                    index = np.arange(start, min(start + chunk, len(rows)))
-                    yield ids[index], rows.take(index)
+        counts = [g.rows - kept for g, kept in zip(groups, self.train_counts, strict=True)]
+        total, world = sum(counts), self.world_size
+        first, stop = total * self.rank // world, total * (self.rank + 1) // world
+        before = 0  # validation rows in the row groups before this one
+        for group, count in enumerate(counts):
+            a, b = max(first - before, 0), min(stop - before, count)
+            before += count
+            if a < b:
+                yield from self._chunks(self.reader.validation_parts(group, a, b), chunk)
+
+    @staticmethod
+    def _chunks(
+        parts: Iterator[tuple[np.ndarray, Any]], chunk: int
+    ) -> Iterator[tuple[np.ndarray, Any]]:
+        """``parts`` (row ids and rows) in chunks of at most ``chunk`` rows."""
+        for ids, rows in parts:
+            for start in range(0, len(rows), chunk):
+                index = np.arange(start, min(start + chunk, len(rows)))
+                yield ids[index], rows.take(index)
 
 
 class Epochs:

@@ -303,10 +303,13 @@ class Reader:
                 parts.append((in_group[chosen], self.slice(group, index), within))
         return ids, self.rows_type.take_parts(parts, len(groups), into)
 
-    def validation_parts(self, group: int) -> Iterator[tuple[np.ndarray, Rows]]:
-        """Row group ``group``'s validation rows with their row ids, a slice at a time (not
-        cached: the training windows keep theirs)."""
-        rows = self.validation_rows(group)
+    def validation_parts(
+        self, group: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[tuple[np.ndarray, Rows]]:
+        """Row group ``group``'s validation rows ``start..stop`` (of its validation rows, in
+        order) with their row ids, a slice at a time (reading only the slices they lie in, and
+        not caching them: the training windows keep theirs)."""
+        rows = self.validation_rows(group)[start:stop]
         if not len(rows):
             return
         first_row = self.layout.row_groups[group].first_row
