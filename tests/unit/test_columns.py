@@ -11,7 +11,7 @@ import torch
 
 from tests.columns_workloads import write_lm_dataset
 from trainer_core.data import footers, rank_stream
-from trainer_core.data.transform import Batches, finished_in_order, row_rng
+from trainer_core.data.transform import Batches, TransformPool, finished_in_order, row_rng
 from trainer_core.errors import SpecError
 from trainer_core.run.engine import validate_workload
 from trainer_core.spec.overrides import build_spec
@@ -182,11 +182,15 @@ def test_the_lm_example_passes_its_setup_checks(tmp_path, lm_file):
 @pytest.mark.parametrize("pool", ["threads", "processes"])
 def test_an_epoch_transformed_ahead_is_the_epoch_made_a_batch_at_a_time(lm_file, pool):
     """The read-ahead thread starts up to data.prefetch batches behind the one it finishes: the
-    epoch's batches are still, in order, each made alone from the rows its positions name."""
+    epoch's batches are still, in order, each made alone from the rows its positions name.
+    The validation batches, made ahead by the same (warmed) pool, are too."""
     data = section(lm_file, transform="tests.columns_workloads:noisy", batch_size=12)
     data = data.model_copy(update={"transform_pool": pool, "prefetch": 3})
     ranks = rank_stream.RankStream(footers.scan(data), data, 5, 2, 1)
-    batches = Batches(data, seed=5)
+    shared = TransformPool(data)
+    shared.warm()
+    batches = Batches(data, seed=5, pool=shared)
+    validation = Batches(data, seed=5, training=False, pool=shared)
     try:
         ahead = ranks.epoch(1, first=2, make_batch=batches.start)
         made = [(index, batch) for index, _, batch in ahead]
@@ -200,8 +204,16 @@ def test_an_epoch_transformed_ahead_is_the_epoch_made_a_batch_at_a_time(lm_file,
             assert torch.equal(batch["n"], expected["n"]) and torch.equal(
                 batch["draw"], expected["draw"]
             )
+        parts = list(ranks.validation_with_ids(chunk=5))
+        validated = list(validation.each(0, parts, ahead=3))
+        assert len(validated) == len(parts) > 3
+        for (ids, rows), batch in zip(parts, validated, strict=True):
+            alone = Batches(data.model_copy(update={"transform_workers": 0}), 5, training=False)
+            assert torch.equal(batch["draw"], alone(0, ids, rows)["draw"])
     finally:
         batches.close()
+        validation.close()
+        shared.close()
 
 
 def test_batches_finish_in_order_with_the_next_started_and_an_error_in_its_place():

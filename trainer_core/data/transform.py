@@ -75,6 +75,57 @@ def transform_rows(
     return [fn({name: columns[name][k] for name in names}, rng) for k, rng in enumerate(rngs)]
 
 
+class TransformPool:
+    """The transform workers of one rank (``data.transform_workers``), shared by its training
+    and validation batches: threads, or spawned processes (``data.transform_pool:
+    processes``). ``warm`` starts them now, so that a process's start (it imports the
+    transform, and torch) overlaps the model's build rather than a step or a validation."""
+
+    def __init__(self, data: DataSection):
+        self.data = data
+        self.paths = [
+            (path, field)
+            for path, field in [
+                (data.transform, "data.transform"),
+                (data.eval_transform, "data.eval_transform"),
+            ]
+            if path is not None
+        ]
+        self.workers = data.transform_workers if self.paths else 0
+        self._executor: concurrent.futures.Executor | None = None
+
+    def executor(self) -> concurrent.futures.Executor | None:
+        if self.workers == 0:
+            return None
+        if self._executor is None:
+            if self.data.transform_pool == "processes":
+                # spawn: a Ray worker's threads make fork unsafe.
+                self._executor = concurrent.futures.ProcessPoolExecutor(
+                    self.workers, mp_context=multiprocessing.get_context("spawn")
+                )
+            else:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self.workers, "relaytrain-transform"
+                )
+        return self._executor
+
+    def warm(self) -> None:
+        """Start the workers, each importing the transforms (processes only: threads start
+        at once)."""
+        if self.data.transform_pool != "processes" or self.workers == 0:
+            return
+        pool = self.executor()
+        assert pool is not None
+        for _ in range(self.workers):
+            for path, field in self.paths:
+                pool.submit(_function, path, field)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
 class Batches:
     """Makes one rank's batches of the columns form: ``start(epoch, ids, rows)`` starts one
     and returns what finishes it (the read-ahead thread keeps several started), ``each`` makes
@@ -84,9 +135,16 @@ class Batches:
     and collated (``data.collate``, else ``torch.utils.data.default_collate``); a batched
     transform's chunks are concatenated instead. ``training=False``: the validation rows'
     transform (``data.eval_transform``, else ``data.transform``), keyed by row id alone.
+    ``pool``: the workers to share (their owner closes them); None: a pool of its own.
     """
 
-    def __init__(self, data: DataSection, seed: int, training: bool = True):
+    def __init__(
+        self,
+        data: DataSection,
+        seed: int,
+        training: bool = True,
+        pool: TransformPool | None = None,
+    ):
         self.data, self.seed, self.training = data, seed, training
         if training or data.eval_transform is None:
             path, self.field = data.transform, "data.transform"
@@ -98,23 +156,9 @@ class Batches:
         self.collate: Callable[[list[Any]], Any] = (
             import_object(data.collate, "data.collate") if data.collate else default_collate
         )
-        self.workers = data.transform_workers if path is not None else 0
-        self._pool: concurrent.futures.Executor | None = None
-
-    def _executor(self) -> concurrent.futures.Executor | None:
-        if self.workers == 0:
-            return None
-        if self._pool is None:
-            if self.data.transform_pool == "processes":
-                # spawn: a Ray worker's threads make fork unsafe.
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn")
-                )
-            else:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    self.workers, "relaytrain-transform"
-                )
-        return self._pool
+        self._owned = pool is None
+        self.pool = TransformPool(data) if pool is None else pool
+        self.workers = self.pool.workers if path is not None else 0
 
     def __call__(self, epoch: int, ids: np.ndarray, rows: TableRows) -> Batch:
         return self.start(epoch, ids, rows)()
@@ -128,7 +172,7 @@ class Batches:
         key = epoch if self.training else VALIDATION
         columns = rows.columns()
         chunks = _chunks(len(ids), max(self.workers, 1))
-        pool = self._executor()
+        pool = self.pool.executor() if self.workers else None
         args = [
             (
                 self.path,
@@ -163,9 +207,8 @@ class Batches:
         return self.collate(samples)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        if self._owned:
+            self.pool.close()
 
 
 def finished_in_order(

@@ -19,7 +19,7 @@ import torch
 
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import rank_stream
-from trainer_core.data.transform import Batches
+from trainer_core.data.transform import Batches, TransformPool
 from trainer_core.train import validate, workloads
 from trainer_core.train.batch_workload import Batch, BatchWorkload
 from trainer_core.train.loop import BuiltinLoop
@@ -33,10 +33,17 @@ class ColumnsLoop(BuiltinLoop):
         assert self.spec.model
         return workloads.build_model(self.spec.model, 0, 0, columns_form=True)
 
+    def _build_data(self) -> data_mod.DatasetInfo:
+        #: The transform workers, started while the stream and the model are built.
+        self.transform_pool = TransformPool(self.data_spec)
+        self.transform_pool.warm()
+        return super()._build_data()
+
     def _build_validation(self, info: data_mod.DatasetInfo) -> None:
         self.workload = BatchWorkload(self.spec)
-        self.batches = Batches(self.data_spec, self.spec.run.seed)
-        self.eval_batches = Batches(self.data_spec, self.spec.run.seed, training=False)
+        seed, pool = self.spec.run.seed, self.transform_pool
+        self.batches = Batches(self.data_spec, seed, pool=pool)
+        self.eval_batches = Batches(self.data_spec, seed, training=False, pool=pool)
         self.batch_validation = validate.BatchValidation(
             self.workload,
             self.precision.autocast,
@@ -78,5 +85,4 @@ class ColumnsLoop(BuiltinLoop):
 
     def close(self) -> None:
         super().close()
-        self.batches.close()
-        self.eval_batches.close()
+        self.transform_pool.close()

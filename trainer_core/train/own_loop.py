@@ -30,7 +30,7 @@ from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
-from trainer_core.data.transform import Batches
+from trainer_core.data.transform import Batches, TransformPool
 from trainer_core.errors import RelaytrainError
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_config import WorkerConfig
@@ -95,11 +95,15 @@ class OwnLoop:
         self._optimizer_started: Any = None
         data_spec = self.spec.data.resolved()
         self.batch_size = data_spec.batch_size
+        #: The transform workers, started while the stream and the user's model are built.
+        self._pool = TransformPool(data_spec) if data_spec.columns_form else None
+        if self._pool is not None:
+            self._pool.warm()
         self.data, _ = rank_data(config, data_spec, self.spec.run.seed, self.world_size, self.rank)
-        columns_form = data_spec.columns_form
-        self._train_batches = Batches(data_spec, self.spec.run.seed) if columns_form else None
+        seed = self.spec.run.seed
+        self._train_batches = Batches(data_spec, seed, pool=self._pool) if self._pool else None
         self._eval_batches = (
-            Batches(data_spec, self.spec.run.seed, training=False) if columns_form else None
+            Batches(data_spec, seed, training=False, pool=self._pool) if self._pool else None
         )
         #: Epochs of the run, global batches per epoch, optimizer steps in all.
         self.epochs = self.spec.schedule.epochs
@@ -362,9 +366,8 @@ class OwnLoop:
     def close(self) -> None:
         if self.checkpoints is not None:
             self.checkpoints.close()
-        for batches in (self._train_batches, self._eval_batches):
-            if batches is not None:
-                batches.close()
+        if self._pool is not None:
+            self._pool.close()
 
 
 def own_train_loop(config: dict[str, Any]) -> None:
