@@ -114,7 +114,7 @@ def test_the_vision_example_runs_through_the_flow_and_resumes_after_a_fault(
     relaytrain_ray, relaytrain_prefect, tmp_path
 ):
     """examples/vision_resnet.yaml as a user runs it, 1 epoch on 1 worker: PNG bytes decoded
-    and augmented on the transform threads, transformers' ResNet, a stateful metric (macro F1),
+    and augmented in the transform processes, transformers' ResNet, a stateful metric (macro F1),
     a code fault at step 9 and a Prefect retry that resumes from step 8."""
     raw = yaml.safe_load((REPO / "examples" / "vision_resnet.yaml").read_text())
     raw["run"] = {"name": "vision", "storage": str(tmp_path)}
