@@ -14,12 +14,15 @@
   - Figure: tokens/s over rank 0's first to last step (the probe of ``bench.probe``).
   - Target: relaytrain / plain >= 0.97 at 1 and 2 workers.
 - **Vision** (``vision_*``): transformers' ResNet of ``examples/vision_resnet.py`` on the PNG
-  digits, decoded and augmented (crop, flip) on 2 transform threads per worker.
-  - ``vision_relaytrain_<n>w``: an engine attempt.
+  digits, decoded and augmented (crop, flip) by 2 transform processes per worker (the
+  example's ``data.transform_pool``).
+  - ``vision_relaytrain_<n>w``: an engine attempt; it validates its held-out 20% every epoch.
   - ``vision_dataloader_<n>w``: plain PyTorch DDP fed by a ``torch.utils.data.DataLoader``
-    with the same decode and augmentation in 2 persistent worker processes per rank. A
-    ``DistributedSampler`` shards the rows; the images are the same, the order and the draws
-    are not.
+    with the same decode and augmentation in 2 persistent worker processes per rank, forked
+    (as under torchrun). It trains on the rows relaytrain trains on and validates the rows it
+    holds out every epoch, through a second such loader with the example's validation
+    transform, as a plain loop would (loss and accuracy all-reduced). A ``DistributedSampler``
+    shards the rows; the images are the same, the order and the draws are not.
   - Figures: images/s, and the share of rank 0's step time spent waiting for data.
   - Target: relaytrain / DataLoader >= 1.0.
 
@@ -50,7 +53,7 @@ from trainer_core.spec.imports import import_object
 from trainer_core.spec.overrides import build_spec
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import workloads
-from trainer_core.train.batch_workload import BatchWorkload
+from trainer_core.train.batch_workload import BatchWorkload, logits_of
 
 NAME = "workloads"
 LM_TARGET = Target(
@@ -175,7 +178,7 @@ def _plain_train(spec: RunSpec, rank: int, world: int, out: Path, loader: bool) 
     batches = Batches(data, spec.run.seed)
     probe = StepProbe(spec.run.name, rank)
     step, step_s, wait_s = 0, 0.0, 0.0
-    images = _dataloader(spec, rank, world) if loader else None
+    images, held_out = _dataloaders(spec, rank, world) if loader else (None, None)
     for epoch in range(spec.schedule.epochs):
         ahead: Any = None
         if images is not None:
@@ -207,6 +210,8 @@ def _plain_train(spec: RunSpec, rank: int, world: int, out: Path, loader: bool) 
             waited = time.perf_counter()
         if ahead is not None:
             ahead.close()
+        if held_out is not None:
+            _validate(ddp, workload, held_out)
     batches.close()
     probe.done(timings={"step_s": step_s, "data_wait_s": wait_s})
 
@@ -227,26 +232,58 @@ class EncodedImages(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 def _reseed(worker: int) -> None:
-    dataset = torch.utils.data.get_worker_info().dataset  # type: ignore[union-attr]
+    dataset = torch.utils.data.get_worker_info().dataset.dataset  # type: ignore[union-attr]
     dataset.rng = np.random.default_rng(torch.initial_seed() % 2**32)
 
 
-def _dataloader(spec: RunSpec, rank: int, world: int) -> Any:
-    from torch.utils.data import DataLoader, DistributedSampler
+def _dataloaders(spec: RunSpec, rank: int, world: int) -> tuple[Any, Any]:
+    """This rank's training and validation loaders over the rows relaytrain's run trains and
+    validates on (its held-out rows, ``data.validation_fraction``)."""
+    from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-    assert spec.data is not None and spec.data.transform is not None
-    transform = import_object(spec.data.transform, "data.transform")
-    dataset = EncodedImages(spec.data.dataset, transform)
-    sampler = DistributedSampler(dataset, world, rank, seed=spec.run.seed, drop_last=True)
-    return DataLoader(
-        dataset,
-        batch_size=spec.data.batch_size // world,
-        sampler=sampler,
-        num_workers=spec.data.transform_workers,
-        drop_last=True,
-        persistent_workers=True,
-        worker_init_fn=_reseed,
+    data = spec.data
+    assert data is not None and data.transform is not None
+    whole = rank_stream.RankStream(footers.scan(data), data, spec.run.seed, 1, 0)
+    held = np.concatenate([ids for ids, _ in whole.validation_with_ids()])
+    kept = np.setdiff1d(np.arange(whole.train_rows + len(held)), held)
+
+    def loader(ids: np.ndarray, path: str, field: str, batch: int, training: bool) -> Any:
+        dataset = Subset(EncodedImages(data.dataset, import_object(path, field)), ids.tolist())
+        sampler = DistributedSampler(
+            dataset, world, rank, shuffle=training, seed=spec.run.seed, drop_last=training
+        )
+        return DataLoader(
+            dataset,
+            batch_size=batch,
+            sampler=sampler,
+            num_workers=data.transform_workers,
+            drop_last=training,
+            persistent_workers=True,
+            worker_init_fn=_reseed,
+            # torchrun's processes fork their loader workers; mp.spawn's would spawn them
+            multiprocessing_context="fork",
+        )
+
+    eval_path = data.eval_transform or data.transform
+    return (
+        loader(kept, data.transform, "data.transform", data.batch_size // world, True),
+        loader(held, eval_path, "data.eval_transform", data.batch_size // world, False),
     )
+
+
+def _validate(model: torch.nn.Module, workload: BatchWorkload, held_out: Any) -> None:
+    """The held-out rows' summed loss and correct labels, reduced over the ranks, as a plain
+    loop would validate each epoch."""
+    model.eval()
+    sums = torch.zeros(3)
+    with torch.no_grad():
+        for batch in held_out:
+            out = workload.forward(model, batch)
+            total, count = workload.loss(out, batch)
+            correct = (logits_of(out).argmax(-1) == batch["labels"]).sum()
+            sums += torch.stack([total.float(), torch.as_tensor(count).float(), correct.float()])
+    dist.all_reduce(sums)
+    model.train()
 
 
 # -- the benchmark ---------------------------------------------------------------------------
@@ -265,9 +302,9 @@ KINDS: dict[str, tuple[Any, str, str, bool, str]] = {
     "vision": (
         vision_spec,
         "dataloader",
-        "plain DDP fed by a DataLoader, {n} process(es), 2 loader processes each",
+        "plain DDP fed by 2 DataLoaders (train, validate), {n} process(es), 2 workers each",
         True,
-        "engine attempt, {n} worker(s), 2 transform threads each",
+        "engine attempt, {n} worker(s), 2 transform processes each",
     ),
 }
 
