@@ -7,10 +7,10 @@
   - ``lm_plain_<n>w``: a plain PyTorch DDP loop (``torch.multiprocessing`` + gloo). It runs the
     same model on the same batches, made as relaytrain's loop makes them (its reader and
     transform, in the same read-ahead thread), with each rank's mean token loss, a loss
-    all-reduce every ``report.every`` steps and a ``torch.save`` checkpoint every
-    ``checkpoint.every``; no validation (relaytrain's runs validate 5% of the rows once an
-    epoch). The ratio is then the loop's own cost: the step's sum-and-count all-reduce and
-    rescale, metrics, validation, checkpoints.
+    all-reduce every ``report.every`` steps, a ``torch.save`` checkpoint every
+    ``checkpoint.every`` and, every epoch, the loss and token accuracy of the 5% of rows
+    relaytrain holds out (made by its validation transform). The ratio is then the loop's own
+    cost: the step's sum-and-count all-reduce and rescale, metrics, checkpoints.
   - Figure: tokens/s over rank 0's first to last step (the probe of ``bench.probe``).
   - Target: relaytrain / plain >= 0.97 at 1 and 2 workers.
 - **Vision** (``vision_*``): transformers' ResNet of ``examples/vision_resnet.py`` on the PNG
@@ -176,6 +176,7 @@ def _plain_train(spec: RunSpec, rank: int, world: int, out: Path, loader: bool) 
     workload = BatchWorkload(spec)
     stream = rank_stream.RankStream(footers.scan(data), data, spec.run.seed, world, rank)
     batches = Batches(data, spec.run.seed)
+    eval_batches = Batches(data, spec.run.seed, training=False, pool=batches.pool)
     probe = StepProbe(spec.run.name, rank)
     step, step_s, wait_s = 0, 0.0, 0.0
     images, held_out = _dataloaders(spec, rank, world) if loader else (None, None)
@@ -210,9 +211,13 @@ def _plain_train(spec: RunSpec, rank: int, world: int, out: Path, loader: bool) 
             waited = time.perf_counter()
         if ahead is not None:
             ahead.close()
-        if held_out is not None:
+        if held_out is not None:  # the DataLoader's
             _validate(ddp, workload, held_out)
+        else:  # relaytrain's validation batches, made ahead as its loop makes them
+            parts = stream.validation_with_ids()
+            _validate(ddp, workload, eval_batches.each(0, parts, ahead=data.prefetch))
     batches.close()
+    eval_batches.close()
     probe.done(timings={"step_s": step_s, "data_wait_s": wait_s})
 
 
@@ -272,15 +277,18 @@ def _dataloaders(spec: RunSpec, rank: int, world: int) -> tuple[Any, Any]:
 
 
 def _validate(model: torch.nn.Module, workload: BatchWorkload, held_out: Any) -> None:
-    """The held-out rows' summed loss and correct labels, reduced over the ranks, as a plain
-    loop would validate each epoch."""
+    """The held-out rows' summed loss and correct labels (per sample, or per labelled token),
+    reduced over the ranks, as a plain loop would validate each epoch."""
     model.eval()
     sums = torch.zeros(3)
     with torch.no_grad():
         for batch in held_out:
             out = workload.forward(model, batch)
             total, count = workload.loss(out, batch)
-            correct = (logits_of(out).argmax(-1) == batch["labels"]).sum()
+            predicted, labels = logits_of(out).argmax(-1), batch["labels"]
+            if predicted.dim() > 1:  # position t predicts token t + 1
+                predicted, labels = predicted[:, :-1], labels[:, 1:]
+            correct = (predicted == labels).sum()
             sums += torch.stack([total.float(), torch.as_tensor(count).float(), correct.float()])
     dist.all_reduce(sums)
     model.train()
