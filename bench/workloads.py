@@ -65,7 +65,7 @@ LM_TARGET = Target(
 )
 VISION_TARGET = Target(
     "vision images/s, relaytrain / DataLoader",
-    "images/s of relaytrain (decode and augment on its transform threads) / plain PyTorch fed "
+    "images/s of relaytrain (decode and augment in its transform pool) / plain PyTorch fed "
     "by a DataLoader with the same decode, augmentation and worker count (the lower of 1 and "
     "2 workers)",
     ">=",
