@@ -56,6 +56,13 @@ def _function(path: str, field: str) -> Callable[..., Any]:
     return found
 
 
+def _import(paths: list[tuple[str, str]]) -> None:
+    """Import the transforms at ``paths`` in this (transform) process; return nothing, which
+    the pool sends back as is (a transform's own object need not pickle)."""
+    for path, field in paths:
+        _function(path, field)
+
+
 def transform_rows(
     path: str,
     field: str,
@@ -117,8 +124,7 @@ class TransformPool:
         pool = self.executor()
         assert pool is not None
         for _ in range(self.workers):
-            for path, field in self.paths:
-                pool.submit(_function, path, field)
+            pool.submit(_import, self.paths)
 
     def close(self) -> None:
         if self._executor is not None:
