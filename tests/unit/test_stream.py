@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import footers, rank_stream, row_slices, sample_order, stream
+from trainer_core.data import footers, rank_stream, read_ahead, row_slices, sample_order, stream
 from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
 
@@ -126,7 +126,7 @@ def test_the_prefetcher_yields_what_direct_reads_give_and_stops_cleanly(dataset)
     order = sample_order.epoch_order(
         direct.train_counts(), seed=2, epoch=0, batch_size=16, partitions=4, window=40
     )
-    ahead = rank_stream.Prefetcher(stream.Reader(layout, data, seed=2), order, 2, 1, first=3)
+    ahead = read_ahead.Prefetcher(stream.Reader(layout, data, seed=2), order, 2, 1, first=3)
     seen = []
     for index, ids, rows in ahead:
         groups, positions = order.locate(order.rank_positions(index, 2, 1))
@@ -135,7 +135,7 @@ def test_the_prefetcher_yields_what_direct_reads_give_and_stops_cleanly(dataset)
         assert np.array_equal(rows.features, expected.features)
         seen.append(index)
     assert seen == list(range(3, order.steps))  # resumed at batch 3
-    early = rank_stream.Prefetcher(stream.Reader(layout, data, seed=2), order, 2, 0, depth=1)
+    early = read_ahead.Prefetcher(stream.Reader(layout, data, seed=2), order, 2, 0, depth=1)
     next(iter(early))
     early.close()  # mid-epoch: the thread ends although the queue is full
     assert not early._thread.is_alive()
@@ -150,7 +150,7 @@ def test_a_read_error_reaches_the_consumer(dataset):
     )
     (dataset / "part-1.parquet").unlink()  # gone after the scan: a storage failure mid-epoch
     with pytest.raises(FileNotFoundError, match=r"part-1\.parquet"):
-        for _ in rank_stream.Prefetcher(reader, order, 1, 0):
+        for _ in read_ahead.Prefetcher(reader, order, 1, 0):
             pass
 
 
@@ -358,7 +358,7 @@ def test_windows_gathered_by_plan_give_each_positions_rows(tmp_path, monkeypatch
         for index in range(9, order.steps):
             ids, rows = oracle.take(*order.locate(order.rank_positions(index, world_size, rank)))
             expected.append((index, ids.tolist(), rows.features.tolist()))
-        ahead = rank_stream.Prefetcher(stream_.reader, order, world_size, rank, first=9)
+        ahead = read_ahead.Prefetcher(stream_.reader, order, world_size, rank, first=9)
         try:
             got = [(i, ids.tolist(), rows.features.tolist()) for i, ids, rows in ahead]
         finally:

@@ -136,7 +136,7 @@ class Reader:
     Row groups are decoded in slices of ``slice_rows`` rows (``row_slices``: a row group that
     small is one slice, a bigger one is streamed once and spilled slice by slice). Decoded
     slices are kept, most recently used last, while they and the rows a reader's user holds
-    decoded beside them (``outside_rows``: ``rank_stream.Windows``' gathered windows) hold at
+    decoded beside them (``outside_rows``: ``read_ahead.Windows``' gathered windows) hold at
     most ``cache_rows`` rows (the newest always stays): size it to the slices the live shuffle
     windows span (``RankStream`` does), or a batch re-reads them. Slices no planned window
     still needs (``wanted``, when a plan keeps it) go first.
