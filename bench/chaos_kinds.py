@@ -113,10 +113,22 @@ class FaultKinds:
             self.flow is not None
             and self.flow.poll() is None
             and time.time() - self.flow_started_at > 20
+            and self._flow_holds_lease()
             and not live_second
             and not self.api_down
             and not self.proxy.is_full
         )
+
+    def _flow_holds_lease(self) -> bool:
+        """The run's lease names the flow's process. A flow run again after a kill may take
+        over 20 s to reach its setup on a loaded machine: a second flow started before would
+        find the killed flow's lease gone, take it and drive the run, and the flow would meet
+        the lease instead."""
+        assert self.flow is not None
+        with contextlib.suppress(Exception):  # storage being written: not yet
+            lease = self.run_dir.read_lease()
+            return bool(lease) and lease.get("pid") == self.flow.pid
+        return False
 
     def _flow_kill(self) -> dict[str, Any] | None:
         if not self._flow_ready():
