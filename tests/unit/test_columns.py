@@ -187,8 +187,7 @@ def test_an_epoch_transformed_ahead_is_the_epoch_made_a_batch_at_a_time(lm_file,
     data = section(lm_file, transform="tests.columns_workloads:noisy", batch_size=12)
     data = data.model_copy(update={"transform_pool": pool, "prefetch": 3})
     ranks = rank_stream.RankStream(footers.scan(data), data, 5, 2, 1)
-    shared = TransformPool(data)
-    shared.warm()
+    shared = TransformPool(data).warm()
     batches = Batches(data, seed=5, pool=shared)
     validation = Batches(data, seed=5, training=False, pool=shared)
     try:

@@ -116,15 +116,15 @@ class TransformPool:
                 )
         return self._executor
 
-    def warm(self) -> None:
+    def warm(self) -> TransformPool:
         """Start the workers, each importing the transforms (processes only: threads start
-        at once)."""
-        if self.data.transform_pool != "processes" or self.workers == 0:
-            return
-        pool = self.executor()
-        assert pool is not None
-        for _ in range(self.workers):
-            pool.submit(_import, self.paths)
+        at once); returns this pool."""
+        if self.data.transform_pool == "processes" and self.workers:
+            pool = self.executor()
+            assert pool is not None
+            for _ in range(self.workers):
+                pool.submit(_import, self.paths)
+        return self
 
     def close(self) -> None:
         if self._executor is not None:

@@ -35,8 +35,7 @@ class ColumnsLoop(BuiltinLoop):
 
     def _build_data(self) -> data_mod.DatasetInfo:
         #: The transform workers, started while the stream and the model are built.
-        self.transform_pool = TransformPool(self.data_spec)
-        self.transform_pool.warm()
+        self.transform_pool = TransformPool(self.data_spec).warm()
         return super()._build_data()
 
     def _build_validation(self, info: data_mod.DatasetInfo) -> None:

@@ -96,15 +96,11 @@ class OwnLoop:
         data_spec = self.spec.data.resolved()
         self.batch_size = data_spec.batch_size
         #: The transform workers, started while the stream and the user's model are built.
-        self._pool = TransformPool(data_spec) if data_spec.columns_form else None
-        if self._pool is not None:
-            self._pool.warm()
+        self._pool = TransformPool(data_spec).warm() if data_spec.columns_form else None
         self.data, _ = rank_data(config, data_spec, self.spec.run.seed, self.world_size, self.rank)
-        seed = self.spec.run.seed
-        self._train_batches = Batches(data_spec, seed, pool=self._pool) if self._pool else None
-        self._eval_batches = (
-            Batches(data_spec, seed, training=False, pool=self._pool) if self._pool else None
-        )
+        seed, pool = self.spec.run.seed, self._pool
+        self._train_batches = Batches(data_spec, seed, pool=pool) if pool else None
+        self._eval_batches = Batches(data_spec, seed, training=False, pool=pool) if pool else None
         #: Epochs of the run, global batches per epoch, optimizer steps in all.
         self.epochs = self.spec.schedule.epochs
         self.batches_per_epoch = self.data.batches_per_epoch
