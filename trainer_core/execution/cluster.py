@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from trainer_core.errors import ClusterCapacityError
+from trainer_core.execution import local_head
 from trainer_core.spec.run_spec import RunSpec
 
 logger = logging.getLogger("relaytrain.engine")
@@ -49,8 +50,10 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None) -> Iter
     local cluster (``address="local"`` always does).
 
     Yields whether this call started (or connected) Ray; only then is it shut down afterwards.
-    Whoever starts Ray stops it: a cluster someone else connected to is left alone.
+    Whoever starts Ray stops it: a cluster someone else connected to is left alone. A local
+    cluster's head is watched (``local_head``): lost, Ray is left, and the next call starts anew.
     """
+    local_head.settle()  # a lost head's cluster left first
     if ray.is_initialized():
         yield False
         return
@@ -62,9 +65,11 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None) -> Iter
     else:
         # "local": a new cluster of our own, not whatever `ray start` left on this machine.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+        local_head.watch_started_cluster()  # its head lost: leave it, not end this process
     try:
         yield True
     finally:
+        local_head.stop_watching()
         ray.shutdown()
 
 

@@ -16,7 +16,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainer_core import storage
-from trainer_core.errors import ClusterBusyError
+from trainer_core.errors import ClusterBusyError, InfrastructureError
+from trainer_core.execution import local_head
 from trainer_core.execution.classify import group_never_started
 from trainer_core.execution.cluster import (
     apply_ray_env_defaults,
@@ -256,6 +257,9 @@ class _Fitting:
     def _relay_events(self) -> None:
         from trainer_core.execution.controller import PLACEMENT_GROUP_EVENT
 
+        head_lost = local_head.lost()
+        if head_lost is not None:  # Ray was left: a call would start it anew
+            raise InfrastructureError(head_lost)
         for event in ray.get(self.relay.drain.remote()):
             if event["kind"] == PLACEMENT_GROUP_EVENT:
                 self.placement_groups.append(event["placement_group"])
@@ -277,19 +281,26 @@ class _Fitting:
             self._relay_events()
             finished = True
         finally:
-            if not finished:
-                logger.warning(
-                    "interrupted: stopping the Ray Train worker group of %s", self.run_name
-                )
-                self.trainer.abort()
+            if local_head.lost() is not None:
+                # The cluster is gone and Ray left: nothing to stop, and a call would start Ray
+                # anew. The fit thread's calls returned when Ray was left.
                 self.thread.join(30)
-                with contextlib.suppress(Exception):
-                    self._relay_events()
-            _remove_left_behind(self.placement_groups)
-            with contextlib.suppress(Exception):
-                ray.kill(self.relay)
+            else:
+                self._clean_up(finished)
         if "error" in self.outcome:
             raise self.outcome["error"]
+
+    def _clean_up(self, finished: bool) -> None:
+        """Stop the worker group unless fit() ended on its own; remove what it left."""
+        if not finished:
+            logger.warning("interrupted: stopping the Ray Train worker group of %s", self.run_name)
+            self.trainer.abort()
+            self.thread.join(30)
+            with contextlib.suppress(Exception):
+                self._relay_events()
+        _remove_left_behind(self.placement_groups)
+        with contextlib.suppress(Exception):
+            ray.kill(self.relay)
 
 
 def _remove_left_behind(placement_groups: list[Any]) -> None:
