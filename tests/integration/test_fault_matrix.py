@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import yaml
 
@@ -166,3 +167,59 @@ def test_same_run_started_twice_at_once(
     attempts = assert_recovered(run_dir, uninterrupted_one_worker, interval=10)
     assert len(attempts) == 1  # the refused flow never started an attempt
     record_matrix_row("9 the same run started twice at once", run_dir, exit_codes=codes)
+
+
+def test_the_local_ray_head_lost_mid_attempt_is_retried_on_a_new_cluster(
+    relaytrain_prefect, uninterrupted_one_worker, tmp_path
+):
+    """A flow process that started its own local Ray cluster (no ``RAY_ADDRESS``) loses the
+    cluster's head (its GCS server and raylet SIGKILLed, as by the OOM killer) once a checkpoint
+    is committed: the process lives on (Ray's driver would end it after 60 s without its GCS),
+    the attempt fails on the infrastructure budget naming the lost head, and the retry starts a
+    new local cluster and resumes, ending at the uninterrupted run's bits. Nothing of the dead
+    cluster is left running."""
+    from prefect.settings import PREFECT_API_URL
+
+    name = "matrix-head"
+    raw = tiny_raw(tmp_path, name, scaling=ONE_WORKER)
+    # The first attempt slowed from step 11 on, so that it is still training when the head goes.
+    raw["faults"] = [{"kind": "slow", "at_step": 11, "rank": 0, "attempt": 1, "seconds": 0.5}]
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "flows.training", "--config", str(spec_file)]
+    flow = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(flow.stdout or []), daemon=True)
+    reader.start()
+    run_dir = run_dir_of(build_spec(raw))
+    deadline = time.time() + 300
+    while not run_dir.scan().committed:
+        assert time.time() < deadline and flow.poll() is None, "".join(output)
+        time.sleep(0.2)
+    cluster = psutil.Process(flow.pid).children(recursive=True)
+    head = [p for p in cluster if p.name() in ("gcs_server", "raylet")]
+    assert len(head) == 2, [p.name() for p in cluster]
+    for process in head:
+        process.kill()
+    killed_at = time.time()
+    assert flow.wait(timeout=300) == 0, "".join(output)
+    reader.join(30)
+    print("".join(output))  # shown if an assertion below fails
+    committed = committed_before(run_dir, killed_at)
+    attempts = assert_recovered(
+        run_dir, uninterrupted_one_worker, interval=10, committed_before=committed
+    )
+    assert [a["status"] for a in attempts] == ["failed", "completed"]
+    assert attempts[0]["error_budget"] == "infrastructure"
+    # The watch names what it found dead first: the GCS server, the raylet, or both.
+    message = attempts[0]["error_message"]
+    assert "local Ray cluster this process started lost its head: " in message, message
+    assert "gcs_server (pid" in message or "raylet (pid" in message, message
+    # The first cluster's processes ended with it (the second was stopped at the flow's end).
+    _, alive = psutil.wait_procs([p for p in cluster if p.is_running()], timeout=30)
+    assert not alive, [p.name() for p in alive]
+    record_matrix_row("11 the local Ray head lost mid-attempt", run_dir)
