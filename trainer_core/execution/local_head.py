@@ -58,8 +58,7 @@ class HeadWatch:
     def stop(self) -> None:
         """Stop watching (before this process shuts its cluster down on purpose)."""
         self.stopped.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join()
+        self.thread.join()
 
     def _watch(self) -> None:
         while not self.stopped.wait(self.interval_s):
@@ -97,7 +96,7 @@ def settle() -> None:
     """Once a watch has fired: wait until it has left the dead cluster (``ray.shutdown`` takes
     some seconds), so that whoever asks next whether Ray runs is told the truth."""
     watch = _watch
-    if lost() is not None and watch is not None and watch.thread is not threading.current_thread():
+    if lost() is not None and watch is not None:
         watch.thread.join()
 
 
