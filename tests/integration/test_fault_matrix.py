@@ -169,25 +169,22 @@ def test_same_run_started_twice_at_once(
     record_matrix_row("9 the same run started twice at once", run_dir, exit_codes=codes)
 
 
-def test_the_local_ray_head_lost_mid_attempt_is_retried_on_a_new_cluster(
-    relaytrain_prefect, uninterrupted_one_worker, tmp_path
-):
-    """A flow process that started its own local Ray cluster (no ``RAY_ADDRESS``) loses the
-    cluster's head (its GCS server and raylet SIGKILLed, as by the OOM killer) once a checkpoint
-    is committed: the process lives on (Ray's driver would end it after 60 s without its GCS),
-    the attempt fails on the infrastructure budget naming the lost head, and the retry starts a
-    new local cluster and resumes, ending at the uninterrupted run's bits. Nothing of the dead
-    cluster is left running."""
+def start_slowed_flow(
+    name: str, tmp_path, ray_address: str | None
+) -> tuple[subprocess.Popen[str], list[str], threading.Thread, RunDirectory]:
+    """``python -m flows.training`` on the tiny spec, one worker, its first attempt slowed from
+    step 11 on (so that it is still training when its Ray head goes), run until a checkpoint is
+    committed; returns the flow, its output so far, the thread reading it, and the run."""
     from prefect.settings import PREFECT_API_URL
 
-    name = "matrix-head"
     raw = tiny_raw(tmp_path, name, scaling=ONE_WORKER)
-    # The first attempt slowed from step 11 on, so that it is still training when the head goes.
     raw["faults"] = [{"kind": "slow", "at_step": 11, "rank": 0, "attempt": 1, "seconds": 0.5}]
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     env.pop("RAY_ADDRESS", None)
+    if ray_address is not None:
+        env["RAY_ADDRESS"] = ray_address
     command = [sys.executable, "-m", "flows.training", "--config", str(spec_file)]
     flow = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -200,6 +197,19 @@ def test_the_local_ray_head_lost_mid_attempt_is_retried_on_a_new_cluster(
     while not run_dir.scan().committed:
         assert time.time() < deadline and flow.poll() is None, "".join(output)
         time.sleep(0.2)
+    return flow, output, reader, run_dir
+
+
+def test_the_local_ray_head_lost_mid_attempt_is_retried_on_a_new_cluster(
+    relaytrain_prefect, uninterrupted_one_worker, tmp_path
+):
+    """A flow process that started its own local Ray cluster (no ``RAY_ADDRESS``) loses the
+    cluster's head (its GCS server and raylet SIGKILLed, as by the OOM killer) once a checkpoint
+    is committed: the process lives on (Ray's driver would end it after 60 s without its GCS),
+    the attempt fails on the infrastructure budget naming the lost head, and the retry starts a
+    new local cluster and resumes, ending at the uninterrupted run's bits. Nothing of the dead
+    cluster is left running."""
+    flow, output, reader, run_dir = start_slowed_flow("matrix-head", tmp_path, None)
     cluster = psutil.Process(flow.pid).children(recursive=True)
     head = [p for p in cluster if p.name() in ("gcs_server", "raylet")]
     assert len(head) == 2, [p.name() for p in cluster]
@@ -223,3 +233,42 @@ def test_the_local_ray_head_lost_mid_attempt_is_retried_on_a_new_cluster(
     _, alive = psutil.wait_procs([p for p in cluster if p.is_running()], timeout=30)
     assert not alive, [p.name() for p in alive]
     record_matrix_row("11 the local Ray head lost mid-attempt", run_dir)
+
+
+def test_the_ray_address_head_restarted_mid_attempt_is_reconnected_and_resumed(
+    relaytrain_prefect, uninterrupted_one_worker, tmp_path
+):
+    """The flow drives a cluster a user started (`ray start --head`, at ``RAY_ADDRESS``), whose
+    head node goes down (every process SIGKILLed) once a checkpoint is committed, and comes back
+    at the same address once the retry says it waits for it: a new cluster (no GCS fault
+    tolerance: the attempt's workers went with the old one). Without the watch the driver
+    blocks on the dead cluster, and Ray ends the flow process 60 s later (or, once the new head
+    answers, a call to it aborts on WrongClusterID). The attempt fails on the infrastructure
+    budget naming the address; the retry waits for the head (``RELAYTRAIN_RAY_HEAD_WAIT_S``),
+    connects to it and resumes, ending at the uninterrupted run's bits."""
+    from tests.ray_start import RayStartHead
+
+    head = RayStartHead().start()
+    try:
+        flow, output, reader, run_dir = start_slowed_flow("matrix-address", tmp_path, head.address)
+        head.kill()
+        killed_at = time.time()
+        deadline = time.time() + 120
+        while not any("does not answer (its head restarting?)" in line for line in output):
+            assert time.time() < deadline and flow.poll() is None, "".join(output)
+            time.sleep(0.2)
+        head.start()
+        assert flow.wait(timeout=300) == 0, "".join(output)
+        reader.join(30)
+    finally:
+        head.stop()
+    print("".join(output))  # shown if an assertion below fails
+    committed = committed_before(run_dir, killed_at)
+    attempts = assert_recovered(
+        run_dir, uninterrupted_one_worker, interval=10, committed_before=committed
+    )
+    assert [a["status"] for a in attempts] == ["failed", "completed"]
+    assert attempts[0]["error_budget"] == "infrastructure"
+    message = attempts[0]["error_message"]
+    assert f"the Ray cluster at {head.address} lost its head" in message, message
+    record_matrix_row("12 the Ray head at RAY_ADDRESS restarted mid-attempt", run_dir)

@@ -17,7 +17,7 @@ from trainer_core.errors import (
     StorageError,
     TrainingCodeError,
 )
-from trainer_core.execution import local_head
+from trainer_core.execution import ray_head
 from trainer_core.execution.cluster import alive_nodes, draining_nodes, preempted_nodes
 
 logger = logging.getLogger("relaytrain.engine")
@@ -191,12 +191,12 @@ def name_preemption(
     health checks (about 15 s at Ray's defaults). Ray's node table tells once it has. So if a
     node's drain deadline had come when the attempt failed, wait (at most ``settle_s``) until
     each such node is declared dead or back in service, then read the death reasons. Without
-    one nothing is waited for. A lost local head (``local_head``) is the cause: Ray is left,
+    one nothing is waited for. A lost local head (``ray_head``) is the cause: Ray is left,
     nothing to ask.
     """
     if not isinstance(error, InfrastructureError) or isinstance(error, PreemptedError):
         return error
-    if local_head.lost() is not None:
+    if ray_head.lost() is not None:
         return error
     pending = draining_nodes() - reclaimed_before
     deadline = time.monotonic() + settle_s

@@ -13,7 +13,7 @@ from typing import Any
 import ray
 
 from trainer_core.errors import ClusterCapacityError
-from trainer_core.execution import local_head
+from trainer_core.execution import ray_head
 from trainer_core.spec.run_spec import RunSpec
 
 logger = logging.getLogger("relaytrain.engine")
@@ -50,10 +50,11 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None) -> Iter
     local cluster (``address="local"`` always does).
 
     Yields whether this call started (or connected) Ray; only then is it shut down afterwards.
-    Whoever starts Ray stops it: a cluster someone else connected to is left alone. A local
-    cluster's head is watched (``local_head``): lost, Ray is left, and the next call starts anew.
+    Whoever starts Ray stops it: a cluster someone else connected to is left alone. The
+    cluster's head is watched (``ray_head``): lost, Ray is left, and the next call starts a new
+    local cluster, or waits (bounded) for the address to answer again.
     """
-    local_head.settle()  # a lost head's cluster left first
+    ray_head.settle()  # a lost head's cluster left first
     if ray.is_initialized():
         yield False
         return
@@ -61,15 +62,17 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None) -> Iter
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {"log_to_driver": False}
     if address and address != "local":
+        ray_head.await_lost_head(address)  # the retry of an attempt whose head was lost
         ray.init(address=address, **kwargs)
+        ray_head.watch_connected_cluster(address)  # its head lost: leave it, not block or end
     else:
         # "local": a new cluster of our own, not whatever `ray start` left on this machine.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
-        local_head.watch_started_cluster()  # its head lost: leave it, not end this process
+        ray_head.watch_started_cluster()  # its head lost: leave it, not end this process
     try:
         yield True
     finally:
-        local_head.stop_watching()
+        ray_head.stop_watching()
         ray.shutdown()
 
 

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainer_core import storage
 from trainer_core.errors import ClusterBusyError, InfrastructureError
-from trainer_core.execution import local_head
+from trainer_core.execution import ray_head
 from trainer_core.execution.classify import group_never_started
 from trainer_core.execution.cluster import (
     apply_ray_env_defaults,
@@ -257,7 +257,7 @@ class _Fitting:
     def _relay_events(self) -> None:
         from trainer_core.execution.controller import PLACEMENT_GROUP_EVENT
 
-        head_lost = local_head.lost()
+        head_lost = ray_head.lost()
         if head_lost is not None:  # Ray was left: a call would start it anew
             raise InfrastructureError(head_lost)
         for event in ray.get(self.relay.drain.remote()):
@@ -281,7 +281,9 @@ class _Fitting:
             self._relay_events()
             finished = True
         finally:
-            if local_head.lost() is not None:
+            if not finished:
+                ray_head.check_now()  # a lost head leaves now, before a clean-up calls Ray
+            if ray_head.lost() is not None:
                 # The cluster is gone and Ray left: nothing to stop, and a call would start Ray
                 # anew. The fit thread's calls returned when Ray was left.
                 self.thread.join(30)

@@ -30,7 +30,7 @@ from trainer_core.data import arrays as data_mod
 from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
 from trainer_core.data.table_rows import TableRows
 from trainer_core.errors import IncompatibleRunError, LeaseLostError, SpecError
-from trainer_core.execution import classify, cluster, local_head, trainer
+from trainer_core.execution import classify, cluster, ray_head, trainer
 from trainer_core.execution.trainer import EventHandler
 from trainer_core.run import attempts
 from trainer_core.run.live_state import LiveState
@@ -341,7 +341,7 @@ def run_attempt(
         try:
             trainer.fit(spec, plan, loop, handle, poll_interval_s, reclaimed_before, lost)
         except BaseException as error:
-            named = local_head.name_loss(classify.classify(error))  # a lost head, not Ray's exit
+            named = ray_head.name_loss(classify.classify(error))  # a lost head, not Ray's exit
             classified = classify.name_preemption(named, reclaimed_before | live.preempted_nodes)
             classified.attempt = plan.attempt  # type: ignore[attr-defined]  # for the train task
             failed = record.failed(classified, live.outcome(), live.step)

@@ -36,7 +36,7 @@ from typing import Any
 from trainer_core import errors
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import InfrastructureError, RelaytrainError, SpecError
-from trainer_core.execution import cluster
+from trainer_core.execution import cluster, ray_head
 from trainer_core.run import attempts, engine
 from trainer_core.spec.run_spec import RunSpec
 
@@ -44,9 +44,9 @@ logger = logging.getLogger("relaytrain.jobs")
 
 JOB_ADDRESS_ENV = "RELAYTRAIN_RAY_JOB_ADDRESS"
 #: How long an attempt waits for a job server that answered this run before (a head node
-#: restarting, a network cut) to answer again, then fails on the infrastructure budget.
-HEAD_WAIT_ENV = "RELAYTRAIN_RAY_HEAD_WAIT_S"
-HEAD_WAIT_S = 120.0
+#: restarting, a network cut) to answer again, then fails on the infrastructure budget: the
+#: bound a driver's lost head is waited for too.
+HEAD_WAIT_ENV = ray_head.HEAD_WAIT_ENV
 EVENT_TAG = "RELAYTRAIN_EVENT "
 OUTCOME_TAG = "RELAYTRAIN_OUTCOME "
 RUN_KEY = "relaytrain_run_uri"
@@ -78,10 +78,6 @@ def client(address: str) -> Any:
         ) from e
 
 
-def head_wait_s() -> float:
-    return float(os.environ.get(HEAD_WAIT_ENV) or HEAD_WAIT_S)
-
-
 def client_waiting(address: str, say: LineHandler | None = None) -> Any:
     """A client of the job server at ``address``, which answered this run before: while it does
     not answer (its head restarting), wait for it (``_while_restarting``). An address that is
@@ -104,6 +100,7 @@ def _while_restarting(
     that names the address (retried, where a first contact's SpecError is not). ``final(e)``:
     the error to raise at once instead of waiting (None: wait)."""
     deadline: float | None = None
+    wait_s = ray_head.head_wait_s()
     while True:
         try:
             return call()
@@ -114,14 +111,14 @@ def _while_restarting(
             if now_error is not None:
                 raise now_error from e
             if deadline is None:
-                deadline = time.monotonic() + head_wait_s()
+                deadline = time.monotonic() + wait_s
                 say(
                     f"the Ray job server at {address} does not answer (its head restarting?): "
-                    f"waiting up to {head_wait_s():.0f} s ({HEAD_WAIT_ENV})"
+                    f"waiting up to {wait_s:.0f} s ({HEAD_WAIT_ENV})"
                 )
             elif time.monotonic() >= deadline:
                 raise InfrastructureError(
-                    f"the Ray job server at {address} did not answer for {head_wait_s():.0f} s "
+                    f"the Ray job server at {address} did not answer for {wait_s:.0f} s "
                     f"({e.__cause__ or e}). The retry resumes from the newest committed "
                     f"checkpoint; set {HEAD_WAIT_ENV} to wait longer."
                 ) from e

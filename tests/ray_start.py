@@ -1,0 +1,77 @@
+"""A Ray cluster as a user's `ray start --head` makes it, at a fixed address, for tests that
+take its head down and start it again there (a head node restarting)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.net import free_port
+from trainer_core.execution.cluster import RAY_ENV_DEFAULTS
+
+
+class RayStartHead:
+    """`ray start --head --block` in its own process group; ``kill()`` SIGKILLs the whole group
+    (GCS server, raylet, agents, workers: a lost head node) and ``start()`` starts it again at
+    the same GCS address. Its ports are its own (not Ray's fixed defaults, which the test
+    session's Ray may hold)."""
+
+    def __init__(self, num_cpus: int = 2):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.temp_dir = tempfile.mkdtemp(prefix="rt-head-")  # short: Ray's socket paths
+        self.args = [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--disable-usage-stats",
+            f"--port={self.port}",
+            f"--num-cpus={num_cpus}",
+            "--include-dashboard=false",
+            f"--dashboard-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--temp-dir={self.temp_dir}",
+        ]
+        self.env = {
+            **RAY_ENV_DEFAULTS,  # as the README asks of a user's cluster
+            **os.environ,
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+        self.env.pop("RAY_ADDRESS", None)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 120) -> RayStartHead:
+        import ray._raylet
+
+        log = open(Path(self.temp_dir) / "ray-start.log", "ab")  # noqa: SIM115 (the process's)
+        self.process = subprocess.Popen(
+            self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:  # up once its GCS answers and the head node is alive in it
+            assert self.process.poll() is None, (Path(self.temp_dir) / "ray-start.log").read_text()
+            try:
+                gcs = ray._raylet.GcsClient(address=self.address)
+                if any(n.state == 0 for n in gcs.get_all_node_info(timeout=2).values()):
+                    return self
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        """Every process of the head node, at once (SIGKILL to the group)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)
+        self.process = None
+
+    def stop(self) -> None:
+        self.kill()

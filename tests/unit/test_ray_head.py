@@ -1,0 +1,67 @@
+"""Waiting for the head of a cluster at an address that this process lost (``ray_head``),
+against real sockets: a GCS address nothing listens on, and one that starts listening."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.net import free_port
+from trainer_core.errors import InfrastructureError
+from trainer_core.execution import ray_head
+
+
+@pytest.fixture
+def lost(monkeypatch):
+    """This process lost the head of the cluster at ``head:6379``, its GCS at a free loopback
+    port; returns that port."""
+    port = free_port()
+    monkeypatch.setattr(ray_head, "_lost_address", ("head:6379", f"127.0.0.1:{port}"))
+    return port
+
+
+def test_a_lost_head_that_never_answers_fails_on_the_infrastructure_budget_naming_it(
+    lost, monkeypatch, caplog
+):
+    monkeypatch.setenv(ray_head.HEAD_WAIT_ENV, "1")
+    with (
+        caplog.at_level(logging.WARNING, "relaytrain.engine"),
+        pytest.raises(InfrastructureError) as raised,
+    ):
+        ray_head.await_lost_head("head:6379", poll_s=0.2)
+    message = str(raised.value)
+    assert "the Ray cluster at head:6379" in message and f"127.0.0.1:{lost}" in message
+    assert ray_head.HEAD_WAIT_ENV in message  # the fix: wait longer
+    assert "waiting up to 1 s (RELAYTRAIN_RAY_HEAD_WAIT_S)" in caplog.text
+
+
+def test_a_lost_head_that_answers_again_is_waited_for(lost, monkeypatch, caplog):
+    monkeypatch.setenv(ray_head.HEAD_WAIT_ENV, "60")
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def come_back() -> None:
+        time.sleep(1.0)
+        server.bind(("127.0.0.1", lost))
+        server.listen()
+
+    back = threading.Thread(target=come_back)
+    back.start()
+    try:
+        with caplog.at_level(logging.WARNING, "relaytrain.engine"):
+            ray_head.await_lost_head("head:6379", poll_s=0.2)  # returns: no error
+        back.join()
+        assert "does not answer (its head restarting?)" in caplog.text  # it did wait
+    finally:
+        back.join()
+        server.close()
+
+
+def test_an_address_whose_head_was_not_lost_is_not_waited_for(lost, monkeypatch):
+    """Another address (or a first contact): ray.init's own errors, no wait here."""
+    monkeypatch.setenv(ray_head.HEAD_WAIT_ENV, "60")
+    ray_head.await_lost_head("other:6379", poll_s=0.2)  # returns at once: would wait 60 s

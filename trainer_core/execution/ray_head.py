@@ -1,0 +1,297 @@
+"""The head of the Ray cluster this process drives, watched.
+
+A Ray driver depends on its cluster's head (the GCS server, and the raylet beside it). When the
+head dies (killed, out of memory, its machine restarted), every call to the cluster blocks;
+Ray ends a driver whose GCS has been silent for ``gcs_rpc_server_reconnect_timeout_s`` (60 s),
+the flow with it, and one whose head came back as a new cluster may block for good. So
+``ray_cluster()`` watches the head of the cluster it started or connected to:
+
+- a local cluster this process started: its head's processes are its children, polled every
+  ``INTERVAL_S``; one that has exited is the head lost;
+- a cluster at an address (``RAY_ADDRESS``): its GCS is asked whether it is alive every
+  ``INTERVAL_S``; silent for ``SILENCE_S``, or answering for another cluster (the head
+  restarted without GCS fault tolerance: the attempt's workers went with the old one), the head
+  is lost.
+
+The watch then leaves the cluster (``ray.shutdown``, what the blocked calls return from), so the
+attempt fails on the infrastructure budget with an error that names the lost head, and the next
+``ray_cluster()`` (the retry's) starts a new local cluster, or waits up to
+``RELAYTRAIN_RAY_HEAD_WAIT_S`` for the address to answer again; either resumes from the newest
+committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import ray
+
+from trainer_core.errors import InfrastructureError, LeaseLostError
+
+logger = logging.getLogger("relaytrain.engine")
+
+#: How often the watch looks at the head (a ``poll()`` of each local process, or one GCS call).
+INTERVAL_S = 0.5
+#: The processes without which a local cluster is gone (Ray's names for them).
+HEAD_PROCESSES = ("gcs_server", "raylet")
+#: How long the GCS of a cluster at an address may be silent before the attempt leaves it:
+#: well within Ray's 60 s, after which Ray ends the driver; a head restarted with GCS fault
+#: tolerance within it is reconnected to by Ray itself, the attempt going on.
+SILENCE_S = 20.0
+#: How long ``ray_cluster()`` waits for an address whose head this process lost to answer again
+#: (the job path's bound as well).
+HEAD_WAIT_ENV = "RELAYTRAIN_RAY_HEAD_WAIT_S"
+HEAD_WAIT_S = 120.0
+
+_lock = threading.Lock()
+_watch: HeadWatch | None = None
+#: The node of the last watch that fired and what it saw (None: none has).
+_lost: tuple[Any, str] | None = None
+#: The address and GCS address of a cluster whose head was lost, until connected to again.
+_lost_address: tuple[str, str] | None = None
+
+
+def head_wait_s() -> float:
+    return float(os.environ.get(HEAD_WAIT_ENV) or HEAD_WAIT_S)
+
+
+class HeadWatch:
+    """A daemon thread that asks ``head`` every ``interval_s`` whether it is lost and, once it
+    says so (a message), leaves the cluster of ``node`` (Ray's ``Node`` of it)."""
+
+    def __init__(
+        self,
+        node: Any,
+        head: StartedHead | ConnectedHead,
+        interval_s: float = INTERVAL_S,
+        address: tuple[str, str] | None = None,
+    ):
+        self.node = node
+        self.head = head
+        self.interval_s = interval_s
+        self.address = address
+        self.stopped = threading.Event()
+        self.fired = threading.Lock()  # held by whoever leaves the cluster: once
+        self.thread = threading.Thread(
+            target=self._watch, name="relaytrain-head-watch", daemon=True
+        )
+
+    def start(self) -> HeadWatch:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (before this process leaves its cluster on purpose)."""
+        self.stopped.set()
+        self.thread.join()
+
+    def check_now(self) -> None:
+        """Ask the head at once (an attempt has just failed: was the head the cause?), and
+        leave the cluster here if it is lost, before anyone calls Ray on it again."""
+        message = self.head.confirm()
+        if message is not None:
+            self._lose(message)
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            message = self.head.probe()
+            if message is not None:
+                self._lose(message)
+                return
+
+    def _lose(self, message: str) -> None:
+        global _lost, _lost_address
+        if self.stopped.is_set() or not self.fired.acquire(blocking=False):
+            return
+        self.stopped.set()
+        with _lock:
+            _lost = (self.node, message)  # before the shutdown: the attempt's loop reads it
+            _lost_address = self.address
+        logger.error(message)
+        try:
+            ray.shutdown()  # the calls blocked on the dead cluster return (SystemExit)
+        except Exception as e:  # the attempt still fails on the loss, which is recorded
+            logger.warning("leaving the lost cluster: %s: %s", type(e).__name__, e)
+
+
+class StartedHead:
+    """The head of a local cluster this process started: lost once one of its processes has
+    exited (``Popen.poll``: no system call beyond ``waitpid``)."""
+
+    def __init__(self, node: Any):
+        self.processes = [
+            (kind, info.process)
+            for kind in HEAD_PROCESSES
+            for info in node.all_processes.get(kind, [])
+        ]
+
+    def probe(self) -> str | None:
+        dead = [(kind, p) for kind, p in self.processes if p.poll() is not None]
+        if not dead:
+            return None
+        which = ", ".join(f"{kind} (pid {p.pid}) exited {p.returncode}" for kind, p in dead)
+        return (
+            f"the local Ray cluster this process started lost its head: {which}, killed or out "
+            "of memory. The attempt left that cluster; the retry starts a new local cluster and "
+            "resumes from the newest committed checkpoint"
+        )
+
+    confirm = probe
+
+
+class ConnectedHead:
+    """The head of the cluster at ``address``: lost once its GCS (``gcs``, the driver's client
+    of it) has not answered for ``silence_s``, or answers for another cluster."""
+
+    def __init__(self, address: str, gcs_address: str, gcs: Any, silence_s: float = SILENCE_S):
+        self.address = address
+        self.gcs_address = gcs_address
+        self.gcs = gcs
+        self.silence_s = silence_s
+        self.silent_since: float | None = None
+
+    def probe(self, silence_s: float | None = None) -> str | None:
+        try:
+            self.gcs.check_alive([], timeout=1)
+        except ray.exceptions.AuthenticationError as e:  # e.g. WrongClusterID: a new head
+            return self._lost(
+                f"the GCS at {self.gcs_address} answers, but not as this run's cluster ({e}): "
+                "the head restarted, and without GCS fault tolerance the attempt's workers went "
+                "with the old one"
+            )
+        except Exception:  # silent (RpcError: timed out, unavailable)
+            now = time.monotonic()
+            self.silent_since = self.silent_since or now
+            if now - self.silent_since >= (self.silence_s if silence_s is None else silence_s):
+                return self._lost(
+                    f"its GCS at {self.gcs_address} has not answered for "
+                    f"{now - self.silent_since:.0f} s (the head node down or restarting)"
+                )
+            return None
+        self.silent_since = None
+        return None
+
+    def confirm(self, patience_s: float = 2.0) -> str | None:
+        """Once an attempt has failed: the head is lost if its GCS stays silent ``patience_s``
+        (a head that answers the watch within a second otherwise)."""
+        while True:  # each silent probe takes its second
+            message = self.probe(patience_s)
+            if message is not None or self.silent_since is None:
+                return message
+
+    def _lost(self, what: str) -> str:
+        return (
+            f"the Ray cluster at {self.address} lost its head: {what}. The attempt left that "
+            f"cluster; the retry waits up to {head_wait_s():.0f} s ({HEAD_WAIT_ENV}) for "
+            f"{self.address} to answer and resumes from the newest committed checkpoint"
+        )
+
+
+def watch_started_cluster() -> None:
+    """Watch the head of the local cluster ``ray.init`` has just started in this process."""
+    global _watch
+    node = ray._private.worker._global_node
+    with _lock:
+        _watch = HeadWatch(node, StartedHead(node)).start() if node is not None else None
+
+
+def watch_connected_cluster(address: str) -> None:
+    """Watch the head of the cluster at ``address`` that ``ray.init`` has just connected to."""
+    global _watch, _lost_address
+    worker = ray._private.worker.global_worker
+    node = ray._private.worker._global_node
+    if node is None:  # a Ray Client address (ray://): no GCS of its own to ask
+        return
+    head = ConnectedHead(address, node.gcs_address, worker.gcs_client)
+    with _lock:
+        _lost_address = None
+        _watch = HeadWatch(node, head, address=(address, node.gcs_address)).start()
+
+
+def await_lost_head(address: str, poll_s: float = 2.0) -> None:
+    """Before connecting to ``address`` again: if this process lost that cluster's head, wait
+    up to ``RELAYTRAIN_RAY_HEAD_WAIT_S`` until its GCS accepts connections (said once in the
+    log), else an InfrastructureError naming the address (the infrastructure budget's)."""
+    lost_address = _lost_address
+    if lost_address is None or lost_address[0] != address:
+        return
+    gcs_address = lost_address[1]
+    deadline = time.monotonic() + head_wait_s()
+    said = False
+    while not _accepts(gcs_address):
+        if not said:
+            logger.warning(
+                "the Ray cluster at %s does not answer (its head restarting?): waiting up to "
+                "%.0f s (%s)",
+                address,
+                head_wait_s(),
+                HEAD_WAIT_ENV,
+            )
+            said = True
+        if time.monotonic() >= deadline:
+            raise InfrastructureError(
+                f"the Ray cluster at {address} (GCS {gcs_address}) did not answer for "
+                f"{head_wait_s():.0f} s after its head was lost. The retry waits for it again "
+                f"and resumes from the newest committed checkpoint; set {HEAD_WAIT_ENV} to "
+                "wait longer"
+            )
+        time.sleep(poll_s)
+
+
+def _accepts(gcs_address: str) -> bool:
+    host, _, port = gcs_address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def check_now() -> None:
+    """An attempt has just failed: if its cluster's head is lost, leave the cluster now (the
+    watch's ``check_now``), before the attempt's clean-up calls Ray on it."""
+    watch = _watch
+    if watch is not None and lost() is None:
+        watch.check_now()
+
+
+def settle() -> None:
+    """Once a watch has fired: wait until it has left the dead cluster (``ray.shutdown`` takes
+    some seconds), so that whoever asks next whether Ray runs is told the truth."""
+    watch = _watch
+    if lost() is not None and watch is not None:
+        watch.thread.join()
+
+
+def stop_watching() -> None:
+    """Before this process leaves its cluster on purpose (a local one's processes exit then)."""
+    global _watch
+    with _lock:
+        watch, _watch = _watch, None
+    if watch is not None:
+        watch.stop()
+
+
+def name_loss(error: BaseException) -> BaseException:
+    """What ended an attempt: an InfrastructureError naming the lost head when the watch saw
+    it lost (whatever Ray raised as this process left the cluster), else ``error``. A lost
+    lease stays one: the run is another flow's."""
+    message = lost()
+    if message is None or isinstance(error, LeaseLostError):
+        return error
+    return InfrastructureError(message)
+
+
+def lost() -> str | None:
+    """What the watch saw when the head of this process's cluster was lost, while this process
+    is still on that cluster or on none (None: not lost, or Ray started or joined anew since)."""
+    if _lost is None:
+        return None
+    node, message = _lost
+    current = ray._private.worker._global_node if ray.is_initialized() else None
+    return message if current is None or current is node else None
