@@ -30,7 +30,7 @@ __all__ = ["ONE_WORKER", "tiny_raw"]
 LONGEST_FIRST = (  # 2026-11-28, each module whole to one process (--dist loadfile)
     "tests/integration/test_columns.py",  # 366
     "tests/integration/test_engine.py",  # 315
-    "tests/integration/test_fault_matrix.py",  # 177 + 83 (2026-11-29: the local head lost)
+    "tests/integration/test_fault_matrix.py",  # 177 + 83 + 68 (2026-11-29: heads lost)
     "tests/integration/test_flow.py",  # 258
     "tests/integration/test_streaming.py",  # 233
     "tests/integration/test_fsdp.py",  # 185

@@ -4,6 +4,7 @@ take its head down and start it again there (a head node restarting)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,3 +76,4 @@ class RayStartHead:
 
     def stop(self) -> None:
         self.kill()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
