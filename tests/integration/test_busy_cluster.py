@@ -90,3 +90,74 @@ def test_past_its_wait_a_run_fails_naming_the_bound_and_spends_no_retry(
             assert [a["status"] for a in run_dir.read_attempts()] == ["failed"]
     finally:
         ray.cancel(released, force=True)
+
+
+@ray.remote(num_cpus=3)
+def hold_all_but_one(seconds: float) -> None:
+    """Other work on 3 of the shared cluster's 4 CPUs: room for one 1-worker group at a time."""
+    time.sleep(seconds)
+
+
+def test_two_runs_started_at_the_same_instant_take_turns_and_train_as_alone(
+    relaytrain_prefect, relaytrain_ray, uninterrupted_one_worker, tmp_path, short_ray_wait
+):
+    """Two flow processes (``python -m flows.training``, each its own Ray driver, as two flow
+    runs of a schedule) started at the same instant on a cluster with room for one of their
+    groups: both look, find it free, and ask for it together. Both complete in one attempt
+    (no retry, no ClusterBusyError), each at the bits of the run alone, and their training
+    never overlaps: one waited in Ray's queue for the other (Ray's own start timeout is 3 s
+    here, so a wait cut short there would be a failed attempt)."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.recovery import REPO
+    from trainer_core.checkpoint.history import read_metrics_history
+
+    holder = hold_all_but_one.remote(600.0)
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0.0) > 1:
+        assert time.time() < deadline, "the holding task did not start"
+        time.sleep(0.1)
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "RAY_ADDRESS": ray._private.worker._global_node.address,  # the shared cluster
+    }
+    try:
+        flows, specs = [], []
+        for name in ("same-instant-a", "same-instant-b"):
+            raw = tiny_raw(tmp_path, name, scaling=ONE_WORKER)
+            spec_file = tmp_path / f"{name}.yaml"
+            spec_file.write_text(yaml.safe_dump(raw))
+            specs.append(build_spec(raw))
+            command = [sys.executable, "-m", "flows.training", "--config", str(spec_file)]
+            flows.append((command, tmp_path / f"{name}.log"))
+        processes = [  # started together: each imports, connects and looks at the cluster
+            subprocess.Popen(
+                command,
+                cwd=REPO,
+                env=env,
+                stdout=open(log, "w"),  # noqa: SIM115 (the process's)
+                stderr=subprocess.STDOUT,
+            )
+            for command, log in flows
+        ]
+        codes = [p.wait(timeout=600) for p in processes]
+        outputs = [log.read_text() for _, log in flows]
+        assert codes == [0, 0], "\n\n".join(outputs)
+    finally:
+        ray.cancel(holder, force=True)
+    windows = []
+    for spec in specs:
+        run_dir = run_dir_of(spec)
+        assert [a["status"] for a in run_dir.read_attempts()] == ["completed"]
+        assert_same_tensors(final_state(run_dir), uninterrupted_one_worker["state"])
+        assert losses(run_dir) == uninterrupted_one_worker["losses"]
+        times = [row["time"] for row in read_metrics_history(run_dir)]
+        windows.append((min(times), max(times)))
+    first, second = sorted(windows)
+    assert first[1] <= second[0], windows  # one trained only once the other's group had left
