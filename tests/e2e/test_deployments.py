@@ -270,6 +270,48 @@ def test_a_deployment_whose_checkout_is_gone_fails_naming_the_fix(server, worker
     assert "make deploy" in message
 
 
+def test_a_pool_capped_at_what_the_cluster_holds_queues_the_runs_in_prefect(
+    server, worker, tmp_path
+):
+    """docs/deployments.md's Prefect-side queue: the work pool capped at the runs the cluster
+    holds (`prefect work-pool set-concurrency-limit`, 1 here) and two flow runs of the default
+    deployment created at once. The worker starts the second only once the first has ended
+    (Prefect holds it, Scheduled, with no flow process), and both complete in one attempt."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    pool = "relaytrain-process"
+    done = prefect(server, "work-pool", "set-concurrency-limit", pool, "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    try:
+        with client_for(server) as client:
+            deployment = client.read_deployment_by_name("training/default")
+            ids = [
+                client.create_flow_run_from_deployment(
+                    deployment.id,
+                    parameters={"spec": tiny_spec_dict(tmp_path, name, scaling=ONE_WORKER)},
+                ).id
+                for name in ("pooled-a", "pooled-b")
+            ]
+            deadline = time.time() + 600
+            while True:
+                runs = client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids))
+                )
+                if all(r.state.is_final() for r in runs):
+                    break
+                assert time.time() < deadline, [(r.name, r.state) for r in runs]
+                time.sleep(2)
+    finally:
+        done = prefect(server, "work-pool", "clear-concurrency-limit", pool)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert all(r.state.is_completed() for r in runs), [(r.name, r.state) for r in runs]
+    first, second = sorted(runs, key=lambda r: r.start_time)
+    assert first.end_time <= second.start_time, [(r.start_time, r.end_time) for r in runs]
+    for name in ("pooled-a", "pooled-b"):
+        run_dir = RunDirectory(storage.resolve(str(tmp_path)).child(name))
+        assert [a["status"] for a in run_dir.read_attempts()] == ["completed"]
+
+
 @pytest.fixture
 def fresh_server(tmp_path, relaytrain_ray):
     """Served deployments reuse the names of deployments/prefect.yaml: a server of their own."""
