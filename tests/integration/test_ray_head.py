@@ -31,3 +31,40 @@ def test_a_head_down_is_silence_and_a_restarted_head_another_cluster():
         assert "WrongClusterID" in again  # Ray's own word for it, passed on
     finally:
         head.stop()
+
+
+def test_a_flow_whose_ray_address_answers_nothing_is_refused_up_front(relaytrain_prefect, tmp_path):
+    """`RAY_ADDRESS` naming a port where no cluster listens (a typo, a cluster not started):
+    the flow's command fails within seconds with an error naming the address and the fix, no
+    train task and no run directory. Before, ``ray.init`` retried the silent GCS for about a
+    quarter of an hour (20 tries of 40 s)."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.conftest import ONE_WORKER, tiny_raw
+    from tests.net import free_port
+    from tests.recovery import REPO, run_dir_of
+    from trainer_core.spec.overrides import build_spec
+
+    raw = tiny_raw(tmp_path, "no-cluster-there", scaling=ONE_WORKER)
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(raw))
+    address = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_ADDRESS": address}
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.training", "--config", str(spec_file)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,  # a quarter of an hour before the fix
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert f"no Ray cluster answers at RAY_ADDRESS={address!r}" in output, output
+    assert "ray start --head" in output
+    assert not run_dir_of(build_spec(raw)).location.exists()  # nothing of the run written

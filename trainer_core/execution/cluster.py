@@ -62,7 +62,7 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None) -> Iter
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {"log_to_driver": False}
     if address and address != "local":
-        ray_head.await_lost_head(address)  # the retry of an attempt whose head was lost
+        ray_head.await_head(address)  # a lost head waited for; an address of none refused
         ray.init(address=address, **kwargs)
         ray_head.watch_connected_cluster(address)  # its head lost: leave it, not block or end
     else:

@@ -30,8 +30,9 @@ import time
 from typing import Any
 
 import ray
+from ray._private import services
 
-from trainer_core.errors import InfrastructureError, LeaseLostError
+from trainer_core.errors import InfrastructureError, LeaseLostError, SpecError
 
 logger = logging.getLogger("relaytrain.engine")
 
@@ -47,6 +48,9 @@ SILENCE_S = 20.0
 #: (the job path's bound as well).
 HEAD_WAIT_ENV = "RELAYTRAIN_RAY_HEAD_WAIT_S"
 HEAD_WAIT_S = 120.0
+#: How long a first contact with an address waits for its GCS to accept a connection before it
+#: is refused (``ray.init`` alone retries for many minutes).
+FIRST_CONTACT_S = 10.0
 
 _lock = threading.Lock()
 _watch: HeadWatch | None = None
@@ -213,14 +217,45 @@ def watch_connected_cluster(address: str) -> None:
         _watch = HeadWatch(node, head, address=(address, node.gcs_address)).start()
 
 
-def await_lost_head(address: str, poll_s: float = 2.0) -> None:
-    """Before connecting to ``address`` again: if this process lost that cluster's head, wait
-    up to ``RELAYTRAIN_RAY_HEAD_WAIT_S`` until its GCS accepts connections (said once in the
-    log), else an InfrastructureError naming the address (the infrastructure budget's)."""
+def await_head(address: str, poll_s: float = 2.0, first_contact_s: float = FIRST_CONTACT_S) -> None:
+    """Before ``ray.init(address)``, which retries a GCS that does not answer for many minutes:
+
+    - if this process lost that cluster's head, wait up to ``RELAYTRAIN_RAY_HEAD_WAIT_S`` until
+      its GCS accepts connections (said once in the log), else an InfrastructureError naming
+      the address (the infrastructure budget's);
+    - else (a first contact) refuse an address where nothing accepts connections within
+      ``first_contact_s``: a SpecError naming it and the fix, on no retry budget.
+
+    A Ray Client address (``ray://``) and ``auto`` are left to ``ray.init``."""
     lost_address = _lost_address
-    if lost_address is None or lost_address[0] != address:
+    if lost_address is not None and lost_address[0] == address:
+        _await_lost(address, lost_address[1], poll_s)
         return
-    gcs_address = lost_address[1]
+    if address.startswith("ray://") or address == "auto":
+        return
+    try:
+        gcs_address = services.canonicalize_bootstrap_address(address)
+    except Exception as e:  # ValueError: not host:port; OSError: the host does not resolve
+        raise SpecError(
+            f"RAY_ADDRESS={address!r} is not the address of a Ray cluster ({e}): set it to the "
+            "head node's GCS address, host:port (`ray start --head` prints it; port 6379 by "
+            "default), or unset it to start a local cluster"
+        ) from e
+    if gcs_address is None:
+        return
+    deadline = time.monotonic() + first_contact_s
+    while not _accepts(gcs_address):
+        if time.monotonic() >= deadline:
+            raise SpecError(
+                f"no Ray cluster answers at RAY_ADDRESS={address!r}: nothing accepted a "
+                f"connection at {gcs_address} for {first_contact_s:.0f} s. Start the cluster "
+                "(`ray start --head`) or fix RAY_ADDRESS (the head node's GCS address, "
+                "host:port), or unset it to start a local cluster"
+            )
+        time.sleep(min(poll_s, 1.0))
+
+
+def _await_lost(address: str, gcs_address: str, poll_s: float) -> None:
     deadline = time.monotonic() + head_wait_s()
     said = False
     while not _accepts(gcs_address):
