@@ -68,3 +68,64 @@ def test_a_flow_whose_ray_address_answers_nothing_is_refused_up_front(relaytrain
     assert f"no Ray cluster answers at RAY_ADDRESS={address!r}" in output, output
     assert "ray start --head" in output
     assert not run_dir_of(build_spec(raw)).location.exists()  # nothing of the run written
+
+
+DRIVER = """
+import sys, time
+import ray
+from trainer_core.execution import cluster, ray_head
+
+@ray.remote(num_cpus=0)
+def forever():
+    time.sleep(3600)
+
+with cluster.ray_cluster():
+    ref = forever.remote()
+    print("connected", flush=True)
+    try:
+        ray.get(ref)
+    except BaseException as e:  # what Ray raises as the watch leaves the cluster
+        print("the call returned:", type(e).__name__, flush=True)
+print("lost:", ray_head.lost(), flush=True)
+"""
+
+
+def test_a_driver_blocked_on_a_silent_head_leaves_it_after_the_silence(tmp_path):
+    """The watch's own path (no attempt failed to ask it sooner): a driver blocked in a call to
+    a cluster at an address whose head is gone, the head not back. The GCS silent for
+    ``SILENCE_S``, the watch leaves the cluster: the call returns, the loss names the address,
+    and the process lives on past Ray's 60 s (relaytrain raises that bound for its driver)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.recovery import REPO
+
+    head = RayStartHead(num_cpus=1).start()
+    env = {**os.environ, "RAY_ADDRESS": head.address, "PYTHONPATH": str(REPO)}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert driver.stdout is not None
+        seen = []
+        while not seen or seen[-1].strip() != "connected":  # past Ray's own lines
+            seen.append(driver.stdout.readline())
+            assert seen[-1], "".join(seen)
+        head.kill()
+        output, _ = driver.communicate(timeout=240)
+    finally:
+        head.stop()
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, output
+    assert "the call returned:" in output, output
+    lost = [line for line in output.splitlines() if line.startswith("lost:")]
+    assert lost and f"the Ray cluster at {head.address} lost its head" in lost[0], output
+    assert "has not answered for" in lost[0]
+    assert "Failed to connect to GCS within" not in output  # Ray did not end it first

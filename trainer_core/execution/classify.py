@@ -191,7 +191,7 @@ def name_preemption(
     health checks (about 15 s at Ray's defaults). Ray's node table tells once it has. So if a
     node's drain deadline had come when the attempt failed, wait (at most ``settle_s``) until
     each such node is declared dead or back in service, then read the death reasons. Without
-    one nothing is waited for. A lost local head (``ray_head``) is the cause: Ray is left,
+    one nothing is waited for. A lost head (``ray_head``) is the cause: Ray is left,
     nothing to ask.
     """
     if not isinstance(error, InfrastructureError) or isinstance(error, PreemptedError):

@@ -63,7 +63,8 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None) -> Iter
     kwargs: dict[str, Any] = {"log_to_driver": False}
     if address and address != "local":
         ray_head.await_head(address)  # a lost head waited for; an address of none refused
-        ray.init(address=address, **kwargs)
+        with ray_head.driver_settings():  # Ray must not end the driver before the watch leaves
+            ray.init(address=address, **kwargs)
         ray_head.watch_connected_cluster(address)  # its head lost: leave it, not block or end
     else:
         # "local": a new cluster of our own, not whatever `ray start` left on this machine.

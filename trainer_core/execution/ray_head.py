@@ -22,11 +22,13 @@ committed checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -40,10 +42,15 @@ logger = logging.getLogger("relaytrain.engine")
 INTERVAL_S = 0.5
 #: The processes without which a local cluster is gone (Ray's names for them).
 HEAD_PROCESSES = ("gcs_server", "raylet")
-#: How long the GCS of a cluster at an address may be silent before the attempt leaves it:
-#: well within Ray's 60 s, after which Ray ends the driver; a head restarted with GCS fault
-#: tolerance within it is reconnected to by Ray itself, the attempt going on.
-SILENCE_S = 20.0
+#: How long the GCS of a cluster at an address may be silent before the attempt leaves it; a
+#: head restarted with GCS fault tolerance within it is reconnected to by Ray itself.
+SILENCE_S = 10.0
+#: Ray's own bound for a driver whose GCS is silent (``gcs_rpc_server_reconnect_timeout_s``,
+#: 60 s), raised for the driver of a cluster at an address (unless the user set it): leaving a
+#: dead cluster (``ray.shutdown``) took from 5 s on an idle machine to over 40 s on a loaded
+#: one, and Ray must not end the process before the watch has left.
+RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+RECONNECT_S = 600
 #: How long ``ray_cluster()`` waits for an address whose head this process lost to answer again
 #: (the job path's bound as well).
 HEAD_WAIT_ENV = "RELAYTRAIN_RAY_HEAD_WAIT_S"
@@ -253,6 +260,21 @@ def await_head(address: str, poll_s: float = 2.0, first_contact_s: float = FIRST
                 "host:port), or unset it to start a local cluster"
             )
         time.sleep(min(poll_s, 1.0))
+
+
+@contextlib.contextmanager
+def driver_settings() -> Iterator[None]:
+    """Around ``ray.init(address)``: Ray's reconnect bound raised for this driver (``RECONNECT_S``)
+    unless the user set it, read as the driver connects, and the environment as it was after
+    (a local cluster started later must not inherit it)."""
+    if RECONNECT_ENV in os.environ:
+        yield
+        return
+    os.environ[RECONNECT_ENV] = str(RECONNECT_S)
+    try:
+        yield
+    finally:
+        os.environ.pop(RECONNECT_ENV, None)
 
 
 def _await_lost(address: str, gcs_address: str, poll_s: float) -> None:
