@@ -149,10 +149,20 @@ def check_held(run_location: Location, owner: str) -> None:
 
 
 def release(run_location: Location, owner: str) -> None:
-    """Give the run back, if ``owner`` still holds it."""
+    """Give the run back, if ``owner`` still holds it. A keeper renewing it in this process is
+    stopped first: a renewal that read the lease before the delete would write it back after
+    (on a local disk the delete is outside the renewal's compare-and-swap), holding the run
+    for another TTL after its flow ended."""
+    keeper = _keepers.get((run_location.uri, owner))
+    if keeper is not None:
+        keeper.stop()
     path = RunDirectory(run_location).lease_file
     if (read_whole_json(path) or {}).get("owner") == owner:
         path.delete_file()
+
+
+#: The keepers renewing a lease in this process, by (run URI, owner): ``release`` stops one.
+_keepers: dict[tuple[str, str], LeaseKeeper] = {}
 
 
 class LeaseKeeper:
@@ -184,9 +194,16 @@ class LeaseKeeper:
                 continue
 
     def __enter__(self) -> LeaseKeeper:
+        _keepers[(self.location.uri, self.lease.owner)] = self
         self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.stop()
+        if _keepers.get((self.location.uri, self.lease.owner)) is self:
+            del _keepers[(self.location.uri, self.lease.owner)]
+
+    def stop(self) -> None:
+        """Renew no more (a renewal in progress finishes first)."""
         self._stop.set()
         self._thread.join(5)
