@@ -138,7 +138,10 @@ def test_a_slow_transform_shows_as_data_wait_and_the_advice_names_it(
     account = result.time
     assert account is not None
     rows_per_thread = spec.data.batch_size // 2 // spec.data.transform_workers
-    assert account.per_step_s["data_wait"] > 0.5 * rows_per_thread * SLOW_TRANSFORM_S
+    # A quarter of the injected sleep at least (a fast transform's data wait is under 1% of
+    # it): prefetch hides more of it the slower the model's step. On an idle machine it was
+    # over half; in the full suite of 2026-11-29, run right after phase 2, 9.4 ms of 32.
+    assert account.per_step_s["data_wait"] > 0.25 * rows_per_thread * SLOW_TRANSFORM_S
     assert max(account.shares, key=account.shares.__getitem__) == "data_wait"
     (advice,) = [line for line in account.advice if line.startswith("data wait is")]
     assert "`data.prefetch`" in advice and "`data.transform_workers`" in advice
