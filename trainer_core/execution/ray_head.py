@@ -80,12 +80,10 @@ class HeadWatch:
         node: Any,
         head: StartedHead | ConnectedHead,
         interval_s: float = INTERVAL_S,
-        address: tuple[str, str] | None = None,
     ):
         self.node = node
         self.head = head
         self.interval_s = interval_s
-        self.address = address
         self.stopped = threading.Event()
         self.fired = threading.Lock()  # held by whoever leaves the cluster: once
         self.thread = threading.Thread(
@@ -122,7 +120,7 @@ class HeadWatch:
         self.stopped.set()
         with _lock:
             _lost = (self.node, message)  # before the shutdown: the attempt's loop reads it
-            _lost_address = self.address
+            _lost_address = self.head.wait_for
         logger.error(message)
         try:
             ray.shutdown()  # the calls blocked on the dead cluster return (SystemExit)
@@ -133,6 +131,9 @@ class HeadWatch:
 class StartedHead:
     """The head of a local cluster this process started: lost once one of its processes has
     exited (``Popen.poll``: no system call beyond ``waitpid``)."""
+
+    #: Lost, a local cluster is not waited for: the retry starts a new one.
+    wait_for = None
 
     def __init__(self, node: Any):
         self.processes = [
@@ -162,6 +163,8 @@ class ConnectedHead:
     def __init__(self, address: str, gcs_address: str, gcs: Any, silence_s: float = SILENCE_S):
         self.address = address
         self.gcs_address = gcs_address
+        #: Lost, the retry waits for this address (and this GCS) to answer again.
+        self.wait_for = (address, gcs_address)
         self.gcs = gcs
         self.silence_s = silence_s
         self.silent_since: float | None = None
@@ -170,7 +173,7 @@ class ConnectedHead:
         try:
             self.gcs.check_alive([], timeout=1)
         except ray.exceptions.AuthenticationError as e:  # e.g. WrongClusterID: a new head
-            return self._lost(
+            return self._message(
                 f"the GCS at {self.gcs_address} answers, but not as this run's cluster ({e}): "
                 "the head restarted, and without GCS fault tolerance the attempt's workers went "
                 "with the old one"
@@ -179,7 +182,7 @@ class ConnectedHead:
             now = time.monotonic()
             self.silent_since = self.silent_since or now
             if now - self.silent_since >= (self.silence_s if silence_s is None else silence_s):
-                return self._lost(
+                return self._message(
                     f"its GCS at {self.gcs_address} has not answered for "
                     f"{now - self.silent_since:.0f} s (the head node down or restarting)"
                 )
@@ -195,7 +198,7 @@ class ConnectedHead:
             if message is not None or self.silent_since is None:
                 return message
 
-    def _lost(self, what: str) -> str:
+    def _message(self, what: str) -> str:
         return (
             f"the Ray cluster at {self.address} lost its head: {what}. The attempt left that "
             f"cluster; the retry waits up to {head_wait_s():.0f} s ({HEAD_WAIT_ENV}) for "
@@ -221,7 +224,7 @@ def watch_connected_cluster(address: str) -> None:
     head = ConnectedHead(address, node.gcs_address, worker.gcs_client)
     with _lock:
         _lost_address = None
-        _watch = HeadWatch(node, head, address=(address, node.gcs_address)).start()
+        _watch = HeadWatch(node, head).start()
 
 
 def await_head(address: str, poll_s: float = 2.0, first_contact_s: float = FIRST_CONTACT_S) -> None:
