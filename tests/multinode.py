@@ -7,6 +7,10 @@ session's own Ray, and takes commands on stdin, answering one JSON line each:
     kill <node_id>              the node's processes are killed at once (a lost machine)
     drain <node_id> <seconds>   GCS is told the node will be preempted after <seconds>
     add                         one more worker node
+    head_kill                   the head node lost at once, and with it (no GCS fault
+                                tolerance) the worker nodes: everything killed
+    head_start                  a new head at the lost one's GCS and job server ports (a new
+                                cluster, as a restarted head pod is) with as many worker nodes
     stop                        everything down
 
 ``MultiNodeCluster`` is the test-side handle.
@@ -18,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +56,7 @@ class MultiNodeCluster:
             stdout=subprocess.PIPE,
             text=True,
         )
+        self._lock = threading.Lock()
         self.info = self._answer()
         self.job_address: str = self.info["job_address"]
         self.gcs_address: str = self.info["gcs_address"]
@@ -63,10 +69,12 @@ class MultiNodeCluster:
         return dict(json.loads(line))
 
     def command(self, *words: str) -> dict[str, Any]:
+        """One command and its answer; one at a time (a head is started from a thread)."""
         assert self.process.stdin is not None
-        self.process.stdin.write(" ".join(words) + "\n")
-        self.process.stdin.flush()
-        return self._answer()
+        with self._lock:
+            self.process.stdin.write(" ".join(words) + "\n")
+            self.process.stdin.flush()
+            return self._answer()
 
     def nodes(self) -> list[dict[str, Any]]:
         """Alive worker nodes with the actors on them:
@@ -106,37 +114,16 @@ def wait_until(predicate: Any, timeout_s: float = 180, what: str = "condition") 
 
 
 def _serve(num_workers: int) -> None:
-    import ray
-    from ray.cluster_utils import Cluster
     from ray.core.generated import autoscaler_pb2
 
-    dashboard_port = free_port()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": True,
-            "dashboard_host": "127.0.0.1",
-            "dashboard_port": dashboard_port,
-            # Not Ray's fixed default (52365): the test session's own Ray may hold it, and
-            # without its HTTP server the head's agent cannot take job submissions.
-            "dashboard_agent_listen_port": free_port(),
-        },
-    )
-    workers = {}
-    for _ in range(num_workers):
-        node = cluster.add_node(num_cpus=1)
-        workers[node.node_id] = node
-    cluster.wait_for_nodes()
-    gcs = ray._raylet.GcsClient(address=cluster.gcs_address)
-    job_address = f"http://127.0.0.1:{dashboard_port}"
-    _wait_for_job_server(job_address)
+    nodes = _Nodes(num_workers)
+    nodes.start()
     _reply(
         {
-            "gcs_address": cluster.gcs_address,
-            "job_address": job_address,
-            "worker_node_ids": list(workers),
-            "head_node_id": cluster.head_node.node_id,
+            "gcs_address": nodes.gcs_address,
+            "job_address": nodes.job_address,
+            "worker_node_ids": list(nodes.workers),
+            "head_node_id": nodes.cluster.head_node.node_id,
         }
     )
     for line in sys.stdin:
@@ -144,15 +131,18 @@ def _serve(num_workers: int) -> None:
         if not words:
             continue
         if words[0] == "stop":
-            cluster.shutdown()
+            if nodes.up:
+                nodes.cluster.shutdown()
             _reply({"ok": True})
             return
         if words[0] == "kill":
-            cluster.remove_node(workers.pop(words[1]), allow_graceful=False)
-            _reply({"ok": True})
+            node = nodes.workers.pop(words[1], None)
+            if node is not None:  # a node of a head since lost went with it
+                nodes.cluster.remove_node(node, allow_graceful=False)
+            _reply({"ok": node is not None})
         elif words[0] == "drain":
             deadline_ms = int((time.time() + float(words[2])) * 1000)
-            accepted, message = gcs.drain_node(
+            accepted, message = nodes.gcs.drain_node(
                 words[1],
                 autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
                 "relaytrain test: spot instance reclaimed",
@@ -160,13 +150,68 @@ def _serve(num_workers: int) -> None:
             )
             _reply({"accepted": accepted, "message": message})
         elif words[0] == "add":
-            node = cluster.add_node(num_cpus=1)
-            workers[node.node_id] = node
+            node = nodes.cluster.add_node(num_cpus=1)
+            nodes.workers[node.node_id] = node
             _reply({"node_id": node.node_id})
         elif words[0] == "nodes":
-            _reply({"nodes": _actors_by_node(job_address, set(workers))})
+            alive = _actors_by_node(nodes.job_address, set(nodes.workers)) if nodes.up else []
+            _reply({"nodes": alive})
+        elif words[0] == "head_kill":
+            _reply({"worker_nodes": nodes.kill()})
+        elif words[0] == "head_start":
+            nodes.start()
+            _reply({"worker_node_ids": list(nodes.workers)})
         else:
             _reply({"error": f"unknown command {words[0]!r}"})
+
+
+class _Nodes:
+    """The head and worker nodes, at fixed GCS and job server ports: a head lost and started
+    again is found where the first one was."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.count = num_workers
+        self.head_args = {
+            "num_cpus": 0,
+            "gcs_server_port": free_port(),
+            "include_dashboard": True,
+            "dashboard_host": "127.0.0.1",
+            "dashboard_port": free_port(),
+            # Not Ray's fixed default (52365): the test session's own Ray may hold it, and
+            # without its HTTP server the head's agent cannot take job submissions.
+            "dashboard_agent_listen_port": free_port(),
+        }
+        self.job_address = f"http://127.0.0.1:{self.head_args['dashboard_port']}"
+        self.cluster: Any = None
+        self.workers: dict[str, Any] = {}
+        self.up = False
+
+    def start(self) -> None:
+        """A new cluster (its own GCS state: a new cluster id) and ``count`` worker nodes."""
+        import ray
+        from ray.cluster_utils import Cluster
+
+        # A Cluster of its own: the old one's GCS accessor would ask the new head as the old
+        # cluster (Ray aborts on the cluster id it does not know).
+        self.cluster = Cluster(initialize_head=True, head_node_args=self.head_args)
+        for _ in range(self.count):
+            node = self.cluster.add_node(num_cpus=1)
+            self.workers[node.node_id] = node
+        self.cluster.wait_for_nodes()
+        self.gcs_address = self.cluster.gcs_address
+        self.gcs = ray._raylet.GcsClient(address=self.gcs_address)
+        _wait_for_job_server(self.job_address)
+        self.up = True
+
+    def kill(self) -> int:
+        """Every node killed at once, the head first; how many worker nodes there were."""
+        self.up = False
+        self.count = len(self.workers)
+        self.cluster.remove_node(self.cluster.head_node, allow_graceful=False)
+        for node in list(self.workers.values()):
+            self.cluster.remove_node(node, allow_graceful=False)
+        self.workers.clear()
+        return self.count
 
 
 def _actors_by_node(job_address: str, node_ids: set[str]) -> list[dict[str, Any]]:

@@ -134,6 +134,53 @@ def test_a_preempted_node_then_a_killed_node_resume_on_the_remaining_nodes(
         record_matrix_row(case, run_dir, committed_before=before, storage="s3 (moto), Jobs API")
 
 
+def test_a_head_restarted_mid_attempt_loses_its_job_and_the_retry_resumes(
+    cluster, relaytrain_prefect, uninterrupted, run_storage, caplog
+):
+    """The head node lost mid-attempt (its machine, its pod) and, without GCS fault tolerance,
+    every node with it; a new head started at the same addresses once the flow has said it
+    waits for it (``RELAYTRAIN_RAY_HEAD_WAIT_S``). The new head's job server does not know the
+    attempt's job (jobs live in the old head's GCS): the attempt fails on the infrastructure
+    budget, naming the address, and Prefect's retry submits attempt 2 to the new cluster, which
+    resumes and ends bit-identical to the uninterrupted run."""
+    name = "multinode-head-restart"
+    spec = build_spec(slow_raw(run_storage, name, cluster))
+    run_dir = run_dir_of(spec)
+    cluster.ensure_worker_nodes(2)
+    thread, box = run_flow_in_thread(spec)
+    wait_until(lambda: committed_step(run_dir) >= 10, what="a commit")
+    before = committed_step(run_dir)
+    killed = cluster.command("head_kill")
+    assert killed["worker_nodes"] >= 2, killed
+    wait_until(
+        lambda: "does not answer (its head restarting?)" in caplog.text,
+        what="the flow to wait for the job server",
+    )
+    cluster.command("head_start")
+    thread.join(timeout=600)
+    state = box["state"]
+    assert state.is_completed(), state
+    # the worker nodes went with the head, and may take the checkpoint being written with them
+    attempts = assert_recovered(
+        run_dir, uninterrupted, interval=10, committed_before=before, write_lost=True
+    )
+    assert [a["status"] for a in attempts] == ["failed", "completed"]
+    lost = f"the Ray job server at {cluster.job_address} no longer knows job"
+    assert attempts[0]["error_class"] == "InfrastructureError", attempts[0]
+    assert attempts[0]["error_budget"] == "infrastructure"
+    assert lost in attempts[0]["error_message"]
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
+    ids = {j.submission_id for j in JobSubmissionClient(cluster.job_address).list_jobs()}
+    assert ids >= {jobs.submission_id(name, 2)}  # the new cluster's job: attempt 2's
+    assert jobs.submission_id(name, 1) not in ids
+    record_matrix_row(
+        "13 the Ray head at job_address restarted mid-attempt",
+        run_dir,
+        committed_before=before,
+        storage="s3 (moto), Jobs API",
+    )
+
+
 def test_killed_flow_reattaches_to_its_running_job(
     cluster, relaytrain_prefect, uninterrupted, run_storage, tmp_path
 ):
