@@ -27,16 +27,30 @@ so that every kind comes round (``--faults`` in all):
   ``XMinioStorageFull``, as a full MinIO answers): a full store is not retried
   (docs/storage.md), so the flow fails with StorageFullError, and the command is run again once
   space is freed, as an automation would.
+- ``head_restart``: the Ray head node lost and, without GCS fault tolerance, every worker node
+  with it; a new head at the same GCS and job server ports 5-15 s later, with new worker nodes
+  (a restarted head pod). The flow waits for the job server (``RELAYTRAIN_RAY_HEAD_WAIT_S``),
+  finds its job gone with the old head, and the attempt fails on the infrastructure budget;
+  the retry submits it again.
+- ``data_damaged``: a byte flipped in a data page of one of the dataset's Parquet files (size
+  and footer unchanged, so the pinned snapshot still matches). The page's checksum finds it
+  when the rows are read again (within an epoch: the readers hold a fraction of the rows); a
+  damaged file is not retried (docs/data.md), so the flow fails naming the file and row group,
+  and the command is run again once the file is restored from its source.
 
-Node faults wait until all three nodes are back (two workers need two nodes; the third is the
-spare), and the flow faults (a Prefect outage among them) wait for a live flow that holds the
-lease, and for the Prefect API to answer. Nothing else waits: a
-fault may arrive while the group recovers from the one before.
+The run reads the built-in synthetic regression rows written as Parquet files (with page
+checksums, as Spark writes them) in the campaign's directory. Node faults wait until all three
+nodes and the head are up (two workers need two nodes; the third is the spare), and the flow
+faults (a Prefect outage, a lost head and a damaged file among them) wait for a live flow that
+holds the lease, for the Prefect API and the head to answer, and for no file to be damaged.
+Nothing else waits: a fault may arrive while the group recovers from the one before.
 
 What must hold, asserted by ``verdict`` (the test suite runs a short seeded campaign):
 
-- the command, run again after every kill and every failure of a full store, ends with exit
-  code 0, and never failed otherwise; a failure of a full store says so, on no retry budget;
+- the command, run again after every kill and every failure of a full store or a damaged file,
+  ends with exit code 0, and never failed otherwise; a failure of a full store says so, and one
+  of a damaged file names it and its row group, both on no retry budget; every damaged file
+  failed the flow (its damage was read);
 - final parameters and optimizer state bit-identical to an uninterrupted run of the same spec
   (the world size is fixed at 2, so this is exact, not a coverage rule);
 - the metrics history has one row per step, each loss the uninterrupted run's;
@@ -166,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     cli = common.parser(NAME, __doc__ or "", repetitions=1)
     cli.add_argument("--seed", type=int, default=0)
     cli.add_argument(
-        "--faults", type=int, default=None, help="faults in all (default 24: 3 of each kind)"
+        "--faults", type=int, default=None, help="faults in all (default 36: 3 of each kind)"
     )
     cli.add_argument("--mean-gap-s", type=float, default=None, help="default 15 (quick: 5)")
     cli.add_argument(
@@ -191,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         dataclasses.asdict(settings),
         cluster=f"head (0 CPU) + {NODES} worker nodes of 1 CPU, one machine; 2 DDP workers",
         storage="moto S3 behind an outage proxy",
-        workload="tests.helpers:slow_mlp, 64 steps an epoch, a checkpoint every 20, in_place 1",
+        workload="tests.helpers:slow_mlp on 4 Parquet files (2048 rows), 64 steps an epoch, "
+        "a checkpoint every 20, in_place 1",
     )
     with tempfile.TemporaryDirectory(prefix="relaytrain-chaos-") as tmp:
         workdir = Path(tmp)

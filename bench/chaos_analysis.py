@@ -37,7 +37,13 @@ EXPECTED_BUDGETS: dict[str, set[str]] = {
     # StorageFullError, not retried: the flow fails, and is run again; DriverLost on the
     # infrastructure budget when the store was still full as the train task closed the record
     "disk_full": {"none", "infrastructure"},
+    # the job went with the old head: the new one's job server no longer knows it
+    "head_restart": {"infrastructure"},
+    # DataFileDamagedError, not retried: the flow fails, and is run again once it is restored
+    "data_damaged": {"none"},
 }
+#: The failures on no budget that a fault may cause: a full store's, a damaged data file's.
+NOT_RETRIED = {"StorageFullError", "DataFileDamagedError"}
 
 
 def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
@@ -94,13 +100,22 @@ EFFECT_S = 30.0
 
 def attribute(faults: list[Fault], failure: dict[str, Any]) -> list[Fault]:
     """The faults a failure may answer, newest first: those in the ``EFFECT_S`` before it (a
-    second of clock slack). Overlapping faults blur the cause: a worker killed while a node
-    drains is charged to the preemption, by design (the survivors of a preemption fail first)."""
-    return [
+    second of clock slack), or before their end (``back_at``: a head lost until a new one
+    answered). Overlapping faults blur the cause: a worker killed while a node drains is
+    charged to the preemption, by design (the survivors of a preemption fail first). A damaged
+    data file stays damaged until it is restored: a failure of one answers the newest damage
+    before it, however long before (its rows are met when they are read again)."""
+    causes = [
         f
         for f in reversed(faults)
-        if failure["at"] - EFFECT_S <= f.at <= failure["at"] + 1.0 and f.kind != "corrupt"
+        if failure["at"] - EFFECT_S <= f.detail.get("back_at", f.at)
+        and f.at <= failure["at"] + 1.0
+        and f.kind not in ("corrupt", "data_damaged")  # met when read: below
     ]
+    if failure["error_class"] == "DataFileDamagedError":
+        damage = [f for f in faults if f.kind == "data_damaged" and f.at <= failure["at"] + 1.0]
+        causes = damage[-1:] if damage else []
+    return causes
 
 
 def in_effect(faults: list[Fault], proxy_events: list[tuple[float, str]]) -> list[Fault]:
@@ -210,8 +225,8 @@ def judge_failures(
                 f"{[f.kind for f in causes]} at {causes[0].at:.1f} was followed by a failure on "
                 f"the {failure['budget']} budget ({failure['error_class']})"
             )
-        # the one failure on no budget a fault may cause: a full store's
-        if failure["budget"] == "none" and failure["error_class"] != "StorageFullError":
+        # the failures on no budget a fault may cause: a full store's, a damaged file's
+        if failure["budget"] == "none" and failure["error_class"] not in NOT_RETRIED:
             problems.append(f"a failure no fault explains, not retried: {failure}")
         fault = causes[0]
         if failure["resumed_at"] is not None:
@@ -235,6 +250,16 @@ def flow_problems(campaign: Campaign) -> list[str]:
         text = (campaign.workdir / exit["log"]).read_text()
         if "storage is full" not in text or "run.storage" not in text:
             problems.append(f"a flow failed of a full store without saying so: {exit}")
+    damaged = [f.detail for f in campaign.faults if f.kind == "data_damaged"]
+    for exit, detail in zip(campaign.damaged_exits, damaged, strict=False):
+        text = (campaign.workdir / exit["log"]).read_text()
+        if detail["file"] not in text or f"row group {detail['row_group']}" not in text:
+            problems.append(f"a flow failed of a damaged file without naming it: {exit}")
+    if len(campaign.damaged_exits) != len(damaged):
+        problems.append(
+            f"{len(damaged)} data files damaged, {len(campaign.damaged_exits)} failed the flow: "
+            "a damaged page was never read, or failed it as something else"
+        )
     if campaign.pending:
         problems.append(f"the run ended before these faults came: {campaign.pending}")
     return problems
@@ -264,6 +289,7 @@ def figures(
         ),
         "flow_launches": campaign.launches,
         "flow_failed_of_full_store": len(campaign.full_store_exits),
+        "flow_failed_of_damaged_data": len(campaign.damaged_exits),
         "recovery_s_by_kind": {
             kind: {
                 "count": sum(f.kind == kind for f in campaign.faults),

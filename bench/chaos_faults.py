@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import yaml
 
 from bench import common
@@ -39,7 +40,7 @@ class Settings:
     """The campaign's schedule of faults and its workload."""
 
     seed: int = 0
-    faults: int = 24
+    faults: int = 36
     mean_gap_s: float = 15.0
     #: 64 steps each: 100 make about 9 minutes of uninterrupted training here.
     epochs: int = 100
@@ -77,9 +78,14 @@ class Overran(RuntimeError):
     """The run under faults went past ``Settings.limit_s``."""
 
 
-def chaos_raw(storage_uri: str, name: str, job_address: str, epochs: int, delay_s: float) -> dict:
+def chaos_raw(
+    storage_uri: str, name: str, job_address: str, epochs: int, delay_s: float, dataset: Path
+) -> dict:
     """2 workers of a small MLP (dropout, Adam, a cosine schedule: an exact resume must restore
-    RNG, optimizer and schedule), 64 steps an epoch, a checkpoint every 20 steps."""
+    RNG, optimizer and schedule) on ``dataset`` (``write_dataset``), 64 steps an epoch, a
+    checkpoint every 20 steps. Its shuffle windows are small, so that its readers hold a
+    fraction of the rows and read the files again every epoch, as a dataset larger than memory
+    is read (a damaged page is met within an epoch)."""
     return {
         "run": {"name": name, "storage": storage_uri, "seed": 5},
         "model": {
@@ -87,10 +93,14 @@ def chaos_raw(storage_uri: str, name: str, job_address: str, epochs: int, delay_
             "kwargs": {"hidden": [64, 64], "dropout": 0.1, "delay_s": delay_s},
         },
         "data": {
-            "dataset": "synthetic",
+            "dataset": str(dataset),
+            "features": "x",
+            "label": "y",
+            "task": "regression",
             "batch_size": 32,
             "validation_fraction": 0,
-            "synthetic": {"num_samples": 2048, "num_features": 16},
+            "shuffle_window": 64,
+            "partitions": 2,
         },
         "optimizer": {"name": "adam", "lr": 1e-3},
         "schedule": {"epochs": epochs, "lr_schedule": "cosine", "warmup_steps": 10},
@@ -101,9 +111,39 @@ def chaos_raw(storage_uri: str, name: str, job_address: str, epochs: int, delay_
     }
 
 
+#: The campaign's dataset: the built-in synthetic regression rows as Parquet files.
+ROWS, FEATURES, FILES, ROW_GROUP = 2048, 16, 4, 128
+
+
+def write_dataset(directory: Path) -> None:
+    """``FILES`` Parquet files of ``ROWS`` rows in all (a list column ``x`` of ``FEATURES``
+    floats, a float label ``y``) in row groups of ``ROW_GROUP``, each page with its CRC32, as
+    Spark writes them."""
+    import numpy as np
+    import pyarrow as pa
+
+    from trainer_core.data.arrays import synthetic_arrays
+
+    rows = synthetic_arrays(ROWS, FEATURES, noise=0.1)
+    directory.mkdir(parents=True, exist_ok=True)
+    for index, part in enumerate(np.array_split(np.arange(ROWS), FILES)):
+        features = rows.features[part]
+        table = pa.table(
+            {
+                "x": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), FEATURES),
+                "y": pa.array(rows.labels[part]),
+            }
+        )
+        pq.write_table(
+            table,
+            directory / f"part-{index}.parquet",
+            row_group_size=ROW_GROUP,
+            write_page_checksum=True,
+        )
+
+
 def total_steps(raw: dict) -> int:
-    data = raw["data"]
-    return data["synthetic"]["num_samples"] // data["batch_size"] * raw["schedule"]["epochs"]
+    return ROWS // raw["data"]["batch_size"] * raw["schedule"]["epochs"]
 
 
 class Campaign(FaultKinds):
@@ -122,10 +162,15 @@ class Campaign(FaultKinds):
         prefect: Any,
     ) -> None:
         self.cluster, self.s3, self.proxy, self.prefect = cluster, s3, proxy, prefect
-        #: While the Prefect server is down; the thread that starts it again.
-        self.api_down = False
-        self.api_back: threading.Thread | None = None
+        #: While the Prefect server, the Ray head is down.
+        self.api_down = self.head_down = False
+        #: Threads that start a server or a head again (``_in_thread``).
+        self.background: list[threading.Thread] = []
         self.workdir, self.settings, self.env = workdir, settings, env
+        self.data_dir = workdir / "data"
+        write_dataset(self.data_dir)
+        #: The data file damaged (``data_damaged``) and its bytes, until the flow fails of it.
+        self.damaged: tuple[Path, bytes] | None = None
         self.rng = random.Random(settings.seed)
         rotation = list(KINDS)
         self.rng.shuffle(rotation)
@@ -138,6 +183,9 @@ class Campaign(FaultKinds):
         self.unexpected_exits: list[dict[str, Any]] = []
         #: The flow's exits of a full store (``disk_full``): each run again once space is freed.
         self.full_store_exits: list[dict[str, Any]] = []
+        #: The flow's exits of a damaged data file (``data_damaged``): each run again once the
+        #: file is restored.
+        self.damaged_exits: list[dict[str, Any]] = []
         self.second_flows: list[tuple[Fault, subprocess.Popen, Path]] = []
         self.committed_seen: set[int] = set()
         self.nodes_down = 0
@@ -151,6 +199,7 @@ class Campaign(FaultKinds):
             self.cluster.job_address,
             self.settings.epochs,
             delay_s,
+            self.data_dir,
         )
         if commit_at_end_only:  # a checkpoint changes no number the checks compare
             raw["checkpoint"]["every"] = total_steps(raw)
@@ -209,7 +258,13 @@ class Campaign(FaultKinds):
             code = None if self.flow is None else self.flow.poll()
             if code == 0:
                 break
-            if code is not None and self._failed_of_full_store():
+            if code is not None and self._failed_of_damaged_data():
+                self.damaged_exits.append(
+                    {"at": time.time(), "exit_code": code, "log": self.flow_log.name}
+                )
+                self._restore_data()
+                self._launch()
+            elif code is not None and self._failed_of_full_store():
                 self.full_store_exits.append(
                     {"at": time.time(), "exit_code": code, "log": self.flow_log.name}
                 )
@@ -246,6 +301,17 @@ class Campaign(FaultKinds):
         recent = bool(filled) and time.time() - max(filled) < FULL_EFFECT_S
         return recent and "StorageFullError" in self._log_tail()
 
+    def _failed_of_damaged_data(self) -> bool:
+        """The flow failed with DataFileDamagedError while a data file was damaged."""
+        return self.damaged is not None and "DataFileDamagedError" in self._log_tail()
+
+    def _restore_data(self) -> None:
+        """The damaged file's bytes back, as a backup restores them."""
+        if self.damaged is not None:
+            victim, original = self.damaged
+            victim.write_bytes(original)
+            self.damaged = None
+
     def _log_tail(self) -> str:
         return self.flow_log.read_text()[-4000:]
 
@@ -273,8 +339,8 @@ class Campaign(FaultKinds):
         while self.timers:
             time.sleep(0.2)
             self._fire_timers()
-        if self.api_back is not None:
-            self.api_back.join()
+        for thread in self.background:
+            thread.join()
         for _, process, _ in self.second_flows:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=120)

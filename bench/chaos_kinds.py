@@ -13,8 +13,11 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import pyarrow.parquet as pq
 
 from trainer_core.checkpoint.run_directory import MANIFEST_FILE, MARKER_FILE
 
@@ -30,6 +33,8 @@ KINDS = (
     "corrupt",
     "prefect_outage",
     "disk_full",
+    "head_restart",
+    "data_damaged",
 )
 NOTICE_S = 10.0
 
@@ -67,14 +72,23 @@ class FaultKinds:
         self.cluster.command("add")
         self.nodes_down -= 1
 
+    def _in_thread(self, action: Callable[[], None]) -> None:
+        """``action`` on a thread of its own (a server or a head starting takes seconds the
+        campaign's loop must not wait), joined before the campaign ends."""
+        thread = threading.Thread(target=action, daemon=True)
+        thread.start()
+        self.background.append(thread)
+
     def _worker_node(self) -> str | None:
-        """A node that hosts a Ray Train worker, when all nodes are up."""
-        if self.nodes_down:
+        """A node that hosts a Ray Train worker, when all nodes and the head are up."""
+        if self.nodes_down or self.head_down:
             return None
         nodes = [n["node_id"] for n in self.cluster.nodes() if n["train_worker_pids"]]
         return self.rng.choice(nodes) if nodes else None
 
     def _worker_kill(self) -> dict[str, Any] | None:
+        if self.head_down:
+            return None
         pids = [p for n in self.cluster.nodes() for p in n["train_worker_pids"]]
         if not pids:
             return None
@@ -106,8 +120,9 @@ class FaultKinds:
         return {"node": node[:8], "deadline_s": NOTICE_S}
 
     def _flow_ready(self) -> bool:
-        """The flow lives and has held the lease a while; no second flow starts; the API is up;
-        the store has room (a second flow must meet the lease, not a full store)."""
+        """The flow lives and has held the lease a while; no second flow starts; the API and
+        the Ray head are up; the store has room (a second flow must meet the lease, not a full
+        store); no data file is damaged (the flow is about to fail of it)."""
         live_second = any(p.poll() is None for _, p, _ in self.second_flows)
         return (
             self.flow is not None
@@ -116,7 +131,9 @@ class FaultKinds:
             and self._flow_holds_lease()
             and not live_second
             and not self.api_down
+            and not self.head_down
             and not self.proxy.is_full
+            and self.damaged is None
         )
 
     def _flow_holds_lease(self) -> bool:
@@ -190,12 +207,48 @@ class FaultKinds:
             self.prefect.start()
             self.api_down = False
 
-        def start_again() -> None:
-            self.api_back = threading.Thread(target=back, daemon=True)
-            self.api_back.start()
-
-        self._later(seconds, start_again)
+        self._later(seconds, lambda: self._in_thread(back))
         return {"outage_s": seconds}
+
+    def _head_restart(self) -> dict[str, Any] | None:
+        """The Ray head lost (its machine, its pod) and, without GCS fault tolerance, the cluster
+        with it; a new head at the same addresses 5-15 s later, with new worker nodes. The
+        attempt waits for the job server (``RELAYTRAIN_RAY_HEAD_WAIT_S``), finds its job gone
+        with the old head, and fails on the infrastructure budget; the retry submits again."""
+        if self.nodes_down or self.head_down or not self._flow_ready():
+            return None
+        seconds = round(self.rng.uniform(5, 15), 1)
+        self.cluster.command("head_kill")
+        self.head_down = True
+        detail: dict[str, Any] = {"down_s": seconds}
+
+        def back() -> None:
+            self.cluster.command("head_start")
+            self.head_down = False
+            detail["back_at"] = time.time()  # the new head answers: the flow finds its job gone
+
+        self._later(seconds, lambda: self._in_thread(back))
+        return detail
+
+    def _data_damaged(self) -> dict[str, Any] | None:
+        """A byte flipped in a data page of one of the pinned dataset's Parquet files (a disk or
+        a copy gone wrong: size and footer unchanged). The page's checksum finds it when the
+        rows are read again: DataFileDamagedError, not retried (docs/data.md), and the flow
+        fails naming the file and row group; the campaign restores the file and runs the
+        command again, as an operator restoring it from a backup would."""
+        if not self._flow_ready():
+            return None
+        victim = self.rng.choice(sorted(self.data_dir.glob("*.parquet")))
+        metadata = pq.ParquetFile(victim).metadata
+        group = self.rng.randrange(metadata.num_row_groups)
+        chunk = metadata.row_group(group).column(0)
+        original = victim.read_bytes()
+        data = bytearray(original)
+        start = chunk.dictionary_page_offset or chunk.data_page_offset
+        data[start + chunk.total_compressed_size // 2] ^= 0x5A
+        victim.write_bytes(bytes(data))
+        self.damaged = (victim, original)
+        return {"file": victim.name, "row_group": group}
 
     def _corrupt(self) -> dict[str, Any] | None:
         newest = self.run_dir.scan().newest
