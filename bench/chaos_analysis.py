@@ -232,7 +232,9 @@ def judge_failures(
         if failure["resumed_at"] is not None:
             per_kind[fault.kind].append(failure["resumed_at"] - fault.at)
         for step, at in corrupted:
-            if failure["at"] > at and failure["resumed_from_step"] == step:
+            # an attempt that failed before its workers resumed holds the planned step only
+            resumed = failure["resumed_at"] is not None
+            if resumed and failure["at"] > at and failure["resumed_from_step"] == step:
                 problems.append(f"a resume read the damaged checkpoint of step {step}")
     return problems, per_kind
 

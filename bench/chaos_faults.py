@@ -270,7 +270,9 @@ class Campaign(FaultKinds):
                 )
                 self.flow = None  # run again once space is freed
             elif code is not None:  # failed on its own: what a user would do is run it again
-                self.unexpected_exits.append({"at": time.time(), "exit_code": code})
+                self.unexpected_exits.append(
+                    {"at": time.time(), "exit_code": code, "log": self._own_lines()}
+                )
                 if len(self.unexpected_exits) > 3:
                     raise RuntimeError(f"the flow keeps failing: {self._log_tail()}")
                 self._launch()
@@ -299,11 +301,12 @@ class Campaign(FaultKinds):
         """The flow failed with StorageFullError while the store was full, or just after."""
         filled = [f.at for f in self.faults if f.kind == "disk_full"]
         recent = bool(filled) and time.time() - max(filled) < FULL_EFFECT_S
-        return recent and "StorageFullError" in self._log_tail()
+        return recent and "StorageFullError" in self.flow_log.read_text()
 
     def _failed_of_damaged_data(self) -> bool:
-        """The flow failed with DataFileDamagedError while a data file was damaged."""
-        return self.damaged is not None and "DataFileDamagedError" in self._log_tail()
+        """The flow failed with DataFileDamagedError while a data file was damaged (anywhere in
+        this launch's log: its last lines may be a job's log relayed whole)."""
+        return self.damaged is not None and "DataFileDamagedError" in self.flow_log.read_text()
 
     def _restore_data(self) -> None:
         """The damaged file's bytes back, as a backup restores them."""
@@ -311,6 +314,12 @@ class Campaign(FaultKinds):
             victim, original = self.damaged
             victim.write_bytes(original)
             self.damaged = None
+
+    def _own_lines(self, count: int = 40) -> list[str]:
+        """The last ``count`` lines of the flow's log without Ray's own (a failure's record)."""
+        lines = self.flow_log.read_text().splitlines()
+        ours = [x for x in lines if "(raylet)" not in x and "(gcs" not in x and x.strip()]
+        return [x[:400] for x in ours[-count:]]
 
     def _log_tail(self) -> str:
         return self.flow_log.read_text()[-4000:]
