@@ -149,6 +149,8 @@ def _serve(num_workers: int) -> None:
                 deadline_ms,
             )
             _reply({"accepted": accepted, "message": message})
+        elif words[0] == "add" and not nodes.up:  # Ray would start the node as a new head
+            _reply({"error": "the head is down: head_start first"})
         elif words[0] == "add":
             node = nodes.cluster.add_node(num_cpus=1)
             nodes.workers[node.node_id] = node
