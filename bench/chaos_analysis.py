@@ -112,7 +112,7 @@ def attribute(faults: list[Fault], failure: dict[str, Any]) -> list[Fault]:
         and f.at <= failure["at"] + 1.0
         and f.kind not in ("corrupt", "data_damaged")  # met when read: below
     ]
-    if failure["error_class"] == "DataFileDamagedError":
+    if failure.get("error_class") == "DataFileDamagedError":
         damage = [f for f in faults if f.kind == "data_damaged" and f.at <= failure["at"] + 1.0]
         causes = damage[-1:] if damage else []
     return causes

@@ -130,6 +130,51 @@ def test_a_chaos_failure_is_judged_by_the_faults_before_it():
     assert f"no fault in the {EFFECT_S:g} s before it" in problems[2]
 
 
+def test_a_damaged_file_and_a_lost_head_answer_the_failures_they_cause():
+    """A damaged data file lasts until it is restored: the flow's failure of it, met when its
+    rows are read again, is charged to the newest damage however long before, and no other
+    failure is. A lost head's failure comes once a new head answers without the job: charged to
+    it up to ``EFFECT_S`` after that (``back_at``), not only after the kill."""
+    from bench.chaos_analysis import EFFECT_S, attribute, judge_failures
+    from bench.chaos_kinds import Fault
+
+    old, newest = Fault("data_damaged", 10.0), Fault("data_damaged", 100.0)
+    kill = Fault("worker_kill", 150.0)
+    met = {"at": 160.0, "budget": "none", "error_class": "DataFileDamagedError",
+           "resumed_at": 200.0, "resumed_from_step": 40}  # fmt: skip
+    assert attribute([old, newest, kill], met) == [newest]
+    killed = {"at": 155.0, "budget": "infrastructure", "error_class": "E"}
+    assert attribute([newest, kill], killed) == [kill]
+    problems, per_kind = judge_failures([newest, kill], [newest, kill], [met])
+    assert problems == [] and per_kind["data_damaged"] == [100.0]
+
+    head = Fault("head_restart", 300.0, {"down_s": 10.0, "back_at": 330.0})
+    lost = {"at": 300.0 + EFFECT_S + 20, "budget": "infrastructure", "error_class": "E",
+            "resumed_at": 380.0, "resumed_from_step": 60}  # fmt: skip
+    assert attribute([head], lost) == [head]
+    assert attribute([Fault("head_restart", 300.0, {"down_s": 10.0})], lost) == []
+    problems, per_kind = judge_failures([head], [head], [lost])
+    assert problems == [] and per_kind["head_restart"] == [80.0]  # from the kill
+    assert judge_failures([head], [head], [dict(lost, budget="none")])[0]  # it is retried
+
+
+def test_only_an_attempt_that_resumed_is_judged_to_have_read_a_damaged_checkpoint():
+    """An attempt that failed before its workers resumed holds its plan's step (the newest
+    commit), not one it read: the 40-fault campaign of 2026-11-29 took two such attempts, 12 s
+    and 8 s old, for resumes of a damaged step 3040 (those that did resume read 3020)."""
+    from bench.chaos_analysis import judge_failures
+    from bench.chaos_kinds import Fault
+
+    corrupt = Fault("corrupt", 100.0, {"step": 3040, "file": "optimizer.pt"})
+    kill = Fault("flow_kill", 110.0)
+    planned = {"at": 115.0, "budget": "infrastructure", "error_class": "E", "resumed_at": None,
+               "resumed_from_step": 3040}  # fmt: skip
+    assert judge_failures([corrupt, kill], [corrupt, kill], [planned])[0] == []
+    read = dict(planned, resumed_at=140.0)
+    (problem,) = judge_failures([corrupt, kill], [corrupt, kill], [read])[0]
+    assert "damaged checkpoint of step 3040" in problem
+
+
 def test_a_lost_driver_failed_when_its_flow_went():
     """An attempt whose record a later launch closed (DriverLost, no end time) counted as
     failing when it started: the 40-fault campaign of 2026-11-28 found no fault in the 30 s
