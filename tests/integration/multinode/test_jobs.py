@@ -152,11 +152,13 @@ def test_a_head_restarted_mid_attempt_loses_its_job_and_the_retry_resumes(
     before = committed_step(run_dir)
     killed = cluster.command("head_kill")
     assert killed["worker_nodes"] >= 2, killed
-    wait_until(
-        lambda: "does not answer (its head restarting?)" in caplog.text,
-        what="the flow to wait for the job server",
-    )
-    cluster.command("head_start")
+    try:
+        wait_until(
+            lambda: "does not answer (its head restarting?)" in caplog.text,
+            what="the flow to wait for the job server",
+        )
+    finally:
+        cluster.command("head_start")  # the package's later tests need the cluster
     thread.join(timeout=600)
     state = box["state"]
     assert state.is_completed(), state
