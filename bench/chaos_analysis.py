@@ -329,10 +329,5 @@ def stuck(chaos: Campaign) -> str:
     with contextlib.suppress(Exception):
         groups = list_placement_groups(address=address, limit=100)
         parts.append(f"placement groups: {[(g.placement_group_id[:8], g.state) for g in groups]}")
-    ours = [
-        line
-        for line in chaos.flow_log.read_text().splitlines()
-        if "(raylet)" not in line and "[state-dump]" not in line and "(gcs" not in line
-    ]
-    parts.append("flow log:\n" + "\n".join(ours[-60:]))
+    parts.append("flow log:\n" + "\n".join(chaos.own_lines(60)))
     return "\n".join(parts)

@@ -31,6 +31,8 @@ from trainer_core.checkpoint.run_directory import RunDirectory
 NODES = 3
 #: The newest commits that retention keeps (``checkpoint.keep_last`` of the campaign's spec).
 KEEP_LAST = 2
+#: Marks of the lines Ray's processes print into the flow's log.
+RAY_OWN_LINES = ("(raylet)", "(gcs", "[state-dump]")
 #: How long after a store filled the flow's failure may be its doing.
 FULL_EFFECT_S = 60.0
 
@@ -272,7 +274,7 @@ class Campaign(FaultKinds):
                 self.flow = None  # run again once space is freed
             elif code is not None:  # failed on its own: what a user would do is run it again
                 self.unexpected_exits.append(
-                    {"at": time.time(), "exit_code": code, "log": self._own_lines()}
+                    {"at": time.time(), "exit_code": code, "log": self.own_lines()}
                 )
                 if len(self.unexpected_exits) > 3:
                     raise RuntimeError(f"the flow keeps failing: {self._log_tail()}")
@@ -316,10 +318,11 @@ class Campaign(FaultKinds):
             victim.write_bytes(original)
             self.damaged = None
 
-    def _own_lines(self, count: int = 40) -> list[str]:
-        """The last ``count`` lines of the flow's log without Ray's own (a failure's record)."""
+    def own_lines(self, count: int = 40) -> list[str]:
+        """The last ``count`` lines of the flow's log without Ray's own (a failure's record,
+        what a stuck run was doing)."""
         lines = self.flow_log.read_text().splitlines()
-        ours = [x for x in lines if "(raylet)" not in x and "(gcs" not in x and x.strip()]
+        ours = [x for x in lines if x.strip() and not any(r in x for r in RAY_OWN_LINES)]
         return [x[:400] for x in ours[-count:]]
 
     def _log_tail(self) -> str:

@@ -26,10 +26,28 @@ from tests.recovery import (
     record_matrix_row,
     run_dir_of,
 )
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.run import jobs
 from trainer_core.spec.overrides import build_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+
+
+def recovered_in_a_retry(
+    thread: threading.Thread, box: dict, run_dir: RunDirectory, reference: dict, before: int
+) -> list[dict]:
+    """The flow run of ``run_flow_in_thread`` completed, recovered (``assert_recovered``, no
+    commit from ``before`` on lost; a lost node may take the checkpoint being written with it)
+    in two attempts, Prefect's retry running the train task again; the attempt records."""
+    thread.join(timeout=600)
+    state = box["state"]
+    assert state.is_completed(), state
+    attempts = assert_recovered(
+        run_dir, reference, interval=10, committed_before=before, write_lost=True
+    )
+    assert [a["status"] for a in attempts] == ["failed", "completed"]
+    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
+    return attempts
 
 
 def test_job_server_binds_loopback_only(cluster):
@@ -110,15 +128,8 @@ def test_a_preempted_node_then_a_killed_node_resume_on_the_remaining_nodes(
     before_kill = committed_step(run_dir)
     cluster.command("kill", survivors[-1])
     gate.unlink()
-    thread.join(timeout=600)
-    state = box["state"]
-    assert state.is_completed(), state
     # The lost node may be rank 0's, and take the checkpoint it was writing with it.
-    attempts = assert_recovered(
-        run_dir, uninterrupted, interval=10, committed_before=before_drain, write_lost=True
-    )
-    assert [a["status"] for a in attempts] == ["failed", "completed"]
-    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
+    attempts = recovered_in_a_retry(thread, box, run_dir, uninterrupted, before_drain)
     (restart,) = attempts[0]["restarts"]  # the drained node: in place, on preemption's budget
     assert restart["reason"] == "preemption" and "preempted" in restart["error_message"]
     assert restart["world_size_before"] == restart["world_size_after"] == 2
@@ -159,19 +170,12 @@ def test_a_head_restarted_mid_attempt_loses_its_job_and_the_retry_resumes(
         )
     finally:
         cluster.command("head_start")  # the package's later tests need the cluster
-    thread.join(timeout=600)
-    state = box["state"]
-    assert state.is_completed(), state
     # the worker nodes went with the head, and may take the checkpoint being written with them
-    attempts = assert_recovered(
-        run_dir, uninterrupted, interval=10, committed_before=before, write_lost=True
-    )
-    assert [a["status"] for a in attempts] == ["failed", "completed"]
+    attempts = recovered_in_a_retry(thread, box, run_dir, uninterrupted, before)
     lost = f"the Ray job server at {cluster.job_address} no longer knows job"
     assert attempts[0]["error_class"] == "InfrastructureError", attempts[0]
     assert attempts[0]["error_budget"] == "infrastructure"
     assert lost in attempts[0]["error_message"]
-    assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
     ids = {j.submission_id for j in JobSubmissionClient(cluster.job_address).list_jobs()}
     assert ids >= {jobs.submission_id(name, 2)}  # the new cluster's job: attempt 2's
     assert jobs.submission_id(name, 1) not in ids
