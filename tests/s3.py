@@ -1,9 +1,10 @@
 """A real S3-compatible server on loopback for tests: moto's server mode as a subprocess, with
 IAM authentication enforced.
 
-- ``moto_s3(log_dir)`` starts ``python -m moto.server`` on 127.0.0.1 and a free port, waits until
-  it answers, creates IAM users and a bucket through moto's own IAM API, and stops it on exit.
-  moto lets the first ``INITIAL_NO_AUTH_ACTION_COUNT`` authenticated actions through unsigned
+- ``moto_s3(log_dir)`` starts moto's server (``tests/moto_server.py``: its conditional writes
+  atomic, as S3's) on 127.0.0.1 and a free port, waits until it answers, creates IAM users and
+  a bucket through moto's own IAM API, and stops it on exit. moto lets the first
+  ``INITIAL_NO_AUTH_ACTION_COUNT`` authenticated actions through unsigned
   (moto/core/authorization.py counts every IAM/S3 action it authorizes); three bootstrap calls
   create an admin user with its key, and from then on every request must carry a valid,
   permitted key. The trainer user's generated key pair is the tests' credential (and canary).
@@ -175,10 +176,11 @@ def moto_s3(log_dir: Path, bucket: str = "relaytrain") -> Iterator[S3Server]:
     env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(BOOTSTRAP_ACTIONS)
     with log_file.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            [sys.executable, "-m", "tests.moto_server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=Path(__file__).resolve().parents[1],
         )
     try:
         wait_until_answers(f"http://127.0.0.1:{port}/moto-api/", process, log_file, "moto server")
