@@ -192,3 +192,20 @@ def test_a_lost_driver_failed_when_its_flow_went():
     assert found[0]["at"] == 311.0
     problems, per_kind = judge_failures([full], [full], found)
     assert problems == [] and per_kind["disk_full"] == [30.0]
+
+
+def test_a_flow_failed_of_a_full_store_is_one_whose_launch_saw_the_store_full():
+    """The suite's seeded campaign of 2026-11-29 (CI) filled the store for 7 s; the flow's
+    StorageFullError reached its exit 68 s after the fill (behind a node's death and a Prefect
+    server that was down), past the 60 s a failure was then given, and was taken for a failure
+    of the flow's own. A launch that lived while the store was full failed of it, however late;
+    one launched after the store was freed did not."""
+    from bench.chaos_faults import full_during
+    from bench.chaos_kinds import Fault
+
+    fill = Fault("disk_full", 100.0, {"full_s": 7.0})
+    assert full_during([fill], start=60.0, end=168.0)  # launched before, failed 68 s later
+    assert full_during([fill], start=104.0, end=120.0)  # launched while full
+    assert not full_during([fill], start=108.0, end=200.0)  # launched once freed
+    assert not full_during([fill], start=20.0, end=90.0)  # exited before the fill
+    assert not full_during([Fault("s3_outage", 100.0, {"outage_s": 6.0})], 60.0, 168.0)
