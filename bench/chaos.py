@@ -78,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.chaos_analysis import stuck, verdict
+from bench.chaos_analysis import PHASES, stuck, verdict
 from bench.chaos_faults import KINDS, NODES, QUICK, Campaign, Overran, Settings
 from bench.common import Result, Target
 
@@ -96,6 +96,8 @@ __all__ = [
 ]
 
 NAME = "chaos"
+#: The per-kind table's medians of a recovery's phases (``chaos_analysis.PHASES``).
+MEDIAN_PHASES = [f"median_{p}" for p in PHASES]
 #: Issue 33's targets (issue 19 asked goodput >= 0.90).
 GOODPUT_TARGET = Target(
     "goodput", "steps kept / steps computed, under the campaign's faults", ">=", 0.98
@@ -200,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         mean_gap_s=args.mean_gap_s or base.mean_gap_s,
         epochs=args.epochs or base.epochs,
     )
-    result = Result(NAME, args.quick, columns=["count", "restarts_caused", "median_recovery_s"])
+    result = Result(
+        NAME, args.quick, columns=["count", "restarts_caused", "median_recovery_s", *MEDIAN_PHASES]
+    )
     result.settings.update(
         dataclasses.asdict(settings),
         cluster=f"head (0 CPU) + {NODES} worker nodes of 1 CPU, one machine; 2 DDP workers",
@@ -237,6 +241,9 @@ def report(result: Result, outcome: dict[str, Any], settings: Settings) -> None:
         f"goodput {figures['goodput']}: {figures['steps']} steps kept of "
         f"{figures['steps_computed']} computed; wall-time efficiency "
         f"{figures.get('wall_time_efficiency')} (uninterrupted {figures['reference_wall_s']:g} s)",
+        "recovery seconds summed over the failures that resumed, by phase (fault to failure "
+        "known, to the next attempt's driver, to its workers resumed): "
+        + ", ".join(f"{p} {s:g}" for p, s in figures["recovery_phases_s"].items()),
         "checks: " + ("all held" if not outcome["problems"] else "; ".join(outcome["problems"])),
     ]
     rate = f"one fault every {settings.mean_gap_s:g} s on average"

@@ -72,6 +72,8 @@ def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
                     "error_class": record.error_class,
                     "resumed_at": following.resumed_at if following else None,
                     "resumed_from_step": following.resumed_from_step if following else None,
+                    # when the next attempt's driver opened its record
+                    "next_started_at": following.started_at if following else None,
                     # when the attempt is known to have run (DriverLost: no ended_at)
                     "between": (record.started_at, following.started_at if following else None),
                 }
@@ -205,16 +207,34 @@ def outcome_problems(
     return problems
 
 
+#: A recovery (a fault to the next worker group's resume) in phases: ``detect_s`` until the
+#: group was known to have failed (its attempt's record closed, or its restart in place begun),
+#: ``relaunch_s`` until the next attempt's driver opened its record (a Prefect retry, or the
+#: flow run again; none for a restart in place), ``start_s`` until its workers had resumed.
+PHASES = ("detect_s", "relaunch_s", "start_s")
+
+
+def recovery(failure: dict[str, Any], fault: Fault) -> dict[str, float]:
+    """A resumed failure's recovery from ``fault``: its seconds in all and by phase."""
+    began = failure.get("next_started_at") or failure["at"]
+    return {
+        "recovery_s": failure["resumed_at"] - fault.at,
+        "detect_s": max(failure["at"] - fault.at, 0.0),
+        "relaunch_s": max(began - failure["at"], 0.0),
+        "start_s": max(failure["resumed_at"] - began, 0.0),
+    }
+
+
 def judge_failures(
     faults: list[Fault], effective: list[Fault], found: list[dict[str, Any]]
-) -> tuple[list[str], dict[str, list[float]]]:
+) -> tuple[list[str], dict[str, list[dict[str, float]]]]:
     """Each failure against the faults that may have caused it (``effective``: placed when they
     took effect): one came before it, one of them calls for its budget, and its resume did not
-    read a damaged checkpoint. The problems, and the recovery seconds by the kind of each
-    failure's newest cause."""
+    read a damaged checkpoint. The problems, and the recoveries (``recovery``) by the kind of
+    each failure's newest cause."""
     corrupted = {(f.detail["step"], f.at) for f in faults if f.kind == "corrupt"}
     problems: list[str] = []
-    per_kind: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    per_kind: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for failure in found:
         causes = attribute(effective, failure)
         if not causes:
@@ -230,7 +250,7 @@ def judge_failures(
             problems.append(f"a failure no fault explains, not retried: {failure}")
         fault = causes[0]
         if failure["resumed_at"] is not None:
-            per_kind[fault.kind].append(failure["resumed_at"] - fault.at)
+            per_kind[fault.kind].append(recovery(failure, fault))
         for step, at in corrupted:
             # an attempt that failed before its workers resumed holds the planned step only
             resumed = failure["resumed_at"] is not None
@@ -272,10 +292,12 @@ def figures(
     records: list[AttemptRecord],
     found: list[dict[str, Any]],
     effective: list[Fault],
-    per_kind: dict[str, list[float]],
+    per_kind: dict[str, list[dict[str, float]]],
 ) -> dict[str, Any]:
-    """Goodput, what the faults did to the worker groups, and per kind the recoveries."""
+    """Goodput, what the faults did to the worker groups, and per kind the recoveries (their
+    medians in all and by phase); where the recovery seconds went, summed by phase."""
     computed = steps_computed(attempt_summaries(records))
+    recoveries = [r for values in per_kind.values() for r in values]
     return {
         "faults": len(campaign.faults),
         "faults_by_kind": {k: sum(f.kind == k for f in campaign.faults) for k in KINDS},
@@ -292,15 +314,20 @@ def figures(
         "flow_launches": campaign.launches,
         "flow_failed_of_full_store": len(campaign.full_store_exits),
         "flow_failed_of_damaged_data": len(campaign.damaged_exits),
+        "recovery_phases_s": {p: round(sum(r[p] for r in recoveries), 1) for p in PHASES},
         "recovery_s_by_kind": {
             kind: {
                 "count": sum(f.kind == kind for f in campaign.faults),
                 "restarts_caused": len(values),
-                "median_recovery_s": round(statistics.median(values), 1) if values else None,
+                **{f"median_{p}": _median(values, p) for p in ("recovery_s", *PHASES)},
             }
             for kind, values in per_kind.items()
         },
     }
+
+
+def _median(recoveries: list[dict[str, float]], phase: str) -> float | None:
+    return round(statistics.median(r[phase] for r in recoveries), 1) if recoveries else None
 
 
 def _during_recovery(faults: list[Fault], found: list[dict[str, Any]]) -> int:

@@ -123,7 +123,7 @@ def test_a_chaos_failure_is_judged_by_the_faults_before_it():
     ]  # fmt: skip
     faults = [kill, corrupt, drain]
     problems, per_kind = judge_failures(faults, faults, found)
-    assert per_kind["worker_kill"] == [12.0] and per_kind["drain"] == []
+    assert _seconds(per_kind["worker_kill"]) == [12.0] and per_kind["drain"] == []
     assert len(problems) == 3
     assert "damaged checkpoint of step 40" in problems[0]
     assert "['drain'] at 200.0 was followed by a failure on the code budget" in problems[1]
@@ -146,7 +146,7 @@ def test_a_damaged_file_and_a_lost_head_answer_the_failures_they_cause():
     killed = {"at": 155.0, "budget": "infrastructure", "error_class": "E"}
     assert attribute([newest, kill], killed) == [kill]
     problems, per_kind = judge_failures([newest, kill], [newest, kill], [met])
-    assert problems == [] and per_kind["data_damaged"] == [100.0]
+    assert problems == [] and _seconds(per_kind["data_damaged"]) == [100.0]
 
     head = Fault("head_restart", 300.0, {"down_s": 10.0, "back_at": 330.0})
     lost = {"at": 300.0 + EFFECT_S + 20, "budget": "infrastructure", "error_class": "E",
@@ -154,7 +154,7 @@ def test_a_damaged_file_and_a_lost_head_answer_the_failures_they_cause():
     assert attribute([head], lost) == [head]
     assert attribute([Fault("head_restart", 300.0, {"down_s": 10.0})], lost) == []
     problems, per_kind = judge_failures([head], [head], [lost])
-    assert problems == [] and per_kind["head_restart"] == [80.0]  # from the kill
+    assert problems == [] and _seconds(per_kind["head_restart"]) == [80.0]  # from the kill
     assert judge_failures([head], [head], [dict(lost, budget="none")])[0]  # it is retried
 
 
@@ -191,7 +191,7 @@ def test_a_lost_driver_failed_when_its_flow_went():
     place_lost_drivers(found, [250.0, 311.0, 400.0])  # a kill before, its exit, a later one
     assert found[0]["at"] == 311.0
     problems, per_kind = judge_failures([full], [full], found)
-    assert problems == [] and per_kind["disk_full"] == [30.0]
+    assert problems == [] and _seconds(per_kind["disk_full"]) == [30.0]
 
 
 def test_a_flow_failed_of_a_full_store_is_one_whose_launch_saw_the_store_full():
@@ -209,3 +209,45 @@ def test_a_flow_failed_of_a_full_store_is_one_whose_launch_saw_the_store_full():
     assert not full_during([fill], start=108.0, end=200.0)  # launched once freed
     assert not full_during([fill], start=20.0, end=90.0)  # exited before the fill
     assert not full_during([Fault("s3_outage", 100.0, {"outage_s": 6.0})], 60.0, 168.0)
+
+
+def _seconds(recoveries):
+    return [r["recovery_s"] for r in recoveries]
+
+
+def test_a_recovery_is_split_into_detection_relaunch_and_start():
+    """Where a recovery's seconds went: a worker killed at 100 s, its attempt's record closed at
+    110 s, the Prefect retry's driver up at 125 s, its workers resumed at 140 s; and a node
+    killed at 200 s whose group restarted in place at 205 s and resumed at 212 s (no relaunch).
+    The phases read from the attempt records as the campaign keeps them."""
+    from bench.chaos_analysis import failures, judge_failures
+    from bench.chaos_kinds import Fault
+    from trainer_core.run.attempts import AttemptRecord
+
+    restart = {"reason": "infrastructure", "failed_at": 205.0, "resumed_at": 212.0,
+               "resumed_from_step": 80, "error_class": "E"}  # fmt: skip
+    records = [
+        AttemptRecord(
+            1,
+            "failed",
+            50.0,
+            110.0,
+            resumed_from_step=0,
+            resumed_at=60.0,
+            error_budget="infrastructure",
+            error_class="E",
+        ),
+        AttemptRecord(
+            2, "completed", 125.0, 300.0, resumed_from_step=40, resumed_at=140.0, restarts=[restart]
+        ),
+    ]
+    kill, node = Fault("worker_kill", 100.0), Fault("node_kill", 200.0)
+    found = failures(records)
+    problems, per_kind = judge_failures([kill, node], [kill, node], found)
+    assert problems == []
+    assert per_kind["worker_kill"] == [
+        {"recovery_s": 40.0, "detect_s": 10.0, "relaunch_s": 15.0, "start_s": 15.0}
+    ]
+    assert per_kind["node_kill"] == [
+        {"recovery_s": 12.0, "detect_s": 5.0, "relaunch_s": 0.0, "start_s": 7.0}
+    ]
