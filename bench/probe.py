@@ -2,7 +2,8 @@
 
 Rank 0 appends JSON lines to ``$RELAYTRAIN_BENCH_PROBE_DIR/<run name>.jsonl``: its first step
 (``first_step``), an injected failure just before the process kills itself (``failure``, from
-whichever rank fails), and at the end the span of steps it ran (``done``). Times are
+whichever rank fails), at the end the span of steps it ran (``done``), and the moments of each
+worker group's start (``GROUP_START``). Times are
 ``time.time()`` on one machine, so the driver can subtract them from its own clock.
 
 relaytrain's built-in loop is measured unchanged: ``probed_builtin_loop`` wraps
@@ -19,9 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 PROBE_DIR_ENV = "RELAYTRAIN_BENCH_PROBE_DIR"
+#: A worker group's start, as rank 0 marks it: its worker fn entered (Ray has started the
+#: group: placement, processes, the process group), its model and data built, its checkpoint
+#: loaded; then its ``first_step``.
+GROUP_START = ("loop_entered", "set_up", "restored")
 
 
 def probe_file(run_name: str) -> Path | None:
@@ -55,6 +61,17 @@ class StepProbe:
         line = json.dumps({"event": event, "rank": self.rank, "attempt": self.attempt, **payload})
         with open(self.path, "a") as f:  # one short append per event: whole lines
             f.write(line + "\n")
+
+    def mark(self, event: str, at: float | None = None) -> None:
+        """Rank 0's moment ``event`` of a worker group's start (``GROUP_START``): ``at`` or now.
+        ``loop_entered`` carries its process's age (a process Ray had idle is older)."""
+        if self.rank != 0:
+            return
+        now = time.time() if at is None else at
+        extra: dict[str, float] = {}
+        if event == "loop_entered":
+            extra["process_age_s"] = now - psutil.Process().create_time()
+        self._write(event, time=now, pid=os.getpid(), **extra)
 
     def failure(self, step: int) -> None:
         """Call right before this worker kills itself at ``step`` (any rank)."""
@@ -137,6 +154,17 @@ def _instrument_builtin_loop() -> None:
     if getattr(BuiltinLoop, "_bench_probed", False):
         return
     original_step, original_run = BuiltinLoop._step, BuiltinLoop.run
+    original_init, original_restore = BuiltinLoop.__init__, BuiltinLoop.restore
+
+    def __init__(self: Any, config: Any) -> None:
+        entered = time.time()
+        original_init(self, config)
+        _probe_of(self).mark("loop_entered", at=entered)
+        _probe_of(self).mark("set_up")
+
+    def restore(self: Any) -> None:
+        original_restore(self)
+        _probe_of(self).mark("restored")
 
     def _step(self: Any, model: Any, index: Any, step: int) -> float:
         probe = _probe_of(self)
@@ -150,6 +178,8 @@ def _instrument_builtin_loop() -> None:
         original_run(self)
         _probe_of(self).done(timings=self.timings.to_json())
 
+    BuiltinLoop.__init__ = __init__  # type: ignore[method-assign]
+    BuiltinLoop.restore = restore  # type: ignore[method-assign]
     BuiltinLoop._step = _step  # type: ignore[method-assign]
     BuiltinLoop.run = run  # type: ignore[method-assign]
     BuiltinLoop._bench_probed = True  # type: ignore[attr-defined]

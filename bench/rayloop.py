@@ -31,14 +31,18 @@ from trainer_core.spec.run_spec import RunSpec
 
 def ray_native_loop(config: dict[str, Any]) -> None:
     """Ray Train ``train_loop_per_worker``."""
+    entered = time.time()
     spec = RunSpec.model_validate(config["spec"])
     assert spec.run.name is not None
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
+    probe = StepProbe(spec.run.name, rank)
+    probe.mark("loop_entered", at=entered)
     work = Workload(spec, rank, world_size)
+    probe.mark("set_up")
     step = _resume(work)
     model = ray.train.torch.prepare_model(work.model)
-    probe = StepProbe(spec.run.name, rank)
+    probe.mark("restored")
     clock = {"step_s": 0.0, "report_s": 0.0, "checkpoint_s": 0.0, "reports": 0, "checkpoints": 0}
     every_checkpoint = config.get("checkpoint_every")
     every_report = config.get("report_every")

@@ -23,6 +23,10 @@ Figures: ``recovery_s`` from the failure (rank 0's timestamp just before it kill
 end of the first resumed optimizer step; ``steps_lost`` = k - first resumed step (step k itself
 never ran). relaytrain variants split recovery into detect (failure -> attempt recorded failed),
 relaunch (-> next attempt started), start (-> workers loaded the checkpoint) and first step.
+Every variant also splits it by rank 0's marks in the resumed group (``bench.probe``): to its
+worker fn entered (``to_loop_s``: Ray's start of the group, after detection and any relaunch),
+building model and data (``setup_s``), loading the checkpoint (``restore_s``), the first step
+(``to_step_s``), and the age of the worker's process as the fn was entered (``process_age_s``).
 Targets (issue 19): relaytrain's default recovery (relaytrain_in_place) / ray_failure_config
 recovery_s <= 1.0, and the same for the Prefect-retry path (prefect_retry); steps lost <= one
 checkpoint interval.
@@ -36,7 +40,7 @@ from typing import Any
 
 from bench import common, harness
 from bench.common import Result, Sample, Target, Variant
-from bench.probe import read_probe
+from bench.probe import GROUP_START, read_probe
 from bench.rayloop import ray_native_loop
 from bench.workload import QUICK_MLP, mlp_spec
 from trainer_core.checkpoint.run_directory import RunDirectory
@@ -64,6 +68,11 @@ COLUMNS = [
     "relaunch_s",
     "start_s",
     "first_step_s",
+    "to_loop_s",
+    "setup_s",
+    "restore_s",
+    "to_step_s",
+    "process_age_s",
     "reported_steps_lost",
     "wall_s",
 ]
@@ -101,6 +110,28 @@ def probe_recovery(spec: RunSpec) -> Sample:
         "steps_lost": float(failed["step"] - first["step"]),
         "failure_time": failed["time"],
         "resumed_first_step_time": first["time"],
+        **group_start(events, failed["time"], first["time"]),
+    }
+
+
+def group_start(events: list[dict[str, Any]], failed: float, first_step: float) -> Sample:
+    """The resumed group's start, from rank 0's marks after the failure (``GROUP_START``):
+    ``to_loop_s`` until its worker fn was entered (detection, any relaunch, and Ray's start of
+    the group), ``setup_s`` building model and data, ``restore_s`` loading the checkpoint,
+    ``to_step_s`` to the end of the first step; and how old the worker's process was then."""
+    marks: dict[str, dict[str, Any]] = {}
+    for event in events:
+        if event["event"] in GROUP_START and event["time"] > failed:
+            marks.setdefault(event["event"], event)
+    if len(marks) < len(GROUP_START):
+        return {}
+    entered, set_up, restored = (marks[name]["time"] for name in GROUP_START)
+    return {
+        "to_loop_s": entered - failed,
+        "setup_s": set_up - entered,
+        "restore_s": restored - set_up,
+        "to_step_s": first_step - restored,
+        "process_age_s": marks["loop_entered"]["process_age_s"],
     }
 
 
