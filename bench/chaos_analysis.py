@@ -14,6 +14,7 @@ import statistics
 import time
 from typing import Any
 
+from bench import common
 from bench.chaos_faults import KEEP_LAST, Campaign
 from bench.chaos_kinds import KINDS, Fault
 from trainer_core.checkpoint.run_directory import RunDirectory
@@ -72,9 +73,8 @@ def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
                     "error_class": record.error_class,
                     "resumed_at": following.resumed_at if following else None,
                     "resumed_from_step": following.resumed_from_step if following else None,
-                    # when the next attempt's driver opened its record
-                    "next_started_at": following.started_at if following else None,
-                    # when the attempt is known to have run (DriverLost: no ended_at)
+                    # when the attempt is known to have run (DriverLost: no ended_at); the
+                    # next one's start is when its driver opened its record (``recovery``)
                     "between": (record.started_at, following.started_at if following else None),
                 }
             )
@@ -207,21 +207,21 @@ def outcome_problems(
     return problems
 
 
-#: A recovery (a fault to the next worker group's resume) in phases: ``detect_s`` until the
-#: group was known to have failed (its attempt's record closed, or its restart in place begun),
-#: ``relaunch_s`` until the next attempt's driver opened its record (a Prefect retry, or the
-#: flow run again; none for a restart in place), ``start_s`` until its workers had resumed.
+#: A recovery's phases (``common.recovery_phases``), from a fault to the next worker group's
+#: resume: until the group was known to have failed (its attempt's record closed, or its
+#: restart in place begun), until the next attempt's driver opened its record (a Prefect
+#: retry, or the flow run again; none in place), until its workers had resumed.
 PHASES = ("detect_s", "relaunch_s", "start_s")
 
 
 def recovery(failure: dict[str, Any], fault: Fault) -> dict[str, float]:
-    """A resumed failure's recovery from ``fault``: its seconds in all and by phase."""
-    began = failure.get("next_started_at") or failure["at"]
+    """A resumed failure's recovery from ``fault``: its seconds in all and by phase. A failure
+    may be charged to a fault up to a second after it (clock slack): known at the fault then."""
+    known = max(failure["at"], fault.at)
+    _, next_started = failure.get("between", (None, None))
     return {
         "recovery_s": failure["resumed_at"] - fault.at,
-        "detect_s": max(failure["at"] - fault.at, 0.0),
-        "relaunch_s": max(began - failure["at"], 0.0),
-        "start_s": max(failure["resumed_at"] - began, 0.0),
+        **common.recovery_phases(fault.at, known, next_started or known, failure["resumed_at"]),
     }
 
 

@@ -365,20 +365,22 @@ def recovery_phases(
     detected_at: float | None,
     restarted_at: float | None,
     resumed_at: float | None,
-    first_step_at: float,
+    first_step_at: float | None = None,
 ) -> Sample:
     """Where a recovery's seconds went: until the failure was known (``detect_s``: the attempt
     ended, or Ray's controller restarted the group), until the next attempt began (``relaunch_s``:
     Prefect's retry; 0 in place), until its workers had loaded the checkpoint (``start_s``), and
-    until their first step (``first_step_s``)."""
+    until their first step (``first_step_s``, where it is known)."""
     if detected_at is None or restarted_at is None or resumed_at is None:
         return {}
-    return {
+    phases = {
         "detect_s": detected_at - lost_at,
         "relaunch_s": restarted_at - detected_at,
         "start_s": resumed_at - restarted_at,
-        "first_step_s": first_step_at - resumed_at,
     }
+    if first_step_at is not None:
+        phases["first_step_s"] = first_step_at - resumed_at
+    return phases
 
 
 def format_figure(value: Any) -> str:
