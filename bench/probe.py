@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 PROBE_DIR_ENV = "RELAYTRAIN_BENCH_PROBE_DIR"
@@ -42,6 +41,16 @@ def read_probe(run_name: str) -> list[dict[str, Any]]:
     if path is None or not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def process_age_s() -> float:
+    """Seconds since this process started, to the kernel's tick (Linux): its start and the
+    clock read on one clock, time since boot. (``psutil``'s ``create_time`` adds the boot time
+    in whole seconds to it, so an age from it is off by up to a second.)"""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime, field 22 of proc(5)
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - started
 
 
 class StepProbe:
@@ -70,7 +79,7 @@ class StepProbe:
         now = time.time() if at is None else at
         extra: dict[str, float] = {}
         if event == "loop_entered":
-            extra["process_age_s"] = now - psutil.Process().create_time()
+            extra["process_age_s"] = process_age_s() - (time.time() - now)
         self._write(event, time=now, pid=os.getpid(), **extra)
 
     def failure(self, step: int) -> None:

@@ -27,6 +27,9 @@ Every variant also splits it by rank 0's marks in the resumed group (``bench.pro
 worker fn entered (``to_loop_s``: Ray's start of the group, after detection and any relaunch),
 building model and data (``setup_s``), loading the checkpoint (``restore_s``), the first step
 (``to_step_s``), and the age of the worker's process as the fn was entered (``process_age_s``).
+Ray Train's controller splits its start of that group in its own log (``ray_group_start``): the
+worker actors created (``actors_s``: their processes started, Ray Train's worker class imported)
+and the process group set up (``backend_s``: torch imported in the workers, gloo's rendezvous).
 Targets (issue 19): relaytrain's default recovery (relaytrain_in_place) / ray_failure_config
 recovery_s <= 1.0, and the same for the Prefect-retry path (prefect_retry); steps lost <= one
 checkpoint interval.
@@ -34,6 +37,7 @@ checkpoint interval.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +77,8 @@ COLUMNS = [
     "restore_s",
     "to_step_s",
     "process_age_s",
+    "actors_s",
+    "backend_s",
     "reported_steps_lost",
     "wall_s",
 ]
@@ -111,6 +117,7 @@ def probe_recovery(spec: RunSpec) -> Sample:
         "failure_time": failed["time"],
         "resumed_first_step_time": first["time"],
         **group_start(events, failed["time"], first["time"]),
+        **ray_group_start(spec.run.name, failed["time"]),
     }
 
 
@@ -133,6 +140,46 @@ def group_start(events: list[dict[str, Any]], failed: float, first_step: float) 
         "to_step_s": first_step - restored,
         "process_age_s": marks["loop_entered"]["process_age_s"],
     }
+
+
+#: What Ray Train's controller logs (its structured log, DEBUG) as it starts a worker group:
+#: the figure each phase's line ends with (Ray 2.60's ``WorkerGroup._start``).
+RAY_GROUP_PHASES = {
+    "actors_s": "worker actors created in ",
+    "backend_s": "after_worker_group_start callbacks completed in ",
+}
+
+
+def ray_group_start(run_name: str, failed: float) -> Sample:
+    """Ray Train's own split of the first worker group its controller started for ``run_name``
+    after ``failed``, from the controller's log in this process's Ray session (every
+    controller's, a retry's new one included); empty where the log does not say."""
+    import ray
+
+    node = ray._private.worker._global_node
+    if node is None:
+        return {}
+    records = []
+    for path in (Path(node.get_session_dir_path()) / "logs" / "train").glob(
+        "ray-train-sys-controller-*.log"
+    ):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("run_name") == run_name and record["timestamp_ns"] / 1e9 > failed:
+                records.append(record)
+    records.sort(key=lambda r: r["timestamp_ns"])
+    phases: Sample = {}
+    for record in records:
+        message = record["message"]
+        for name, text in RAY_GROUP_PHASES.items():
+            if "[Worker Group Initialization]" in message and text in message:
+                phases.setdefault(name, float(message.split(text, 1)[1].split("s", 1)[0]))
+        if len(phases) == len(RAY_GROUP_PHASES):
+            break
+    return phases
 
 
 def attempt_phases(spec: RunSpec, sample: Sample) -> Sample:
