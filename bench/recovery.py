@@ -152,28 +152,36 @@ RAY_GROUP_PHASES = {
 
 def ray_group_start(run_name: str, failed: float) -> Sample:
     """Ray Train's own split of the first worker group its controller started for ``run_name``
-    after ``failed``, from the controller's log in this process's Ray session (every
-    controller's, a retry's new one included); empty where the log does not say."""
+    after ``failed``, from the controllers' logs in this process's Ray session (a retry's new
+    controller's included); empty where they do not say."""
     import ray
 
     node = ray._private.worker._global_node
     if node is None:
         return {}
+    logs = Path(node.get_session_dir_path()) / "logs" / "train"
+    lines = [
+        line
+        for path in logs.glob("ray-train-sys-controller-*.log")
+        for line in path.read_text().splitlines()
+    ]
+    return group_phases(lines, run_name, failed)
+
+
+def group_phases(lines: list[str], run_name: str, failed: float) -> Sample:
+    """``RAY_GROUP_PHASES`` of the first group start for ``run_name`` after ``failed``, from
+    the controller's structured log lines (JSON; others skipped)."""
     records = []
-    for path in (Path(node.get_session_dir_path()) / "logs" / "train").glob(
-        "ray-train-sys-controller-*.log"
-    ):
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("run_name") == run_name and record["timestamp_ns"] / 1e9 > failed:
-                records.append(record)
-    records.sort(key=lambda r: r["timestamp_ns"])
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        at = record.get("timestamp_ns", 0) / 1e9
+        if record.get("run_name") == run_name and at > failed:
+            records.append((at, record.get("message", "")))
     phases: Sample = {}
-    for record in records:
-        message = record["message"]
+    for _, message in sorted(records):
         for name, text in RAY_GROUP_PHASES.items():
             if "[Worker Group Initialization]" in message and text in message:
                 phases.setdefault(name, float(message.split(text, 1)[1].split("s", 1)[0]))

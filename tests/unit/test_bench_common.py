@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from bench import common
 
@@ -251,3 +252,41 @@ def test_a_recovery_is_split_into_detection_relaunch_and_start():
     assert per_kind["node_kill"] == [
         {"recovery_s": 12.0, "detect_s": 5.0, "relaunch_s": 0.0, "start_s": 7.0}
     ]
+
+
+def test_ray_trains_split_of_a_group_start_is_read_for_the_run_and_the_start_after_the_failure():
+    """``bench.recovery`` reads the resumed group's start from Ray Train's controller log: its
+    lines as Ray 2.60 writes them; the first start of the run after the failure counts, not the
+    run's first group, nor another run's start, nor a line that is not a record."""
+    from bench.recovery import group_phases
+
+    def line(run: str, at: float, message: str) -> str:
+        record = {"levelname": "DEBUG", "message": message, "run_name": run}
+        return json.dumps({**record, "timestamp_ns": int(at * 1e9)})
+
+    def start(run: str, at: float, actors: float, backend: float) -> list[str]:
+        return [
+            line(run, at, f"[Worker Group Initialization] 2 worker actors created in {actors}s."),
+            line(
+                run,
+                at + 0.3,
+                "[Worker Group Initialization] Train context initialized on workers in 0.41s.",
+            ),
+            line(
+                run,
+                at + 2,
+                "[Worker Group Initialization] after_worker_group_start callbacks "
+                f"completed in {backend}s.\n  Individual callback time breakdown:\n    "
+                f"BackendSetupCallback: {backend}s",
+            ),
+        ]
+
+    lines = [
+        *start("run-a", 100.0, 2.18, 1.73),  # the first group, before the failure
+        *start("run-b", 120.5, 9.99, 9.99),  # another run's restart, on the same cluster
+        "2026-12-01 19:02:13 not a record",
+        *start("run-a", 123.0, 2.4, 1.76),  # the group that resumed
+        *start("run-a", 140.0, 3.0, 3.0),  # a later restart
+    ]
+    assert group_phases(lines, "run-a", failed=120.0) == {"actors_s": 2.4, "backend_s": 1.76}
+    assert group_phases(lines, "run-a", failed=150.0) == {}
