@@ -290,3 +290,32 @@ def test_ray_trains_split_of_a_group_start_is_read_for_the_run_and_the_start_aft
     ]
     assert group_phases(lines, "run-a", failed=120.0) == {"actors_s": 2.4, "backend_s": 1.76}
     assert group_phases(lines, "run-a", failed=150.0) == {}
+
+
+def test_the_resumed_groups_start_is_split_by_rank_0s_marks_after_the_failure():
+    """``bench.recovery`` splits the resumed group's start by the probe's marks: those of the
+    first group after the failure, not the attempt's first group's, nor a later restart's."""
+    from bench.recovery import group_start
+
+    def marks(entered: float, age: float) -> list[dict]:
+        return [
+            {"event": "loop_entered", "time": entered, "process_age_s": age},
+            {"event": "set_up", "time": entered + 1.5},
+            {"event": "restored", "time": entered + 1.75},
+        ]
+
+    events = [
+        *marks(10.0, 4.0),  # the first group
+        {"event": "failure", "time": 20.0, "step": 149},
+        *marks(26.0, 5.5),  # the group that resumed
+        {"event": "first_step", "time": 27.875},
+        *marks(40.0, 3.0),  # a later restart
+    ]
+    assert group_start(events, failed=20.0, first_step=27.875) == {
+        "to_loop_s": 6.0,
+        "setup_s": 1.5,
+        "restore_s": 0.25,
+        "to_step_s": 0.125,
+        "process_age_s": 5.5,
+    }
+    assert group_start(events[:5], failed=20.0, first_step=27.875) == {}  # its marks not all in
