@@ -173,7 +173,7 @@ def bare_trainer(
 
     from trainer_core import storage
     from trainer_core.execution.worker_config import WorkerConfig
-    from trainer_core.run.engine import canonical_storage_uri
+    from trainer_core.run.plan import canonical_storage_uri
 
     assert spec.run.name is not None
     storage_uri = canonical_storage_uri(spec.run.storage)

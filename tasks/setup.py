@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from tasks import credentials
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.execution import cluster
-from trainer_core.run import engine, jobs, lease
+from trainer_core.run import jobs, lease, preflight
 from trainer_core.run.summary import TrainingResult, read_stored_result, sync_tracking
 from trainer_core.spec.run_spec import RunSpec
 
@@ -58,14 +58,16 @@ def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
     return stored.epochs_completed >= spec.schedule.epochs
 
 
-def refuse_bad_input(spec: RunSpec, say: Callable[[str], None] | None = None) -> engine.Preflight:
-    """Every check of bad input setup makes before it takes the lease: ``engine.preflight``
+def refuse_bad_input(
+    spec: RunSpec, say: Callable[[str], None] | None = None
+) -> preflight.Preflight:
+    """Every check of bad input setup makes before it takes the lease: ``preflight.preflight``
     (what the spec imports, the dataset, the model, the loss, storage and the run directory),
     then the cluster: its capacity, or for a job on a remote cluster that its address answers
     (the job checks that cluster's capacity; a run that has attempts already waits for an
     address that answered it before, its head restarting). Raises a SpecError that names the
     field and the fix; touches nothing in storage."""
-    checked = engine.preflight(spec)
+    checked = preflight.preflight(spec)
     address = jobs.job_address(spec)
     if address and checked.plan.attempt > 1:
         jobs.client_waiting(address, say)

@@ -29,7 +29,7 @@ from tests.recovery import (
 from trainer_core import storage
 from trainer_core.data import footers, rank_stream
 from trainer_core.errors import DataFileDamagedError, SpecError, TrainingCodeError
-from trainer_core.run import engine
+from trainer_core.run import preflight
 from trainer_core.run.engine import run_attempt
 from trainer_core.spec.overrides import build_spec
 from trainer_core.spec.run_spec import RunSpec
@@ -258,10 +258,10 @@ def test_a_file_added_between_attempts_is_ignored(relaytrain_prefect, snapshot_r
     # A new run pins the directory as it is now, the new file with it: more rows, so more steps
     # (the plan its first attempt would train).
     fresh = _snapshot_spec(tmp_path, dataset, "fresh", [])
-    now = engine.pin_dataset(fresh, run_dir_of(fresh))
+    now = preflight.pin_dataset(fresh, run_dir_of(fresh))
     assert now is not None and now.record is not None
     assert "part-3.parquet" in {Path(f["path"]).name for f in now.record["files"]}
-    assert engine.validate_workload(fresh, now) > reference.steps_completed
+    assert preflight.validate_workload(fresh, now) > reference.steps_completed
 
 
 def test_a_file_rewritten_between_attempts_is_refused(relaytrain_prefect, ray_cluster, tmp_path):

@@ -13,7 +13,7 @@ from tests.columns_workloads import write_lm_dataset
 from trainer_core.data import footers, rank_stream
 from trainer_core.data.transform import Batches, TransformPool, finished_in_order, row_rng
 from trainer_core.errors import SpecError
-from trainer_core.run.engine import validate_workload
+from trainer_core.run.preflight import validate_workload
 from trainer_core.spec.overrides import build_spec
 from trainer_core.spec.sections import DataSection
 

@@ -6,7 +6,8 @@ from tests.conftest import tiny_raw
 from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import IncompatibleRunError, SpecError
-from trainer_core.run.engine import plan_attempt, validate_workload
+from trainer_core.run.plan import plan_attempt
+from trainer_core.run.preflight import validate_workload
 from trainer_core.spec.overrides import build_spec
 
 
@@ -73,7 +74,7 @@ def test_workload_is_checked_on_the_driver(tmp_path):
 
 def test_the_resume_plan_is_a_function_of_the_listing():
     from trainer_core.checkpoint.files import CheckpointInfo, Scan
-    from trainer_core.run.engine import resume_plan
+    from trainer_core.run.plan import resume_plan
 
     def info(step):
         return CheckpointInfo(step, f"checkpoint-{step:09d}", f"s3://b/r/c{step}", {})
@@ -97,7 +98,7 @@ def test_an_attempt_describes_its_dataset_once(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
 
     from trainer_core.data import stream
-    from trainer_core.run import engine
+    from trainer_core.run import preflight
 
     directory = tmp_path / "table"
     directory.mkdir()
@@ -124,10 +125,10 @@ def test_an_attempt_describes_its_dataset_once(tmp_path, monkeypatch):
     describe = stream.describe
     monkeypatch.setattr(stream, "describe", lambda *a, **k: calls.append(1) or describe(*a, **k))
 
-    first = engine.preflight(spec)
+    first = preflight.preflight(spec)
     assert len(calls) == 1 and first.pinned is not None and first.pinned.record is not None
     first.run_dir.write_dataset_snapshot(first.pinned.record)  # as the first attempt does
-    resumed = engine.preflight(spec, attempt=2)
+    resumed = preflight.preflight(spec, attempt=2)
     assert len(calls) == 2 and resumed.pinned == first.pinned
     assert resumed.pinned.for_workers() == first.pinned.for_workers()
 
@@ -135,7 +136,7 @@ def test_an_attempt_describes_its_dataset_once(tmp_path, monkeypatch):
         pa.table({"x": rng.random(8, dtype=np.float32), "y": rng.integers(0, 3, 8)}),
         directory / "part-2.parquet",
     )
-    grown = engine.preflight(spec, attempt=3)
+    grown = preflight.preflight(spec, attempt=3)
     assert len(calls) == 4  # this attempt's scan, then the snapshot's own description
     assert grown.pinned is not None and grown.pinned.added == [str(directory / "part-2.parquet")]
     assert grown.pinned.layout == first.pinned.layout

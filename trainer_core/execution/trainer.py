@@ -167,7 +167,7 @@ def fit(
     reclaimed_before: set[str],
     lost: Callable[[], BaseException | None] | None = None,
 ) -> None:
-    """Run ``loop`` on a worker group for the attempt ``plan`` (an ``engine.Plan``): fit() in a
+    """Run ``loop`` on a worker group for the attempt ``plan`` (a ``run.plan.Plan``): fit() in a
     thread, the workers' events relayed to ``handle`` here; an interrupt stops the worker group.
     ``reclaimed_before``: the nodes reclaimed for preemption before the attempt (not the cause
     of its failures). ``lost()``: an error once the run's lease is lost; the worker group is

@@ -22,7 +22,7 @@ class WorkerConfig:
     #: Whether Ray Train watches the group's nodes for drains (a cluster of several nodes):
     #: then the loop asks for a preemption notice at every report.
     watch_preemption: bool = False
-    #: The run's dataset snapshot and what it holds (``engine.PinnedDataset.for_workers``):
+    #: The run's dataset snapshot and what it holds (``run.preflight.PinnedDataset.for_workers``):
     #: the files every rank reads, listed by the driver once. None: generated data.
     dataset: dict[str, Any] | None = None
     #: The flow's lease owner: every commit and deletion checks it still holds the run.

@@ -1,7 +1,11 @@
 """A run across its attempts, driven from the driver: the attempt, its record, the lease, the
 retry decision, the result, and what a storage holds.
 
-- ``engine``: one attempt: preflight, the plan, the Ray Train fit, the attempt's record.
+- ``engine``: one attempt: the Ray Train fit after the preflight, the attempt's record, its
+  result.
+- ``preflight``: what the driver checks before an attempt, and the dataset it trains on (the
+  run's pinned snapshot).
+- ``plan``: the run directory and the attempt's plan: fresh start or resume, and why.
 - ``live_state``: what the driver knows of a running attempt, from its workers' events.
 - ``jobs``: attempts as Ray jobs on a remote cluster.
 - ``attempts``: the attempt records (``attempts.jsonl``).

@@ -38,6 +38,7 @@ from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import InfrastructureError, RelaytrainError, SpecError
 from trainer_core.execution import cluster, ray_head
 from trainer_core.run import attempts, engine
+from trainer_core.run.plan import canonical_storage_uri
 from trainer_core.spec.run_spec import RunSpec
 
 logger = logging.getLogger("relaytrain.jobs")
@@ -168,7 +169,7 @@ def run_attempt(
     assert address, "run_attempt needs a job address"
     # The job plans the attempt (and checks storage) itself; here only its number and run.
     assert spec.run.name, "the flow names the run before any attempt"
-    run_dir = RunDirectory.of(engine.canonical_storage_uri(spec.run.storage), spec.run.name)
+    run_dir = RunDirectory.of(canonical_storage_uri(spec.run.storage), spec.run.name)
     plan = Submission(spec.run.name, run_dir.uri, attempts.next_number(attempts.read(run_dir)))
     say = on_log or logger.info
     jobs_client = client_waiting(address, say)  # setup saw it answer: a restart is waited for

@@ -1,0 +1,174 @@
+"""Preflight: what the driver checks before an attempt starts any worker, and the dataset the
+attempt trains on.
+
+- ``pin_dataset``: the built-in loop's dataset as the attempt must read it (the run's snapshot,
+  taken on the first attempt).
+- ``validate_workload``: what the spec imports, the dataset, the model, the loss and the
+  metrics, tried on the driver (a SpecError before any worker starts), and the run's total
+  optimizer steps.
+- ``preflight``: both, with the plan (``trainer_core.run.plan``), in the order errors name
+  themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer_core import storage
+from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.data import arrays as data_mod
+from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
+from trainer_core.data.table_rows import TableRows
+from trainer_core.errors import SpecError
+from trainer_core.run.plan import Plan, plan_attempt
+from trainer_core.spec.imports import import_object
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.train import workloads
+from trainer_core.train.batch_checks import check_batch_workload
+
+
+@dataclass(frozen=True)
+class PinnedDataset:
+    """The dataset an attempt trains on: the run's snapshot (taken now on the first attempt,
+    else read from the run directory and verified), what it holds, and the files added to
+    the dataset since the snapshot (ignored)."""
+
+    layout: footers.Layout
+    info: data_mod.DatasetInfo
+    record: dict[str, Any] | None
+    added: list[str]
+
+    def for_workers(self) -> dict[str, Any] | None:
+        """What every rank builds its stream from, with no listing or footer read of its own."""
+        if self.record is None:
+            return None
+        return {"snapshot": self.record, "info": asdict(self.info)}
+
+
+def pin_dataset(
+    spec: RunSpec, run_dir: RunDirectory | None = None, fresh: PinnedDataset | None = None
+) -> PinnedDataset | None:
+    """The built-in loop's dataset as this attempt must read it: the snapshot ``run_dir``
+    records, checked against the files (SpecError naming a file that changed or vanished), or
+    a new scan when the run has none (its first attempt). None for a user's own loop.
+
+    ``fresh``: this attempt's own scan (``pin_dataset(spec)``), reused when it is the snapshot
+    (the files as they were pinned) or there is none: the dataset is described once."""
+    if spec.ray_loop:
+        return None
+    assert spec.data is not None
+    data = spec.data.resolved()
+    stored = run_dir.read_dataset_snapshot() if run_dir is not None else None
+    location = None if data.dataset == "synthetic" else footers.dataset_location(data)
+    added: list[str] = []
+    if stored is not None and location is not None and stored["uri"] == location.uri:
+        if fresh is not None and json.loads(json.dumps(fresh.record)) == stored:
+            return fresh
+        layout = dataset_snapshot.from_json(stored, data)
+        added = dataset_snapshot.verify(layout, data).added
+    elif fresh is not None:
+        return fresh
+    else:
+        layout = footers.scan(data)  # footers only
+    record = dataset_snapshot.to_json(layout) if layout.files else None
+    return PinnedDataset(layout, stream.describe(layout, data), record, added)
+
+
+def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int | None:
+    """Import what the spec names, read the dataset (footers; ``pinned``: already read) and
+    build the model: SpecError before any worker starts. Returns the run's total optimizer
+    steps (None for a Ray Train loop of the user's own)."""
+    if spec.train_loop is not None:
+        workloads.resolve_train_loop(spec.train_loop)
+    if spec.ray_loop:
+        for name, uri in spec.datasets.items():  # footers only: the files are Parquet
+            footers.scan_files(storage.resolve(uri), None, None, f"datasets.{name}")
+        return None
+    assert spec.data is not None and spec.schedule is not None
+    data = spec.data.resolved()
+    pinned = pinned or pin_dataset(spec)
+    assert pinned is not None
+    layout = pinned.layout
+    _check_reader_memory(data, layout)
+    one = rank_stream.RankStream(layout, data, spec.run.seed, 1, 0)  # row ids only: no rows read
+    if one.batches_per_epoch == 0:
+        raise SpecError(
+            f"dataset {layout.uri} has {one.train_rows} training rows, fewer than one global batch "
+            f"(data.batch_size={data.batch_size}): lower data.batch_size or "
+            f"data.validation_fraction ({data.validation_fraction})",
+            field="data.batch_size",
+        )
+    if spec.scaling.shard_fn is not None:
+        import_object(spec.scaling.shard_fn, "scaling.shard_fn")
+    if not spec.own_loop:  # a loop of the user's own builds its model and loss itself
+        _check_model_on_rows(spec, pinned, one)
+    return (
+        data_mod.steps_per_epoch(one.batches_per_epoch, spec.optimizer.grad_accumulation)
+        * spec.schedule.epochs
+    )
+
+
+def _check_model_on_rows(spec: RunSpec, pinned: PinnedDataset, one: rank_stream.RankStream) -> None:
+    """The built-in loop's model, loss and metrics on a few real training rows."""
+    assert spec.model is not None and spec.data is not None
+    data = spec.data.resolved()
+    layout, info = pinned.layout, pinned.info
+    first = next(g for g, count in enumerate(one.train_counts) if count)  # one row group read
+    sample = np.arange(min(one.train_counts[first], 4))
+    ids, rows = one.reader.take(np.full(len(sample), first), sample)
+    if isinstance(rows, TableRows):
+        file = layout.row_groups[first].file
+        where = layout.uri if layout.uri.endswith(file) else f"file {file!r} of {layout.uri}"
+        check_batch_workload(spec, ids, rows, where)
+    else:
+        workloads.check_loss_and_metrics(
+            workloads.build_model(spec.model, info.num_features, info.num_outputs),
+            torch.from_numpy(rows.features),
+            torch.from_numpy(rows.labels),
+            spec.loss,
+            spec.metrics,
+            data.task or "classification",
+        )
+
+
+def _check_reader_memory(data: Any, layout: footers.Layout) -> None:
+    """The live and next shuffle windows of every partition must fit in half of
+    data.memory_mb (the row group slices around them take the rest): SpecError naming the
+    settings otherwise."""
+    windows_mb = 2 * data.partitions * data.shuffle_window * footers.row_bytes(layout) / 2**20
+    if windows_mb > data.memory_mb / 2:
+        raise SpecError(
+            f"data.partitions ({data.partitions}) x 2 x data.shuffle_window "
+            f"({data.shuffle_window}) rows (the live window and the next, read ahead) of "
+            f"{footers.row_bytes(layout):.0f} bytes hold {windows_mb:.0f} MB, more than "
+            f"half of data.memory_mb ({data.memory_mb}): lower data.shuffle_window or "
+            "data.partitions, or raise data.memory_mb",
+            field="data.shuffle_window",
+        )
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the driver settled before an attempt: its plan, the run directory, the dataset it
+    trains on (None for a user's own loop) and the run's total optimizer steps."""
+
+    plan: Plan
+    run_dir: RunDirectory
+    pinned: PinnedDataset | None
+    total_steps: int | None
+
+
+def preflight(spec: RunSpec, attempt: int | None = None) -> Preflight:
+    """Everything the driver checks before an attempt, in the order errors name themselves:
+    the workload (what the spec imports, the dataset's footers, the model, the loss), then
+    storage and the run directory, then the run's dataset snapshot. The dataset is read and
+    described once (twice only when its files differ from the snapshot's)."""
+    fresh = pin_dataset(spec)
+    total_steps = validate_workload(spec, fresh)
+    plan, run_dir = plan_attempt(spec, attempt)
+    return Preflight(plan, run_dir, pin_dataset(spec, run_dir, fresh), total_steps)
