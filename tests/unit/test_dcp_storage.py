@@ -256,3 +256,66 @@ def test_an_export_is_one_torch_file_of_the_whole_model_and_follows_its_checkpoi
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__]))
+
+
+# -- a file in storage never runs code ----------------------------------------------------------
+
+
+def test_a_planted_dcp_metadata_never_runs_code(saved: Path, tmp_path: Path) -> None:
+    """An attacker's ``.metadata`` (the checkpoint's own, a payload riding in it, the manifest
+    and marker made again) is refused by the whole read (export, MLflow) and by a rank's load
+    (resume, warm start), naming the file; its payload never runs."""
+    import pickle
+    import shutil
+
+    from tests.planted import planted_dcp_metadata
+    from trainer_core import storage
+    from trainer_core.checkpoint import dcp_storage
+    from trainer_core.checkpoint.run_directory import RunDirectory
+    from trainer_core.errors import CheckpointCorruptError
+
+    planted = tmp_path / "planted"
+    shutil.copytree(saved, planted)
+    sentinel = tmp_path / "code-ran"
+    data = planted_dcp_metadata(planted / "checkpoint-000000003", sentinel)
+    run_dir = RunDirectory(storage.resolve(str(planted)))
+    checkpoint = run_dir.read_committed(3)
+    assert checkpoint is not None  # committed, its manifest's digests match: no protection
+    location = run_dir.checkpoint_location(3)
+    with pytest.raises(CheckpointCorruptError, match=r"\.metadata names pathlib\.Path\.touch"):
+        dcp_storage.read_key(location, checkpoint.files, "model")
+    with pytest.raises((mp.ProcessRaisedException, mp.ProcessExitedException)):
+        _spawn(1, planted, "load")
+    assert ".metadata names pathlib.Path.touch" in (planted / "error-0.txt").read_text()
+    assert not sentinel.exists()
+    pickle.loads(data)  # the payload is live: torch's own reader would have run it
+    assert sentinel.exists()
+
+
+def test_a_dcp_item_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    """A DCP checkpoint written with DCP's own API whose non-tensor item pickles a payload
+    (which DCP's stock planner reads with ``torch.load(weights_only=False)``): refused."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from tests.planted import RunsCode
+    from trainer_core import storage
+    from trainer_core.checkpoint import dcp_storage
+    from trainer_core.checkpoint.run_directory import RunDirectory
+    from trainer_core.errors import CheckpointCorruptError
+
+    sentinel = tmp_path / "code-ran"
+    run_dir = RunDirectory(storage.resolve(str(tmp_path / "run")))
+    location = run_dir.checkpoint_location(5)
+    state = {"model": {"w": torch.ones(3)}, "extra": {"payload": RunsCode(sentinel)}}
+    with pytest.warns(UserWarning, match="single process"):
+        entries = dcp_storage.save(state, location)
+    checkpoint = run_dir.commit_checkpoint(5, entries, {"format": "dcp"})
+    model = dcp_storage.read_key(location, checkpoint.files, "model")
+    assert torch.equal(model["w"], state["model"]["w"])  # its tensors read as ever
+    with pytest.raises(CheckpointCorruptError, match=r"item 'extra\.payload' is not plain tensor"):
+        dcp_storage.read_key(location, checkpoint.files, "extra")
+    assert not sentinel.exists()
+    stock = dcp_storage._Reader(location, checkpoint.files)  # DCP's own planner: the payload ran
+    _load_state_dict({}, stock, planner=_EmptyStateDictLoadPlanner(keys={"extra"}), no_dist=True)
+    assert sentinel.exists()

@@ -14,7 +14,9 @@ DCP writes and reads through a small file-system interface (``FileSystemBase``);
   it, so a damaged shard is a ``CheckpointCorruptError`` and the older checkpoint is used;
 - given the node's group (``load(node=...)``), a file that several ranks of a node need (the
   one holding what DCP saved once for all, rank 0's) is read once there, by one of them, and
-  handed to the others.
+  handed to the others;
+- nothing read is unpickled beyond what DCP's metadata and plain tensor data hold
+  (``dcp_metadata``): a planted ``.metadata`` or item is refused, never run.
 """
 
 from __future__ import annotations
@@ -33,11 +35,17 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    _EmptyStateDictLoadPlanner,
+)
 from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from trainer_core.checkpoint import dcp_metadata
 from trainer_core.checkpoint.files import FileEntry, HashingWriter, matches
 from trainer_core.errors import CheckpointCorruptError
 from trainer_core.storage.failures import storage_error
@@ -236,7 +244,7 @@ def load(
     (its digest covers the whole file)."""
     reader = _reader(location, files, node)
     try:
-        dcp.load(state, storage_reader=reader)
+        dcp.load(state, storage_reader=reader, planner=_ItemsAsData(location))
     except CheckpointException as e:
         raise CheckpointCorruptError(f"DCP cannot load {location.uri}: {_cause(e)}") from e
     return reader.fs.bytes_read  # type: ignore[attr-defined]
@@ -250,7 +258,7 @@ def read_key(location: Location, files: dict[str, dict[str, Any]], key: str) -> 
         _load_state_dict(
             state,
             storage_reader=_reader(location, files),
-            planner=_EmptyStateDictLoadPlanner(keys={key}),
+            planner=_WholeItemsAsData(location, keys={key}),
             no_dist=True,
         )
     except CheckpointException as e:
@@ -267,11 +275,46 @@ class _Reader(FileSystemReader):
         self.fs, self.path = RunStorage(location, files), ""  # type: ignore[assignment]
         self.node = node
 
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata, verified against the manifest and read as data
+        (``dcp_metadata.read_metadata``), never with ``pickle.load``."""
+        name = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(name, "rb") as stream:
+            data = stream.read()
+        where = f"{self.fs.location.uri}/{os.fspath(name)}"  # type: ignore[attr-defined]
+        metadata = dcp_metadata.read_metadata(data, where)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return metadata
+
     def read_data(self, plan: Any, planner: Any) -> Any:
         if self.node is not None:
             names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
             self.fs.share_on_node(sorted(names), self.node)  # type: ignore[attr-defined]
         return super().read_data(plan, planner)
+
+
+class _ItemsAsData(DefaultLoadPlanner):
+    """DCP's default load planner, but a non-tensor item (DCP reads those with
+    ``torch.load(..., weights_only=False)``) is read as plain tensor data only."""
+
+    def __init__(self, location: Location, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.location = location
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        item = dcp_metadata.read_item(value, f"{self.location.uri}: item {fqn!r}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], item)
+        else:
+            self.state_dict[fqn] = item
+
+
+class _WholeItemsAsData(_ItemsAsData, _EmptyStateDictLoadPlanner):
+    """The planner that rebuilds whole entries from the metadata (``read_key``), its
+    non-tensor items read as data."""
 
 
 def _reader(

@@ -301,4 +301,16 @@ def open_checkpoint(uri: str) -> tuple[RunDirectory, CheckpointInfo]:
             "marker): point it at a committed {run}/checkpoint-NNNNNNNNN directory",
             field="run.init_from",
         )
+    if is_dcp(info):  # its metadata read as data here, before any worker reads the shards
+        from trainer_core.checkpoint import dcp_metadata
+
+        name = dcp_metadata.METADATA_FILE
+        try:
+            dcp_metadata.read_metadata(run_dir.read_verified(info, name), f"{info.uri}/{name}")
+        except CheckpointCorruptError as e:
+            raise SpecError(
+                f"run.init_from checkpoint {uri} cannot be read: {e}. Point it at another "
+                "committed checkpoint.",
+                field="run.init_from",
+            ) from e
     return run_dir, info
