@@ -5,10 +5,14 @@
     relaytrain show RUN [--time]              attempts, checkpoints and metrics of one run
                                               (--time: where its step time went)
     relaytrain export RUN [--best | --latest | --step N] OUT.pt
-    relaytrain sync RUN                       log to MLflow what its tracking server missed
+    relaytrain sync RUN [--config SPEC.yaml [--set key=value ...] | --trust-stored-spec]
+                                              log to MLflow what its tracking server missed
 
 RUN is a run directory (runs/digits-cnn, s3://bucket/runs/NAME) or a run name under ./runs.
-Everything but `run` reads the run directory alone: no Ray cluster, no Prefect server.
+Everything but `run` reads the run directory alone: no Ray cluster, no Prefect server. None of
+them imports code that only a file in storage names (docs/security.md): `sync` logs the best
+model, which needs the spec's model builder, only given the spec (--config) or told to trust
+the stored one (--trust-stored-spec).
 Credentials for object storage come from the environment (AWS_*, ...), as for training.
 """
 
@@ -90,6 +94,21 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(handler=_export)
     sync = commands.add_parser("sync", help="log to MLflow what the tracking server missed")
     sync.add_argument("run", help="a run directory (path or URI) or a run name under ./runs")
+    trust = sync.add_mutually_exclusive_group()
+    trust.add_argument(
+        "--config",
+        help="the run's spec YAML: its model builder logs the best model (checked against the "
+        "run's run.json)",
+    )
+    trust.add_argument(
+        "--trust-stored-spec",
+        action="store_true",
+        help="import the code the run directory's run.json names, to log the best model (only "
+        "for a run directory nobody else can write)",
+    )
+    sync.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="with --config"
+    )
     sync.set_defaults(handler=_sync)
     return parser
 
@@ -256,9 +275,21 @@ def _sync(args: argparse.Namespace) -> int:
     from trainer_core.tracking.mlflow_state import read_state
 
     run_dir = resolve_run(args.run)
-    sync_tracking(stored_spec(run_dir), run_dir)
+    spec = None
+    if args.config:
+        from trainer_core.spec.overrides import load_spec
+
+        spec = load_spec(args.config, args.set)
+        run_dir.check_compatible(spec.identity(), spec.fingerprint())
+    elif args.set:
+        raise SpecError("--set is given with --config only", field="--set")
+    elif args.trust_stored_spec:
+        spec = stored_spec(run_dir)
+    _, tracker = sync_tracking(spec, run_dir)
     state = read_state(run_dir)
     print(state.describe() if state else "nothing logged")
+    if tracker.model_not_logged:
+        print(f"the best model is not logged: {tracker.model_not_logged}")
     return 0 if state is not None and state.pending is None else 1
 
 

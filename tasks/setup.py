@@ -62,11 +62,11 @@ def refuse_bad_input(
     spec: RunSpec, say: Callable[[str], None] | None = None
 ) -> preflight.Preflight:
     """Every check of bad input setup makes before it takes the lease: ``preflight.preflight``
-    (what the spec imports, the dataset, the model, the loss, storage and the run directory),
-    then the cluster: its capacity, or for a job on a remote cluster that its address answers
-    (the job checks that cluster's capacity; a run that has attempts already waits for an
-    address that answered it before, its head restarting). Raises a SpecError that names the
-    field and the fix; touches nothing in storage."""
+    (storage; the dataset, a rerun's pinned snapshot first; what the spec imports, the model,
+    the loss; then the run directory), then the cluster: its capacity, or for a job on a remote
+    cluster that its address answers (the job checks that cluster's capacity; a run that has
+    attempts already waits for an address that answered it before, its head restarting).
+    Raises a SpecError that names the field and the fix; touches nothing in storage."""
     checked = preflight.preflight(spec)
     address = jobs.job_address(spec)
     if address and checked.plan.attempt > 1:
@@ -104,7 +104,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
             stored.steps_completed if stored else "?",
         )
         if stored is not None and stored.mlflow is not None and stored.mlflow.pending:
-            stored = sync_tracking(spec, run_dir, stored) or stored
+            stored = sync_tracking(spec, run_dir, stored)[0] or stored
             logger.info("%s", stored.mlflow.describe() if stored.mlflow else "")
         lease.release(run_dir.location, lease_owner)
     else:

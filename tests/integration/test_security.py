@@ -1,15 +1,20 @@
 """Security: a canary credential (the moto trainer user's generated key pair) used for a real S3
 run, once from the environment and once from a Prefect Secret block, appears nowhere it should
-not; checkpoints never unpickle code; run names cannot escape the storage prefix."""
+not; checkpoints never unpickle code, in either format, through any path that loads one
+(resume, a warm start, export, finalize, MLflow); the commands that read a stored run import
+nothing its run.json names; run names and stored names cannot escape the storage prefix."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from prefect.blocks.system import Secret
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -20,14 +25,27 @@ from prefect.client.schemas.filters import (
 )
 from prefect.logging.handlers import APILogHandler
 
+from flows.pytest_plugin import with_fault
 from flows.training import training
 from tests.conftest import ONE_WORKER, tiny_raw
-from tests.recovery import run_dir_of
+from tests.mlflow_server import MlflowServer
+from tests.planted import (
+    EVIL_MODULE,
+    SENTINEL_ENV,
+    RunsCode,
+    planted_dcp_metadata,
+    tamper_spec,
+)
+from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
 from trainer_core import storage
 from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import RunDirectory
-from trainer_core.errors import CheckpointCorruptError, SpecError
+from trainer_core.errors import CheckpointCorruptError, SpecError, TrainingCodeError
+from trainer_core.run.engine import run_attempt
+from trainer_core.run.summary import finalize_run
 from trainer_core.spec.overrides import build_spec
+from trainer_core.tracking import mlflow_state
 
 pytestmark = pytest.mark.integration
 
@@ -125,20 +143,10 @@ def test_canary_from_secret_block_does_not_leak(
 # -- checkpoints never unpickle code ----------------------------------------------------------
 
 
-class _RunsCode:
-    """A pickle payload that creates ``path`` when unpickled (what an attacker would plant)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return (Path.touch, (self.path,))
-
-
 def _plant(tmp_path: Path, sentinel: Path) -> RunDirectory:
     """A committed checkpoint at step 10 whose files would run code if unpickled."""
     run_dir = RunDirectory(storage.resolve(str(tmp_path)).child("evil"))
-    payload = training_state.to_bytes({"weight": _RunsCode(sentinel)})
+    payload = training_state.to_bytes({"weight": RunsCode(sentinel)})
     entries = [
         run_dir.write_checkpoint_file(10, name, payload)
         for name in ("model.pt", "optimizer.pt", "scheduler.pt")
@@ -177,6 +185,171 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(
     assert attempts[0]["resumed_from_step"] == 0  # started fresh: step 10 was refused
 
 
+# -- a planted DCP checkpoint, through every path that loads one --------------------------------
+
+FSDP_ONE = {**ONE_WORKER, "strategy": "fsdp"}
+
+
+@pytest.fixture(scope="module")
+def fsdp_victim(relaytrain_ray, tmp_path_factory):
+    """A tiny FSDP run on one worker that raised at step 23: DCP checkpoints at steps 13 (the
+    first epoch's end) and 20 to plant into (each test on its own copy), and the run's spec."""
+    root = tmp_path_factory.mktemp("victim")
+    spec = with_fault(build_spec(tiny_raw(root, "victim", scaling=FSDP_ONE)), "raise", at_step=23)
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    assert [c.step for c in run_dir_of(spec).scan().committed] == [13, 20]
+    return spec
+
+
+def _victim_copy(spec, tmp_path: Path, plant_steps: tuple[int, ...], sentinel: Path):
+    """A copy of the victim run under ``tmp_path`` whose checkpoints at ``plant_steps`` hold a
+    planted ``.metadata``; its spec."""
+    shutil.copytree(Path(spec.run.storage, spec.run.name), tmp_path / spec.run.name)
+    raw = spec.model_dump(mode="json")
+    copy = build_spec({**raw, "run": {**raw["run"], "storage": str(tmp_path)}})
+    run_dir = run_dir_of(copy)
+    for step in plant_steps:
+        planted_dcp_metadata(Path(run_dir.checkpoint_location(step).path), sentinel)
+        assert run_dir.read_committed(step) is not None  # committed, digests and all
+    return copy
+
+
+def test_resume_of_an_fsdp_run_skips_a_planted_dcp_metadata(
+    fsdp_victim, uninterrupted_one_worker, tmp_path
+):
+    """The retry's newest checkpoint (20) holds a planted .metadata: every rank refuses it,
+    naming the file, and resumes from step 13; the run ends as the uninterrupted one."""
+    sentinel = tmp_path / "code-ran"
+    spec = _victim_copy(fsdp_victim, tmp_path, (20,), sentinel)
+    events: list[dict] = []
+    run_attempt(spec, on_event=events.append)
+    assert not sentinel.exists()
+    resumed = next(e for e in events if e["kind"] == "resumed")
+    assert resumed["step"] == 13
+    assert [s["step"] for s in resumed["skipped"]] == [20]
+    assert ".metadata names pathlib.Path.touch" in resumed["skipped"][0]["reason"]
+    run_dir = run_dir_of(spec)
+    assert_same_tensors(final_state(run_dir), uninterrupted_one_worker["state"])
+    assert losses(run_dir) == uninterrupted_one_worker["losses"]
+
+
+def test_a_warm_start_from_a_planted_dcp_checkpoint_is_refused_before_any_worker(
+    fsdp_victim, tmp_path
+):
+    sentinel = tmp_path / "code-ran"
+    victim = _victim_copy(fsdp_victim, tmp_path / "other-team", (13, 20), sentinel)
+    planted = run_dir_of(victim).checkpoint_location(20).uri
+    for scaling in (FSDP_ONE, ONE_WORKER):  # into a sharded run and a DDP one
+        spec = build_spec(
+            tiny_raw(
+                tmp_path,
+                f"warm-{scaling.get('strategy', 'ddp')}",
+                scaling=scaling,
+                run={"init_from": planted},
+            )
+        )
+        with pytest.raises(SpecError, match=r"\.metadata names pathlib\.Path\.touch") as raised:
+            run_attempt(spec)
+        assert raised.value.field == "run.init_from"
+        assert not run_dir_of(spec).read_attempts()  # refused at setup: no attempt began
+    assert not sentinel.exists()
+
+
+def test_export_show_and_finalize_never_run_a_planted_dcp_metadata(fsdp_victim, tmp_path, capsys):
+    """Every checkpoint of the run holds a planted .metadata: `relaytrain export` fails naming
+    the file, `show` still shows the run, finalize gives no model file for either checkpoint;
+    nothing runs the payload."""
+    from flows import cli
+
+    sentinel = tmp_path / "code-ran"
+    spec = _victim_copy(fsdp_victim, tmp_path, (13, 20), sentinel)
+    run_dir = run_dir_of(spec)
+    for which in ("--latest", "--best"):
+        capsys.readouterr()
+        assert cli.main(["export", run_dir.uri, str(tmp_path / "out.pt"), which]) == 2
+        said = capsys.readouterr().err
+        assert ".metadata names pathlib.Path.touch" in said, said
+        assert "checkpoint-000000020" in said or "checkpoint-000000013" in said
+    assert not (tmp_path / "out.pt").exists()
+    assert cli.main(["show", run_dir.uri]) == 0
+    result = finalize_run(spec, run_dir, spec.run.storage, "failed")
+    assert result.latest_model_uri is None and result.best_model_uri is None
+    assert not list(Path(run_dir.location.path).glob("exports/*.pt"))
+    assert not sentinel.exists()
+
+
+# -- commands that read a stored run import nothing its files name -------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
+    yield server
+    server.stop()
+
+
+def test_mlflow_never_runs_a_planted_dcp_metadata(fsdp_victim, mlflow_server, tmp_path, capsys):
+    """`relaytrain sync --config`: the best checkpoint's model is refused, naming the file;
+    the rest of the run is logged."""
+    from flows import cli
+
+    sentinel = tmp_path / "code-ran"
+    spec = _victim_copy(fsdp_victim, tmp_path, (13, 20), sentinel)
+    run_dir = run_dir_of(spec)
+    finalize_run(spec, run_dir, spec.run.storage, "failed")
+    config = tmp_path / "spec.yaml"
+    config.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+        capsys.readouterr()
+        assert cli.main(["sync", run_dir.uri, "--config", str(config)]) == 0
+    said = capsys.readouterr().out
+    assert "best model is not logged" in said and ".metadata names pathlib.Path.touch" in said
+    state = mlflow_state.read_state(run_dir)
+    assert state.model_uri is None and state.pending is None
+    history = read_metrics_history(run_dir)
+    assert state.logged_through_step == max(row["step"] for row in history)
+    tags = mlflow_server.client().get_run(state.run_id).data.tags
+    assert ".metadata names pathlib.Path.touch" in tags["relaytrain.model"]
+    assert not sentinel.exists()
+
+
+def test_commands_never_import_what_a_tampered_run_json_names(
+    fsdp_victim, mlflow_server, tmp_path, capsys
+):
+    """run.json's spec rewritten to name tests/evil_import.py for the model, loss and metrics:
+    `runs`, `show`, `export` and `sync` import none of it; `sync --trust-stored-spec` does (the
+    tampering is live)."""
+    from flows import cli
+
+    sentinel = tmp_path / "imported"
+    spec = _victim_copy(fsdp_victim, tmp_path, (), sentinel)
+    run_dir = run_dir_of(spec)
+    finalize_run(spec, run_dir, spec.run.storage, "failed")
+    tamper_spec(Path(run_dir.location.path))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SENTINEL_ENV, str(sentinel))
+        patch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+        assert cli.main(["runs", str(tmp_path)]) == 0
+        assert cli.main(["show", run_dir.uri]) == 0
+        assert cli.main(["export", run_dir.uri, str(tmp_path / "best.pt")]) == 0
+        capsys.readouterr()
+        assert cli.main(["sync", run_dir.uri]) == 0
+        said = capsys.readouterr().out
+        assert "is not logged" in said and "--config" in said, said
+        assert not sentinel.exists() and EVIL_MODULE not in sys.modules
+        history = read_metrics_history(run_dir)
+        logged = mlflow_state.read_state(run_dir).logged_through_step
+        assert logged == max(row["step"] for row in history)
+        cli.main(["sync", run_dir.uri, "--trust-stored-spec"])
+    assert sentinel.exists()  # the user said so: then it is imported
+    sys.modules.pop(EVIL_MODULE, None)
+    # The export holds the checkpoint's weights, read as data.
+    exported = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert exported.keys() == final_state(run_dir)["model"].keys()
+
+
 # -- run names cannot escape the storage prefix -------------------------------------------------
 
 
@@ -186,8 +359,15 @@ def test_run_names_cannot_escape_the_storage_prefix(tmp_path, name):
         build_spec(tiny_raw(tmp_path, name))
     assert raised.value.field == "run.name"
     root = storage.resolve("s3://bucket/prefix?endpoint_override=127.0.0.1:1&scheme=http")
-    for part in ("..", "/abs", ""):
+    for part in ("..", "/abs", "", "x/../../etc/passwd", "a/./b", "a//b", "a/", "a/.."):
         with pytest.raises(ValueError, match="unsafe path component"):
             root.child(part)
+        with pytest.raises(ValueError, match="unsafe path component"):
+            root.child("run", part)
+    local = storage.resolve(str(tmp_path))
+    with pytest.raises(ValueError, match="unsafe path component"):
+        local.child("run/x/../../../escaped").write_bytes(b"outside")
+    assert not (tmp_path.parent / "escaped").exists()
+    assert local.child("metrics", "part-1").path == f"{tmp_path}/metrics/part-1"
     assert not any(p.name != "run.json" for p in tmp_path.iterdir() if p.is_file())
     assert os.listdir(tmp_path) == []

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from flows.pytest_plugin import tiny_spec_dict, with_fault
 from flows.training import training
@@ -190,6 +191,19 @@ def test_a_stopped_tracking_server_never_fails_training_and_is_backfilled(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "logged through step 39" in done.stdout
+    # Without the spec it imports nothing run.json names: all but the model (docs/security.md).
+    assert "is not logged" in done.stdout and "--config" in done.stdout
+    assert mlflow_state.read_state(run_dir).model_uri is None
+    config = tmp_path / "spec.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    done = subprocess.run(
+        [RELAYTRAIN, "sync", run_dir.uri, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "is not logged" not in done.stdout
     run = client.get_run(result.mlflow.run_id)  # the same run, continued
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "loss")

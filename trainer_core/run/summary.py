@@ -328,17 +328,18 @@ def write_summary(run_dir: RunDirectory, result: TrainingResult) -> None:
 
 def sync_tracking(
     spec: RunSpec | None, run_dir: RunDirectory, result: TrainingResult | None = None
-) -> TrainingResult | None:
-    """Log to MLflow what its server missed (see ``mlflow_log.sync_run``); a finalized run's
-    summary then records the new state. Returns the summary as it now is."""
+) -> tuple[TrainingResult | None, mlflow_log.Tracker]:
+    """Log to MLflow what its server missed (see ``mlflow_log.sync_run``: ``spec`` None, the
+    stored spec as data only); a finalized run's summary then records the new state. Returns
+    the summary as it now is, and the tracker (what it logged, and what not)."""
     stored = read_stored_result(run_dir)
-    state = mlflow_log.sync_run(run_dir, stored, spec=spec)
+    tracker = mlflow_log.sync_run(run_dir, stored, spec=spec)
     result = result or stored
     if result is None:
-        return None
-    result = result.model_copy(update={"mlflow": state})
+        return None, tracker
+    result = result.model_copy(update={"mlflow": tracker.state})
     write_summary(run_dir, result)
-    return result
+    return result, tracker
 
 
 def _model_uri(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> str | None:

@@ -160,10 +160,15 @@ class Location:
     patience_s: float | None = field(default=None, compare=False)
 
     def child(self, *parts: str) -> Location:
-        """The location ``parts`` below this one (posix join: safe for object stores)."""
+        """The location ``parts`` below this one (posix join: safe for object stores). A part
+        may hold ``/``-separated names (``metrics/part-1``), none of them empty, ``.`` or
+        ``..``: a name read from storage (a manifest's, DCP's) never reaches outside."""
         for part in parts:
-            if part in ("", ".", "..") or part.startswith("/"):
-                raise ValueError(f"unsafe path component {part!r}")
+            if any(name in ("", ".", "..") for name in part.split("/")):
+                raise ValueError(
+                    f"unsafe path component {part!r} below {self.uri}: a name may not be "
+                    "empty, absolute, or hold '.' or '..'"
+                )
         return Location(
             self.filesystem,
             posixpath.join(self.path, *parts),

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from trainer_core.checkpoint.files import checkpoint_step
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, stored_spec
-from trainer_core.errors import SpecError
+from trainer_core.errors import CheckpointCorruptError, SpecError
 from trainer_core.numbers import is_finite_number
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.tracking.mlflow_server import _bounded_http, _get_run, _probe, spec_params
@@ -64,10 +64,16 @@ class Tracker:
     """Logs one relaytrain run to one MLflow run. Every method is safe to call with the server
     down: it records why in ``pending`` and returns."""
 
-    def __init__(self, spec: RunSpec, run_dir: RunDirectory, uri: str):
+    def __init__(self, spec: RunSpec, run_dir: RunDirectory, uri: str, import_code: bool = True):
         self.spec = spec
         self.run_dir = run_dir
         self.uri = uri
+        #: Whether the spec's code (its model builder, data transform) may be imported: not
+        #: when the spec came only from the run directory (``sync_run``; docs/security.md).
+        self.import_code = import_code
+        #: Why the best checkpoint's model was not logged (``import_code`` off, or a checkpoint
+        #: that cannot be read as data), naming it; None when it was, or needs no logging.
+        self.model_not_logged: str | None = None
         stored = read_state_quietly(run_dir)
         # another server: start over there (the history has everything)
         self.state = (
@@ -279,6 +285,14 @@ class Tracker:
                 f"not logged: a train_loop builds its own module; weights at {uri}",
             )
             return
+        if not self.import_code:  # logged by a later sync given the spec, or the flow's rerun
+            self.model_not_logged = (
+                f"{uri}: building it needs the spec's model.name ({self.spec.model.name!r}), "
+                "which only the run directory's run.json names, and relaytrain imports nothing "
+                "a file in storage names. Give the run's spec with --config SPEC.yaml (or "
+                "--trust-stored-spec for a run directory nobody else can write)."
+            )
+            return
         import mlflow.pytorch
         import torch
         from mlflow.models import Model
@@ -294,7 +308,14 @@ class Tracker:
         model = workloads.build_model(
             self.spec.model, info.num_features, info.num_outputs, self.spec.data.columns_form
         )
-        model.load_state_dict(model_weights(self.run_dir, checkpoint))
+        try:
+            weights = model_weights(self.run_dir, checkpoint)
+        except (CheckpointCorruptError, SpecError) as e:  # never loggable: say so, once
+            self.model_not_logged = f"{uri}: {e}"
+            logger.warning("best model not logged to MLflow: %s", self.model_not_logged)
+            client.set_tag(self.state.run_id, "relaytrain.model", f"not logged: {e}"[:TAG_CHARS])
+            return
+        model.load_state_dict(weights)
         model.eval()
         with _use_tracking_uri(self.uri):
             logged = Model.log(
@@ -336,11 +357,14 @@ class Tracker:
 
 def sync_run(
     run_dir: RunDirectory, result: Any | None, uri: str | None = None, spec: RunSpec | None = None
-) -> MlflowState:
+) -> Tracker:
     """Log to MLflow what the server missed, from the run directory alone (``relaytrain
     sync``, and a rerun of a finished flow): the history, the attempts and, once finalized,
     its ``result`` (summary.json's; None before). SpecError when the run names no tracking
-    URI."""
+    URI. Without ``spec`` (the caller's own), the stored spec (``run.json``) is read as data
+    only: nothing it names is imported, so the best model is not logged
+    (``Tracker.model_not_logged``)."""
+    trusted = spec is not None
     spec = spec or stored_spec(run_dir)
     state = read_state_quietly(run_dir)
     uri = uri or (state.tracking_uri if state else None) or tracking_uri(spec)
@@ -350,12 +374,12 @@ def sync_run(
             "spec or MLFLOW_TRACKING_URI",
             field="tracking.mlflow_uri",
         )
-    tracker = Tracker(spec, run_dir, uri)
+    tracker = Tracker(spec, run_dir, uri, import_code=trusted)
     if result is None:
         tracker.attempt_ended()
     else:
         tracker.finish(result)
-    return tracker.state
+    return tracker
 
 
 # -- helpers ----------------------------------------------------------------------------------
