@@ -5,6 +5,9 @@ dataset's feature 0 is the row id)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,9 +17,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from flows.training import training
 from tests.conftest import ONE_WORKER, tiny_raw
+from tests.prefect_api import logs as flow_logs
 from tests.prefect_api import task_runs
 from tests.recovery import (
     assert_same_tensors,
@@ -39,6 +44,7 @@ pytestmark = pytest.mark.integration
 ROWS = 420  # 20 global batches of 21: every sample trains once an epoch (none left over)
 BATCH = 21  # odd: two workers take slices of 10 and 11, their losses weighted
 EPOCHS = 2
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_dataset(uri: str, page_checksums: bool = False) -> None:
@@ -262,6 +268,104 @@ def test_a_file_added_between_attempts_is_ignored(relaytrain_prefect, snapshot_r
     assert now is not None and now.record is not None
     assert "part-3.parquet" in {Path(f["path"]).name for f in now.record["files"]}
     assert preflight.validate_workload(fresh, now) > reference.steps_completed
+
+
+def _land_what_writers_leave(dataset: Path, scratch: Path) -> list[str]:
+    """What lands in a table that other jobs write while the run waits for its retry: a
+    Parquet file still being written (a valid file cut in half), a Parquet file of another
+    schema, and a text file. Returns their names."""
+    scratch.mkdir()
+    _write_file(scratch, "whole.parquet", seed=3)
+    whole = (scratch / "whole.parquet").read_bytes()
+    (dataset / "part-3.parquet").write_bytes(whole[: len(whole) // 2])
+    pq.write_table(
+        pa.table({"user": pa.array(["a", "b", "c"]), "clicks": pa.array([1, 2, 3])}),
+        dataset / "part-4.parquet",
+    )
+    (dataset / "README.txt").write_text("clicks by user, one file per hour\n")
+    return ["part-3.parquet", "part-4.parquet", "README.txt"]
+
+
+def test_what_writers_leave_between_attempts_is_counted_not_read(
+    relaytrain_prefect, snapshot_reference, tmp_path
+):
+    """A half-written Parquet file, one of another schema and a text file land in the table
+    before the retry: none is read (nor is its footer), the retry trains on the snapshot and
+    the run ends bit-identical to an uninterrupted run over the original files; the train
+    task's log names the three as added and ignored."""
+    dataset = tmp_path / "table"
+    write_dataset(str(dataset))
+    spec = _snapshot_spec(tmp_path, dataset, "leftovers", [{"kind": "raise", "at_step": 8}])
+    landed: list[str] = []
+    state = _between_attempts(
+        spec, lambda: landed.extend(_land_what_writers_leave(dataset, tmp_path / "scratch"))
+    )
+    assert state.is_completed(), state
+    run_dir = run_dir_of(spec)
+    assert [a["status"] for a in run_dir.read_attempts()] == ["failed", "completed"]
+    assert_same_tensors(final_state(run_dir), snapshot_reference["state"])
+    assert losses(run_dir) == snapshot_reference["losses"]
+    lines = flow_logs(state.state_details.flow_run_id)
+    said = [line for line in lines if "3 file(s) added" in line]
+    assert said and all(name in said[0] for name in landed), said
+
+
+def test_a_relative_dataset_rerun_from_another_directory_is_refused(
+    relaytrain_prefect, relaytrain_ray, tmp_path, monkeypatch
+):
+    """``data.dataset: table`` (relative) trained from one working directory and failed; the
+    same command run again (same run.name and storage) from another directory that holds
+    another ``table``: setup refuses it with a SpecError naming both places, before any
+    attempt, and the run directory is left as it was."""
+    first, other = tmp_path / "checkout-a", tmp_path / "checkout-b"
+    write_dataset(str(first / "table"))
+    write_dataset(str(other / "table"))
+    _write_file(other / "table", "part-1.parquet", seed=2, rows=150)  # another copy
+    raw = tiny_raw(
+        tmp_path / "runs",
+        "moved",
+        data={
+            "dataset": "table",
+            "features": "x",
+            "label": "y",
+            "task": "regression",
+            "batch_size": BATCH,
+            "validation_fraction": 0,
+        },
+        schedule={"epochs": 1, "lr_schedule": "constant", "warmup_steps": 0},
+        checkpoint={"every": 5, "keep_best": 0, "best_metric": "loss"},
+        faults=[{"kind": "raise", "at_step": 8}],
+        retries={"code": 0, "delay_s": 0},
+        scaling=ONE_WORKER,
+    )
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(first)
+    state = training(build_spec(raw), return_state=True)
+    assert state.is_failed() and isinstance(state.result(raise_on_failure=False), TrainingCodeError)
+    monkeypatch.undo()
+    run_dir = run_dir_of(build_spec(raw))
+    before = {c.step: c.manifest for c in run_dir.scan().committed}
+    assert before and len(run_dir.read_attempts()) == 1
+
+    from prefect.settings import PREFECT_API_URL
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "RAY_ADDRESS": relaytrain_ray.get_runtime_context().gcs_address,
+    }
+    command = [sys.executable, "-m", "flows.training", "--config", str(spec_file)]
+    rerun = subprocess.run(
+        command, cwd=other, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    output = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 2, output
+    assert "SpecError" in output and "data.dataset" in output, output
+    assert str(first / "table") in output and str(other / "table") in output, output
+    assert len(run_dir.read_attempts()) == 1  # no attempt, no retry spent
+    assert {c.step: c.manifest for c in run_dir.scan().committed} == before
 
 
 def test_a_file_rewritten_between_attempts_is_refused(relaytrain_prefect, ray_cluster, tmp_path):

@@ -85,3 +85,44 @@ def test_a_worker_refuses_a_file_that_changed_under_it(table) -> None:
     write(directory / "part-2.parquet", np.arange(20))
     with pytest.raises(SpecError, match=r"part-2\.parquet.*changed while the run"):
         stream.Reader(layout, data, 0).read(2)
+
+
+def test_a_snapshot_is_read_only_where_it_was_taken(table, tmp_path) -> None:
+    """The same files at another place (a copy of the table) are not the snapshot's: refused,
+    naming both places and the fix."""
+    import shutil
+
+    directory, data = table
+    record = dataset_snapshot.to_json(footers.scan(data))
+    assert dataset_snapshot.at_location(record, data) is record
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    moved = data.model_copy(update={"dataset": str(copy)})
+    with pytest.raises(SpecError, match=r"resolves to .*copy, but .*snapshot was taken of") as e:
+        dataset_snapshot.at_location(record, moved)
+    assert str(directory) in str(e.value) and "new run.name" in str(e.value)
+    assert "working directory" not in str(e.value)  # an absolute path: no hint about it
+
+
+def test_the_bundled_digits_pinned_by_another_installation_read_from_this_one() -> None:
+    """``digits`` names relaytrain's own file, not a place: a snapshot taken where another
+    installation keeps it is read from this one's copy, checked by its size and footer."""
+    data = DataSection(dataset="digits").resolved()
+    here = dataset_snapshot.to_json(footers.scan(data))
+    (path,) = [f["path"] for f in here["files"]]
+    old = "/opt/old-venv/site-packages/trainer_core/builtin_data/digits.parquet"
+    elsewhere = {
+        **here,
+        "uri": old,
+        "files": [{**f, "path": old, "mtime_ns": 1} for f in here["files"]],
+        "row_groups": [{**g, "file": old} for g in here["row_groups"]],
+    }
+    rebased = dataset_snapshot.at_location(elsewhere, data)
+    layout = dataset_snapshot.from_json(rebased, data)
+    assert [f.path for f in layout.files] == [path] and layout.uri == here["uri"]
+    assert dataset_snapshot.verify(layout, data).added == []  # its footer read: the same
+    damaged = {**elsewhere, "files": [{**f, "size": f["size"] + 1} for f in elsewhere["files"]]}
+    with pytest.raises(SpecError, match="changed since this run took its dataset snapshot"):
+        dataset_snapshot.verify(
+            dataset_snapshot.from_json(dataset_snapshot.at_location(damaged, data), data), data
+        )

@@ -89,54 +89,135 @@ def test_the_resume_plan_is_a_function_of_the_listing():
     assert empty.reason.startswith("fresh start") and "warm start from s3://b/x/c" in empty.reason
 
 
-def test_an_attempt_describes_its_dataset_once(tmp_path, monkeypatch):
-    """preflight reads and describes the dataset once per attempt, first and resumed (its scan
-    is the snapshot then), and again only for a snapshot whose files changed since; the workers
-    get what it described (PinnedDataset.for_workers), so no rank describes it."""
+def _parquet_spec(tmp_path, name="described", dataset=None):
+    """Two Parquet files of 64 rows (x, y) in ``tmp_path/table``, and a spec that reads them
+    (or ``dataset``, as given)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from trainer_core.data import stream
-    from trainer_core.run import preflight
-
     directory = tmp_path / "table"
-    directory.mkdir()
+    directory.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for i in range(2):
         pq.write_table(
             pa.table({"x": rng.random(64, dtype=np.float32), "y": rng.integers(0, 3, 64)}),
             directory / f"part-{i}.parquet",
         )
-    spec = build_spec(
-        tiny_raw(
-            tmp_path,
-            "described",
-            data={
-                "dataset": str(directory),
-                "features": ["x"],
-                "label": "y",
-                "task": "classification",
-                "batch_size": 8,
-            },
-        )
-    )
-    calls = []
-    describe = stream.describe
-    monkeypatch.setattr(stream, "describe", lambda *a, **k: calls.append(1) or describe(*a, **k))
+    data = {
+        "dataset": dataset or str(directory),
+        "features": ["x"],
+        "label": "y",
+        "task": "classification",
+        "batch_size": 8,
+    }
+    return directory, build_spec(tiny_raw(tmp_path, name, data=data))
+
+
+def _first_attempt(spec):
+    """The first attempt's preflight, and what it stores before its workers start."""
+    from trainer_core.run import preflight
+    from trainer_core.run.engine import versions
 
     first = preflight.preflight(spec)
-    assert len(calls) == 1 and first.pinned is not None and first.pinned.record is not None
-    first.run_dir.write_dataset_snapshot(first.pinned.record)  # as the first attempt does
+    assert first.pinned is not None and first.pinned.record is not None
+    first.run_dir.write_dataset_snapshot(first.pinned.record)
+    first.run_dir.write_run_record(
+        {}, spec.identity(), spec.fingerprint(), versions(), first.pinned.record["fingerprint"]
+    )
+    return first
+
+
+def test_a_later_attempt_reads_its_snapshot_not_the_dataset(tmp_path, monkeypatch):
+    """preflight describes the dataset once per attempt. A later attempt starts from the run's
+    snapshot: no footer of the dataset is read again (its files kept their modification
+    times), and files that land in the table (a cut-off Parquet file, another schema, a text
+    file) are counted by path, never opened; the total steps are the snapshot's. The workers
+    get what the driver described (PinnedDataset.for_workers), so no rank describes it."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainer_core.data import footers, stream
+    from trainer_core.run import preflight
+
+    directory, spec = _parquet_spec(tmp_path)
+    described, footers_read = [], []
+    describe, read_footer = stream.describe, footers.read_footer
+    monkeypatch.setattr(stream, "describe", lambda *a: described.append(1) or describe(*a))
+    monkeypatch.setattr(
+        footers, "read_footer", lambda *a: footers_read.append(a[1]) or read_footer(*a)
+    )
+
+    first = _first_attempt(spec)
+    assert len(described) == 1 and len(footers_read) == 2
     resumed = preflight.preflight(spec, attempt=2)
-    assert len(calls) == 2 and resumed.pinned == first.pinned
+    assert len(described) == 2 and len(footers_read) == 2  # the snapshot's: no footer read
+    assert resumed.pinned == first.pinned and resumed.total_steps == first.total_steps
     assert resumed.pinned.for_workers() == first.pinned.for_workers()
 
-    pq.write_table(
-        pa.table({"x": rng.random(8, dtype=np.float32), "y": rng.integers(0, 3, 8)}),
-        directory / "part-2.parquet",
-    )
+    rng = np.random.default_rng(1)
+    extra = pa.table({"x": rng.random(64, dtype=np.float32), "y": rng.integers(0, 3, 64)})
+    pq.write_table(extra, directory / "part-2.parquet")  # more steps, were it read
+    whole = (directory / "part-2.parquet").read_bytes()
+    (directory / "part-3.parquet").write_bytes(whole[: len(whole) // 2])
+    pq.write_table(pa.table({"user": ["a", "b"]}), directory / "part-4.parquet")
+    (directory / "README.txt").write_text("hourly clicks\n")
     grown = preflight.preflight(spec, attempt=3)
-    assert len(calls) == 4  # this attempt's scan, then the snapshot's own description
-    assert grown.pinned is not None and grown.pinned.added == [str(directory / "part-2.parquet")]
+    assert len(described) == 3 and len(footers_read) == 2
+    assert grown.pinned is not None and sorted(grown.pinned.added) == sorted(
+        str(directory / n)
+        for n in ("part-2.parquet", "part-3.parquet", "part-4.parquet", "README.txt")
+    )
     assert grown.pinned.layout == first.pinned.layout
+    assert grown.total_steps == first.total_steps
+    # A new run takes the table as it is now, and meets what it cannot read.
+    with pytest.raises(SpecError, match=r"README\.txt.*is not Parquet"):
+        preflight.preflight(spec.with_run_name("fresh"))
+
+
+def test_a_relative_dataset_resolved_elsewhere_is_refused_naming_both(tmp_path, monkeypatch):
+    """``data.dataset: table`` pinned from one directory, planned again from another that has a
+    ``table`` of its own: SpecError naming both places and the fix. From the first directory
+    the run reads its snapshot again."""
+    from trainer_core.run import preflight
+
+    first, other = tmp_path / "a", tmp_path / "b"
+    _, spec = _parquet_spec(first, dataset="table")
+    _parquet_spec(other)  # a table of its own at the same relative path
+    monkeypatch.chdir(first)
+    _first_attempt(spec)
+    monkeypatch.chdir(other)
+    with pytest.raises(SpecError) as refused:
+        preflight.preflight(spec, attempt=2)
+    message = str(refused.value)
+    assert refused.value.field == "data.dataset"
+    assert str(first / "table") in message and str(other / "table") in message
+    assert "working directory" in message and "run.name" in message
+    monkeypatch.chdir(first)
+    assert preflight.preflight(spec, attempt=2).pinned is not None
+
+
+def test_a_snapshot_that_is_not_the_run_records_is_refused(tmp_path):
+    """dataset.json replaced by another run's (or its file list edited): its fingerprint is not
+    the one run.json recorded at the first attempt."""
+    import json
+
+    from trainer_core.run import preflight
+
+    _, spec = _parquet_spec(tmp_path)
+    first = _first_attempt(spec)
+    assert first.pinned is not None and first.pinned.record is not None
+    snapshot_file = first.run_dir.location.child("dataset.json")
+    edited = json.loads(json.dumps(first.pinned.record))
+    edited["files"] = edited["files"][:1]
+    edited["row_groups"] = [
+        g for g in edited["row_groups"] if g["file"] == edited["files"][0]["path"]
+    ]
+    snapshot_file.write_json(edited)
+    with pytest.raises(SpecError, match=r"dataset\.json.*run\.json.*Restore it"):
+        preflight.preflight(spec, attempt=2)
+    _, other = _parquet_spec(tmp_path / "other", "other")  # another run's snapshot, consistent
+    snapshot_file.write_json(_first_attempt(other).pinned.record)
+    with pytest.raises(SpecError, match=r"not the one run\.json records"):
+        preflight.preflight(spec, attempt=2)

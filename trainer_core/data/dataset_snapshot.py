@@ -4,10 +4,14 @@ A scheduled retraining job writes into a growing table; a run must not notice. T
 attempt takes the snapshot (``footers.scan``: each file's path, size, modification time and
 footer digest, with its row groups' row counts) and the run directory records it
 (``dataset.json``); the driver hands it to every rank, so no rank lists the dataset again. Every
-later attempt reads exactly those files: files added since are ignored (and counted), a file
-of the snapshot that changed or vanished is refused with a SpecError naming it. Row ids, the
-epoch order and the validation split are functions of the snapshot, so they cannot move under
-a saved cursor.
+later attempt starts from the snapshot, not from the dataset: it reads exactly those files
+(``from_json``), checks them against what was pinned (``verify``: a file that changed or
+vanished is a SpecError naming it) and lists the dataset only to count the files added since,
+by name: none of them is opened, so a half-written file, one of another schema or one that is
+not Parquet cannot stop a retry. A dataset that resolves to another place than the snapshot's
+(``at_location``: a relative path from another working directory) is refused, naming both.
+Row ids, the epoch order and the validation split are functions of the snapshot, so they
+cannot move under a saved cursor.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -61,8 +68,50 @@ def from_json(record: dict[str, Any], data: DataSection) -> footers.Layout:
 
 def fingerprint(layout: footers.Layout) -> str:
     """sha256 of what the snapshot pins: every file's path, size and footer, in order."""
-    pinned = [[f.path, f.size, f.footer] for f in layout.files]
+    return _fingerprint(layout.files)
+
+
+def recorded_fingerprint(record: dict[str, Any]) -> str:
+    """The fingerprint of the files a stored snapshot names (computed, not the one it states:
+    an edited file list has another)."""
+    return _fingerprint(footers.DataFile(**f) for f in record["files"])
+
+
+def _fingerprint(files: Iterable[footers.DataFile]) -> str:
+    pinned = [[f.path, f.size, f.footer] for f in files]
     return hashlib.sha256(json.dumps(pinned).encode()).hexdigest()
+
+
+def at_location(record: dict[str, Any], data: DataSection) -> dict[str, Any]:
+    """The snapshot ``record`` as this process must read it, where ``data.dataset`` resolves
+    now: the record itself when that is the place it was taken of; the bundled ``digits``
+    (relaytrain's own file, named and not located by the spec) re-based onto this
+    installation's copy, whose size and footer ``verify`` still checks; otherwise a SpecError
+    naming both places and the fix."""
+    location = footers.dataset_location(data.resolved())
+    if location.uri == record["uri"]:
+        return record
+    if data.dataset == "digits" and len(record["files"]) == 1:
+        return {
+            **record,
+            "uri": location.uri,
+            "files": [{**f, "path": location.path} for f in record["files"]],
+            "row_groups": [{**g, "file": location.path} for g in record["row_groups"]],
+        }
+    relative = not urlsplit(data.dataset).scheme and not os.path.isabs(data.dataset)
+    hint = (
+        " (a relative path resolves from the working directory: run from the directory the "
+        "run started in)"
+        if relative
+        else ""
+    )
+    raise SpecError(
+        f"data.dataset {data.dataset!r} resolves to {location.uri}, but this run's dataset "
+        f"snapshot was taken of {record['uri']}: a run trains on the files it started with. "
+        f"Run it where data.dataset resolves to {record['uri']}{hint}, or start a new "
+        f"run.name to train on {location.uri}.",
+        field="data.dataset",
+    )
 
 
 @dataclass(frozen=True)
@@ -75,7 +124,8 @@ class Check:
 def verify(layout: footers.Layout, data: DataSection) -> Check:
     """Check the files of ``layout`` are still those the snapshot pinned: SpecError naming the
     first file that vanished or changed (its size, or its footer when its modification time
-    moved), with the fix. Lists the dataset once to count the files added since."""
+    moved), with the fix. Lists the dataset once to count the files added since, by path:
+    whatever they hold, none of them is opened."""
     location = layout.location
     assert location is not None
     fs = location.filesystem

@@ -79,7 +79,7 @@ def run_attempt(
     ``lease_owner``: the lease the workers' commits are fenced by; ``lost()``: an error once
     the lease is lost (the attempt is stopped and raises it)."""
     started = time.time()
-    checked = preflight(spec, attempt)  # bad input names itself before the run directory
+    checked = preflight(spec, attempt)  # bad input names itself before any worker starts
     run_dir, pinned = checked.run_dir, checked.pinned
     plan = replace(checked.plan, lease_owner=lease_owner)
     if pinned is not None:
@@ -122,10 +122,12 @@ def run_attempt(
 
 def _prepare_run_directory(spec: RunSpec, run_dir: RunDirectory, plan: Plan) -> None:
     """The dataset snapshot and the run record on the first attempt (in that order: the run
-    record names the snapshot's fingerprint); earlier attempts that ended without a word
-    closed; checkpoint directories no attempt committed removed (before any worker starts)."""
-    snapshot = plan.dataset["snapshot"] if plan.dataset else None
-    if snapshot is not None and run_dir.read_dataset_snapshot() is None:
+    record names the snapshot's fingerprint, the stored one's where an attempt stored it
+    already); earlier attempts that ended without a word closed; checkpoint directories no
+    attempt committed removed (before any worker starts)."""
+    snapshot = run_dir.read_dataset_snapshot()
+    if snapshot is None and plan.dataset is not None:
+        snapshot = plan.dataset["snapshot"]
         run_dir.write_dataset_snapshot(snapshot)
     if run_dir.read_run_record() is None:
         run_dir.write_run_record(

@@ -40,8 +40,9 @@ def canonical_storage_uri(uri: str) -> str:
     return location.path if location.is_local else uri
 
 
-def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDirectory]:
-    """Validate storage and the run directory, and decide fresh start vs. resume."""
+def run_directory(spec: RunSpec) -> RunDirectory:
+    """The run's directory, its storage proven writable: SpecError naming run.name when it is
+    unset, run.storage when no worker could reach it."""
     name = spec.run.name
     if name is None:
         raise SpecError("run.name is not set: give the run a name", field="run.name")
@@ -54,7 +55,18 @@ def plan_attempt(spec: RunSpec, attempt: int | None = None) -> tuple[Plan, RunDi
             field="run.storage",
         )
     storage.probe_writable(storage.resolve(storage_uri, fail_fast=True))
-    run_dir = RunDirectory.of(storage_uri, name)
+    return RunDirectory.of(storage_uri, name)
+
+
+def plan_attempt(
+    spec: RunSpec, attempt: int | None = None, run_dir: RunDirectory | None = None
+) -> tuple[Plan, RunDirectory]:
+    """Check the run directory (``run_directory(spec)`` unless given) against the spec, and
+    decide fresh start vs. resume."""
+    if run_dir is None:
+        run_dir = run_directory(spec)
+    assert spec.run.name is not None  # run_directory refuses a spec without one
+    name, storage_uri = spec.run.name, canonical_storage_uri(spec.run.storage)
     record = run_dir.read_run_record()
     if record is not None:
         stored_ray = record.get("versions", {}).get("ray")

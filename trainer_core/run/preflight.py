@@ -1,8 +1,9 @@
 """Preflight: what the driver checks before an attempt starts any worker, and the dataset the
 attempt trains on.
 
-- ``pin_dataset``: the built-in loop's dataset as the attempt must read it (the run's snapshot,
-  taken on the first attempt).
+- ``pin_dataset``: the built-in loop's dataset as the attempt must read it: the run's
+  snapshot, taken on the first attempt and read first by every later one (which lists the
+  dataset only to count the files added since).
 - ``validate_workload``: what the spec imports, the dataset, the model, the loss and the
   metrics, tried on the driver (a SpecError before any worker starts), and the run's total
   optimizer steps.
@@ -12,7 +13,6 @@ attempt trains on.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from trainer_core.data import arrays as data_mod
 from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
 from trainer_core.data.table_rows import TableRows
 from trainer_core.errors import SpecError
-from trainer_core.run.plan import Plan, plan_attempt
+from trainer_core.run.plan import Plan, plan_attempt, run_directory
 from trainer_core.spec.imports import import_object
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import workloads
@@ -36,7 +36,7 @@ from trainer_core.train.batch_checks import check_batch_workload
 class PinnedDataset:
     """The dataset an attempt trains on: the run's snapshot (taken now on the first attempt,
     else read from the run directory and verified), what it holds, and the files added to
-    the dataset since the snapshot (ignored)."""
+    the dataset since the snapshot (counted by path, never opened)."""
 
     layout: footers.Layout
     info: data_mod.DatasetInfo
@@ -50,33 +50,51 @@ class PinnedDataset:
         return {"snapshot": self.record, "info": asdict(self.info)}
 
 
-def pin_dataset(
-    spec: RunSpec, run_dir: RunDirectory | None = None, fresh: PinnedDataset | None = None
-) -> PinnedDataset | None:
-    """The built-in loop's dataset as this attempt must read it: the snapshot ``run_dir``
-    records, checked against the files (SpecError naming a file that changed or vanished), or
-    a new scan when the run has none (its first attempt). None for a user's own loop.
-
-    ``fresh``: this attempt's own scan (``pin_dataset(spec)``), reused when it is the snapshot
-    (the files as they were pinned) or there is none: the dataset is described once."""
+def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDataset | None:
+    """The built-in loop's dataset as this attempt must read it. A later attempt of the run
+    (``run_dir`` holds its snapshot) reads the snapshot first and the dataset only as far as
+    the snapshot's files go: each checked against its pinned size and footer (SpecError naming
+    one that changed or vanished), the rest listed by path to count what was added since
+    (nothing added is opened, whatever it holds). The first attempt (or no ``run_dir``) reads
+    the dataset's footers now. None for a user's own loop."""
     if spec.ray_loop:
         return None
     assert spec.data is not None
     data = spec.data.resolved()
-    stored = run_dir.read_dataset_snapshot() if run_dir is not None else None
-    location = None if data.dataset == "synthetic" else footers.dataset_location(data)
+    stored = _snapshot_of_this_run(spec, run_dir) if run_dir is not None else None
     added: list[str] = []
-    if stored is not None and location is not None and stored["uri"] == location.uri:
-        if fresh is not None and json.loads(json.dumps(fresh.record)) == stored:
-            return fresh
-        layout = dataset_snapshot.from_json(stored, data)
-        added = dataset_snapshot.verify(layout, data).added
-    elif fresh is not None:
-        return fresh
-    else:
+    if stored is None:
         layout = footers.scan(data)  # footers only
+    else:
+        layout = dataset_snapshot.from_json(dataset_snapshot.at_location(stored, data), data)
+        added = dataset_snapshot.verify(layout, data).added
     record = dataset_snapshot.to_json(layout) if layout.files else None
     return PinnedDataset(layout, stream.describe(layout, data), record, added)
+
+
+def _snapshot_of_this_run(spec: RunSpec, run_dir: RunDirectory) -> dict[str, Any] | None:
+    """The run's dataset snapshot when ``spec`` continues the run: its run record has the
+    spec's fingerprint (or the first attempt ended before it wrote one), and names this
+    snapshot (SpecError otherwise: dataset.json was replaced or edited). None when the run has
+    none, or when ``spec`` is not the run's: the plan refuses it (naming what changed) once
+    the dataset's own errors have named themselves."""
+    stored = run_dir.read_dataset_snapshot()
+    if stored is None:
+        return None
+    run = run_dir.read_run_record()
+    if run is not None and run.get("fingerprint") != spec.fingerprint():
+        return None
+    recorded = run.get("dataset") if run is not None else None
+    computed = dataset_snapshot.recorded_fingerprint(stored)
+    if computed != stored.get("fingerprint") or recorded not in (None, computed):
+        raise SpecError(
+            f"run {run_dir.uri}: its dataset snapshot (dataset.json, files fingerprint "
+            f"{computed[:12]}, stated {str(stored.get('fingerprint'))[:12]}) is not the one "
+            f"run.json records ({str(recorded)[:12]}): dataset.json was replaced or edited. "
+            "Restore it, or start a new run.name to train on data.dataset as it is now.",
+            field="data.dataset",
+        )
+    return stored
 
 
 def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int | None:
@@ -165,10 +183,12 @@ class Preflight:
 
 def preflight(spec: RunSpec, attempt: int | None = None) -> Preflight:
     """Everything the driver checks before an attempt, in the order errors name themselves:
-    the workload (what the spec imports, the dataset's footers, the model, the loss), then
-    storage and the run directory, then the run's dataset snapshot. The dataset is read and
-    described once (twice only when its files differ from the snapshot's)."""
-    fresh = pin_dataset(spec)
-    total_steps = validate_workload(spec, fresh)
-    plan, run_dir = plan_attempt(spec, attempt)
-    return Preflight(plan, run_dir, pin_dataset(spec, run_dir, fresh), total_steps)
+    storage (writable) and the run's name; the dataset the attempt trains on (a later
+    attempt's snapshot, read first; else the dataset's footers) and the workload on it (what
+    the spec imports, the memory bound, the model, the loss, the total steps); then the run
+    directory's record and the plan. The dataset is read and described once."""
+    run_dir = run_directory(spec)
+    pinned = pin_dataset(spec, run_dir)
+    total_steps = validate_workload(spec, pinned)
+    plan, run_dir = plan_attempt(spec, attempt, run_dir)
+    return Preflight(plan, run_dir, pinned, total_steps)
