@@ -104,7 +104,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
             stored.steps_completed if stored else "?",
         )
         if stored is not None and stored.mlflow is not None and stored.mlflow.pending:
-            stored = sync_tracking(spec, run_dir, stored) or stored
+            stored = sync_tracking(spec, run_dir, stored)[0] or stored
             logger.info("%s", stored.mlflow.describe() if stored.mlflow else "")
         lease.release(run_dir.location, lease_owner)
     else:
