@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint import training_state, verification
 from trainer_core.checkpoint.exports import is_dcp, read_model_weights
 from trainer_core.checkpoint.files import CheckpointInfo, file_names
 from trainer_core.checkpoint.run_directory import RunDirectory
@@ -123,6 +123,8 @@ class Restorer:
                 logger.warning("rank %d cannot use checkpoint %d: %s", self.rank, step, e)
                 skipped.append({"step": step, "reason": str(e)})
                 states = None
+                if isinstance(e, CheckpointCorruptError) and checkpoint is not None:
+                    self._condemn(checkpoint, e)
             if not all_ok(states is not None):
                 if states is not None:
                     skipped.append({"step": step, "reason": "another rank could not verify it"})
@@ -134,11 +136,18 @@ class Restorer:
                 except CheckpointCorruptError as e:
                     logger.warning("rank %d cannot use checkpoint %d: %s", self.rank, step, e)
                     skipped.append({"step": step, "reason": str(e)})
+                    self._condemn(checkpoint, e)
                     continue
             self._apply(states)
             seconds = time.perf_counter() - started
             return Loaded(checkpoint, skipped, self.bytes_read, seconds)
         return Loaded(None, skipped, self.bytes_read, time.perf_counter() - started)
+
+    def _condemn(self, checkpoint: CheckpointInfo, error: CheckpointCorruptError) -> None:
+        """Keep what this rank found beside the checkpoint (each rank that found it writes the
+        verdict whole, atomically): retention and the result no longer count it
+        (``verification``)."""
+        verification.condemn(self.run_dir.checkpoint_location(checkpoint.step), str(error))
 
     def _read(self, checkpoint: CheckpointInfo, name: str) -> bytes:
         data = self.run_dir.read_verified(checkpoint, name)

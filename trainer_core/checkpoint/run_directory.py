@@ -34,6 +34,7 @@ import pyarrow.fs as pafs
 from pydantic import ValidationError
 
 from trainer_core import storage
+from trainer_core.checkpoint import verification
 from trainer_core.checkpoint.files import (
     CHECKPOINT_PATTERN,
     FILE_DIGEST,
@@ -83,6 +84,9 @@ class RunDirectory:
         #: Manifests read and verified here, by step, with their marker's (size, mtime): a
         #: later scan (one after every commit) lists a checkpoint, not reads them again.
         self._manifests: dict[int, tuple[tuple[int, Any], dict[str, Any]]] = {}
+        #: Kept verdicts read here (``verification``), by step: the marker's and the verdict's
+        #: (size, mtime) they were read at, and the damage found (None: sound or stale).
+        self._verdicts: dict[int, tuple[tuple[Any, ...], str | None]] = {}
 
     @classmethod
     def of(cls, storage_uri: str, run_name: str, lease_owner: str | None = None) -> RunDirectory:
@@ -306,6 +310,17 @@ class RunDirectory:
                 f"{size} bytes instead of {manifest['files'][name]['size']}"
             )
         self._manifests[step] = (seen, manifest)  # (fsspec's stores may give no mtime)
+        verdict = files.get(verification.VERDICT_FILE)
+        if verdict is not None:  # read whole before: damaged is no longer committed
+            key = (*seen, verdict.size, verdict.mtime)
+            cached_verdict = self._verdicts.get(step)
+            if cached_verdict is None or cached_verdict[0] != key:
+                cached_verdict = self._verdicts[step] = (key, verification.damage_found(location))
+            if cached_verdict[1] is not None:
+                raise CheckpointCorruptError(
+                    f"checkpoint {location.uri} was found damaged when read whole: "
+                    f"{cached_verdict[1]}"
+                )
         return CheckpointInfo(step, checkpoint_dir_name(step), location.uri, manifest)
 
     def _read_manifest(self, location: Location) -> dict[str, Any] | None:

@@ -16,15 +16,16 @@ import pyarrow.fs as pafs
 import torch
 
 from trainer_core import storage
-from trainer_core.checkpoint.exports import model_weights
+from trainer_core.checkpoint import verification
+from trainer_core.checkpoint.exports import is_ray, model_weights
 from trainer_core.checkpoint.files import CheckpointInfo
 from trainer_core.checkpoint.ray_checkpoints import ray_checkpoints
+from trainer_core.checkpoint.retention import rank_by_metric
 from trainer_core.checkpoint.run_directory import RUN_FILE, RunDirectory, stored_spec
-from trainer_core.errors import SpecError
+from trainer_core.errors import CheckpointCorruptError, SpecError
 from trainer_core.run.lease import holder_is_gone
 from trainer_core.run.summary import (
     TrainingResult,
-    best_checkpoint,
     build_result,
     committed_checkpoints,
     read_stored_result,
@@ -143,21 +144,37 @@ def choose_checkpoint(
     if isinstance(which, int):
         for checkpoint in found:
             if checkpoint.step == which:
-                return checkpoint
+                return _sound_one(run_dir, [checkpoint])
+        run_dir.read_committed(which)  # a damaged one says so (CheckpointCorruptError)
         steps = ", ".join(str(c.step) for c in found)
         raise SpecError(
             f"run {run_dir.uri} has no committed checkpoint at step {which}: it has {steps}",
             field="step",
         )
     if which == "latest":
-        return found[-1]
+        return _sound_one(run_dir, found[::-1])
     spec = stored_spec(run_dir)
     metric, mode = (
         (spec.checkpoint.best_metric, spec.checkpoint.best_mode) if spec else ("val_loss", "min")
     )
-    best = best_checkpoint(found, metric, mode)
-    assert best is not None
-    return best
+    ranked = rank_by_metric(found, metric, mode) or found[::-1]  # none measured: the newest
+    return _sound_one(run_dir, ranked)
+
+
+def _sound_one(run_dir: RunDirectory, preferred: list[CheckpointInfo]) -> CheckpointInfo:
+    """The first of ``preferred`` whose digests verify (each read whole unless its verdict is
+    kept; nothing written: a reader of a run holds no lease)."""
+    if is_ray(preferred[0]):  # a user loop's: its files are Ray's, with no digests
+        return preferred[0]
+    damaged = []
+    for checkpoint in preferred:
+        found = verification.verify(run_dir, checkpoint, keep=False)
+        if found is None:
+            return checkpoint
+        damaged.append(f"{checkpoint.name}: {found}")
+    raise CheckpointCorruptError(
+        f"run {run_dir.uri}: no sound checkpoint to choose ({'; '.join(damaged)})"
+    )
 
 
 def export_model(

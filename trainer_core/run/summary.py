@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from trainer_core.checkpoint import exports
+from trainer_core.checkpoint import exports, verification
 from trainer_core.checkpoint.files import CheckpointInfo
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.ray_checkpoints import ray_checkpoints
@@ -303,6 +303,8 @@ def finalize_run(
     export, for DCP ones and a user loop's Ray ones), write the TensorBoard event file, then
     ``summary.json``; return the result. ``history``: the run's metrics history (read here
     when None), read once for all of them: on object storage each segment is a request."""
+    if not spec.ray_loop:  # read each checkpoint whole once: only sound ones count below
+        verification.sound(run_dir, run_dir.scan().committed)
     run_dir.apply_retention(spec.checkpoint)  # relaytrain's own; Ray Train keeps a user loop's
     history = read_metrics_history(run_dir) if history is None else history
     tensorboard_log.write_quietly(run_dir, history)
