@@ -32,6 +32,9 @@ class Prepared(BaseModel):
     resume_step: int | None
     #: Set when the run already finished with at least the epochs asked for.
     stored_result: TrainingResult | None = None
+    #: This flow run's first attempt: retry budgets count the failures from it on, as Prefect
+    #: counts a task's retries per flow run (a relaunched run starts with whole budgets).
+    first_attempt: int = 1
 
 
 @contextmanager
@@ -119,4 +122,5 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
         total_steps=checked.total_steps,
         resume_step=plan.resume_step,
         stored_result=stored,
+        first_attempt=plan.attempt,
     )

@@ -173,14 +173,20 @@ class ProgressRelay:
 
 
 def _decide(
-    spec: RunSpec, run_dir: RunDirectory, error: RelaytrainError, number: int
+    spec: RunSpec,
+    run_dir: RunDirectory,
+    error: RelaytrainError,
+    number: int,
+    first_attempt: int = 1,
 ) -> RetryDecision:
     """Decide retry-or-stop from the attempt that ended in ``error``: ``error.attempt`` where
     the engine ran it (a re-attached Ray job's may be older than ``number``, the next one), and
     just recorded it (or could not record how it ended: it is closed here with ``error``); else
-    ``number``, failed before its record (a preflight check). Record the verdict."""
+    ``number``, failed before its record (a preflight check). Record the verdict. Budgets count
+    this flow run's attempts only (``first_attempt`` on), as Prefect counts ``retries``."""
     number = getattr(error, "attempt", number)
     records = attempts.close_unrecorded(run_dir, number, error)
+    records = [r for r in records if r.attempt >= first_attempt]
     if not records or records[-1].attempt < number or records[-1].status != "failed":
         failure = attempts.AttemptRecord(
             attempt=attempts.next_number(records),
@@ -221,7 +227,7 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
             logger.error("attempt stopped: %s", error)
             raise
         except RelaytrainError as error:
-            decision = _decide(spec, run_dir, error, number)
+            decision = _decide(spec, run_dir, error, number, prepared.first_attempt)
             tensorboard_log.write_quietly(run_dir)  # what the attempt committed, before a retry
             if tracker is not None:
                 tracker.attempt_ended()

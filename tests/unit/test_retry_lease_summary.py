@@ -382,3 +382,37 @@ def test_an_acquire_racing_its_own_keeper_keeps_the_lease(run_location, monkeypa
     monkeypatch.setattr(lease.conditional_write, "write", renewed_in_between)
     assert lease.acquire(run_location, owner="a", settle_s=0).owner == "a"
     assert run_location.child("lock.json").read_json()["owner"] == "a"
+
+
+def test_retry_budgets_count_this_flow_runs_failures_only(tmp_path):
+    """A long run relaunched after maintenance: its first flow run spent both infrastructure
+    retries (attempts 1-3 failed); the relaunch's first failure (attempt 4) is retried, as
+    Prefect's ``retries`` are per flow run. Within one flow run the budget still binds."""
+    from tasks.train import _decide
+    from tests.conftest import tiny_raw
+    from trainer_core.errors import InfrastructureError
+    from trainer_core.run import attempts
+    from trainer_core.spec.overrides import build_spec
+
+    spec = build_spec(tiny_raw(tmp_path, "relaunched", retries={"infrastructure": 2}))
+    run_dir = RunDirectory.of(str(tmp_path), "relaunched")
+    for number in (1, 2, 3):  # the first flow run's attempts, as the engine records them
+        attempts.write(run_dir, failed(number, "infrastructure", step=10 * number))
+    first_flow = _decide(spec, run_dir, InfrastructureError("node lost"), 4, first_attempt=1)
+    assert not first_flow.retry and "budget spent" in first_flow.reason
+
+    attempts.write(run_dir, failed(4, "infrastructure", step=40))  # the relaunch's first
+    relaunch = _decide(spec, run_dir, _at(InfrastructureError("node lost"), 4), 5, first_attempt=4)
+    assert relaunch.retry, relaunch.reason
+    for number in (5, 6):
+        attempts.write(run_dir, failed(number, "infrastructure", step=10 * number))
+    spent = _decide(spec, run_dir, _at(InfrastructureError("node lost"), 6), 7, first_attempt=4)
+    assert not spent.retry and "2 of 2 retries used" in spent.reason
+    # The verdicts are recorded on the attempts they decided.
+    recorded = {r.attempt: r.retry_decision for r in attempts.read(run_dir)}
+    assert recorded[4] == relaunch.reason and recorded[6] == spent.reason
+
+
+def _at(error, attempt):
+    error.attempt = attempt
+    return error
