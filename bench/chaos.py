@@ -163,11 +163,13 @@ def campaign(workdir: Path, settings: Settings, setup: tuple[Any, ...]) -> dict[
     cluster, s3, proxy, env, prefect = setup
     chaos = Campaign(cluster, s3, proxy, workdir, settings, env, prefect)
     tag = f"seed{settings.seed}-{int(time.time())}"
-    reference_wall = chaos.reference(f"reference-{tag}")
     try:
+        reference_wall = chaos.reference(f"reference-{tag}")
         wall = chaos.run(f"chaos-{tag}")
     except Overran as e:
         raise RuntimeError(f"{e}: {stuck(chaos)}") from e
+    finally:
+        chaos.close()  # a failed campaign leaves no flow running
     outcome = verdict(chaos, chaos.direct(f"chaos-{tag}"), chaos.direct(f"reference-{tag}"))
     figures = outcome["figures"]
     figures["wall_s"] = round(wall, 1)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 
 from bench import common
 
@@ -319,3 +322,43 @@ def test_the_resumed_groups_start_is_split_by_rank_0s_marks_after_the_failure():
         "process_age_s": 5.5,
     }
     assert group_start(events[:5], failed=20.0, first_step=27.875) == {}  # its marks not all in
+
+
+def test_a_campaigns_processes_end_with_it_even_those_that_ignore_sigterm(tmp_path):
+    """A flow process (its own session) that ignores SIGTERM and has started a child that
+    ignores it too, as a flow blocked in Ray's or Prefect's shutdown did: both are gone after
+    ``end_all``, and a process that already exited is left alone."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from bench.chaos_faults import Processes
+
+    stubborn = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    processes = Processes(grace_s=1.0)
+    leader = processes.track(
+        subprocess.Popen(
+            [sys.executable, "-c", stubborn], stdout=subprocess.PIPE, start_new_session=True
+        )
+    )
+    done = processes.track(subprocess.Popen([sys.executable, "-c", "pass"]))
+    done.wait()
+    child = int(leader.stdout.readline())
+    assert psutil.pid_exists(child) and leader.poll() is None
+    try:
+        processes.end_all()
+        assert leader.poll() is not None
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    finally:
+        for pid in (leader.pid, child):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        leader.stdout.close()

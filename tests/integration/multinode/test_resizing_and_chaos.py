@@ -210,6 +210,10 @@ def test_a_drain_notice_commits_a_checkpoint_just_in_time(
 # -- chaos ---------------------------------------------------------------------------------------
 
 
+# No wall-clock bound: the campaign fails once nothing moved for 4 times its uninterrupted
+# reference's wall time (``Settings.stall_references``), measured on this machine under its load,
+# and ends every process it started, pass or fail (``Campaign.close``).
+@pytest.mark.timeout(0)
 def test_a_seeded_chaos_campaign_ends_as_the_uninterrupted_run(cluster, s3_server, tmp_path):
     """bench/chaos.py's short campaign: one fault of every kind in the fault matrix (worker and
     node killed, a drain with notice, the flow process killed and run again, a second flow, an
