@@ -90,6 +90,7 @@ def assert_recovered(
     interval: int,
     committed_before: int | None = None,
     write_lost: bool = False,
+    fault_step: int | None = None,
 ) -> list[dict[str, Any]]:
     """The fault-matrix invariants; returns the attempt records.
 
@@ -102,7 +103,11 @@ def assert_recovered(
     - each failure lost at most one checkpoint interval of steps; when the fault can take the
       checkpoint being written with it (``write_lost``: the write itself failed, or the node
       writing it died), the steps run while that write was in flight are lost too (checkpoints
-      are asynchronous): at most two intervals.
+      are asynchronous): at most two intervals;
+    - with ``fault_step`` (a fault that fires as the built-in loop begins that step, on any
+      rank): the first failure's steps lost are exactly the steps completed after its resume
+      point, ``fault_step - 1 - resumed_from``: the fault's own step is the oracle, not what
+      the driver heard.
     """
     attempts = run_dir.read_attempts()
     assert attempts and attempts[-1]["status"] == "completed", attempts
@@ -116,9 +121,17 @@ def assert_recovered(
     if committed_before is not None and resumed:
         assert (resumed[0] or 0) >= committed_before, (resumed, committed_before)
     bound = 2 * interval if write_lost else interval
-    for summary in attempt_summaries([AttemptRecord.from_json(a) for a in attempts]):
+    failures = []  # (steps lost, resumed from) of each failure, in the order they happened
+    summaries = attempt_summaries([AttemptRecord.from_json(a) for a in attempts])
+    for index, summary in enumerate(summaries):
+        failures += [(r.steps_lost, r.resumed_from_step) for r in summary.restarts]
+        if summary.status == "failed" and index + 1 < len(summaries):
+            failures.append((summary.steps_lost, summaries[index + 1].resumed_from_step))
         lost = [summary.steps_lost, *(r.steps_lost for r in summary.restarts)]
         assert all(n is None or n <= bound for n in lost), summary
+    if fault_step is not None:
+        steps_lost, resumed_from = failures[0]
+        assert steps_lost == fault_step - 1 - (resumed_from or 0), (failures, summaries)
     return attempts
 
 

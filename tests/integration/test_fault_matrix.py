@@ -73,7 +73,9 @@ def test_killed_worker_is_restarted_or_retried_and_exact(
         before = max(step for step in uninterrupted["checkpoints"] if step < committed)
         committed = committed_before(run_dir, restart["failed_at"])
         assert committed in (before, max(s for s in uninterrupted["checkpoints"] if s < at_step))
-    attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=committed)
+    attempts = assert_recovered(
+        run_dir, uninterrupted, interval=10, committed_before=committed, fault_step=at_step
+    )
     runs = task_runs(state.state_details.flow_run_id)["train"].run_count
     if in_place is None:
         # Ray Train restarted the worker group within the attempt, from the newest commit

@@ -176,7 +176,7 @@ def test_a_rank_that_outlived_rank_0_says_the_last_step_whichever_event_comes_fi
 
     began = {"kind": "fresh_start", "time": 1.0, "group": 0}
     rows = {"kind": "metrics", "rows": [{"step": 20, "loss": 1.0}]}
-    lost = {"kind": "peer_lost", "rank": 1, "last_step": 22, "group": 0}
+    lost = {"kind": "last_step", "rank": 1, "last_step": 22, "group": 0}
     restarting = restarting_after("rank 0 died")
     for order in ([rows, lost, restarting], [rows, restarting, lost]):
         live = LiveState()

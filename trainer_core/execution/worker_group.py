@@ -38,6 +38,9 @@ class Relay:
         self.rows: list[dict[str, Any]] = []
         self.last_push = 0.0
         self.group = 0
+        #: The last step this rank completed (the loop sets it): what it tells the driver when
+        #: its group ends from outside (``flush_before_shutdown``).
+        self.completed_step = 0
         self.lock = threading.Lock()  # the checkpoint thread sends too
         if self.handle is not None:
             Relay.of_this_process = self
@@ -63,19 +66,22 @@ class Relay:
         self.group = int(worker_api.ask(self.handle.begin_group))
         return self.group
 
-    def outlived_rank_0(self, last_step: int, group: int) -> None:
-        """A rank other than 0 lost a peer: tell the driver the last step it completed, which
-        rank 0's buffered rows would have said, had rank 0 not been the one to die."""
-        if self.rank != 0 and self.driver is not None:
-            self.driver.push.remote(
-                {
-                    "kind": "peer_lost",
-                    "time": time.time(),
-                    "rank": self.rank,
-                    "last_step": last_step,
-                    "group": group,
-                }
-            )
+    def tell_last_step(self, last_step: int, group: int) -> Any:
+        """A failure ends this rank's group: tell the driver the last step it completed. Rank
+        0's rows name only the steps up to its last report window (up to ``report.every``
+        steps behind, twice that while a window's rows wait to be pushed); and when rank 0 is
+        the one that died, only another rank can say it."""
+        if self.driver is None or last_step <= 0:
+            return None
+        return self.driver.push.remote(
+            {
+                "kind": "last_step",
+                "time": time.time(),
+                "rank": self.rank,
+                "last_step": last_step,
+                "group": group,
+            }
+        )
 
     def flush(self) -> None:
         """Push buffered rows now (before an error ends the worker)."""
@@ -92,11 +98,13 @@ class Relay:
         if relay is None:
             return
         with relay.lock:
-            pushed = relay._flush_rows(time.time())
-        if pushed is not None:
+            pushed = [relay._flush_rows(time.time())]
+            pushed.append(relay.tell_last_step(relay.completed_step, relay.group))
+        pushed = [p for p in pushed if p is not None]
+        if pushed:
             import ray
 
-            ray.wait([pushed], timeout=wait_s)
+            ray.wait(pushed, num_returns=len(pushed), timeout=wait_s)
 
     def _flush_rows(self, now: float) -> Any:
         pushed = None

@@ -94,8 +94,8 @@ class LiveState:
             )
         elif kind in ("resumed", "fresh_start") and event.get("group"):
             self._group_started(event)
-        elif kind == "peer_lost":
-            self._peer_lost(event)
+        elif kind == "last_step":
+            self._last_step(event)
         elif kind == "resumed":
             self.resumed_from = event.get("step")
             self.resumed_at = event.get("time")
@@ -153,8 +153,8 @@ class LiveState:
         restart = self.restarts[self.ended_by[group]]
         restart["last_step"] = max(restart.get("last_step") or 0, step)
 
-    def _peer_lost(self, event: dict[str, Any]) -> None:
-        """A surviving rank's last completed step, when rank 0 (whose rows say it) died."""
+    def _last_step(self, event: dict[str, Any]) -> None:
+        """A failing rank's last completed step (rank 0's rows lag it, or rank 0 died)."""
         if self._late(event):
             self._reached_before_restart(event["group"], event["last_step"])
         else:

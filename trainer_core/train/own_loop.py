@@ -286,6 +286,7 @@ class OwnLoop:
         self._open = False
         assert self.checkpoints is not None
         self.step += 1
+        self.relay.completed_step = self.step
         self.faults.check(self.step)
         if self.step == self.resumed_from + 1:  # the optimizer state exists now
             self.checkpoints.reserve()

@@ -14,7 +14,6 @@ from trainer_core.checkpoint.history import write_metrics_segment
 from trainer_core.checkpoint.ray_checkpoints import REPORT_FILE, read_report_record, report_record
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import (
-    InfrastructureError,
     InjectedFault,
     RelaytrainError,
     TrainingCodeError,
@@ -167,12 +166,11 @@ def _start(hook: ReportHook) -> int:
 
 
 def _tell_driver(hook: ReportHook, error: Exception, group: int) -> None:
-    """Before a failure ends the worker: the rows rank 0 holds back, and, for a lost peer, the
-    last report a rank other than 0 completed (rank 0's rows would have said it, had it not
-    been the one to die)."""
+    """Before a failure ends the worker: the rows rank 0 holds back, and the last report this
+    rank completed (rank 0's rows lag it, and say nothing when rank 0 is the one that died)."""
     try:
         hook.relay.flush()
-        if isinstance(error, InfrastructureError) and hook.reports:
-            hook.relay.outlived_rank_0(hook.step, group)
+        if hook.reports:
+            hook.relay.tell_last_step(hook.step, group)
     except Exception:  # the relay is best effort; the error being raised matters more
         logger.debug("relay flush failed", exc_info=True)

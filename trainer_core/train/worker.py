@@ -98,8 +98,7 @@ def wind_down(
     earlier = checkpoints.settle(SETTLE_S)
     try:
         relay.flush()
-        if isinstance(error, InfrastructureError) and completed_step:
-            relay.outlived_rank_0(completed_step, group)
+        relay.tell_last_step(completed_step, group)  # rank 0's rows may lag it
     except Exception:  # the relay is best effort; the error being raised matters more
         logger.debug("relay flush failed", exc_info=True)
     if (
