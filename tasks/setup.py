@@ -15,6 +15,7 @@ from trainer_core.execution import cluster
 from trainer_core.run import jobs, lease, preflight
 from trainer_core.run.summary import TrainingResult, read_stored_result, sync_tracking
 from trainer_core.spec.run_spec import RunSpec
+from trainer_core.tracking import mlflow_state
 
 
 class Prepared(BaseModel):
@@ -70,6 +71,7 @@ def refuse_bad_input(
     cluster that its address answers (the job checks that cluster's capacity; a run that has
     attempts already waits for an address that answered it before, its head restarting).
     Raises a SpecError that names the field and the fix; touches nothing in storage."""
+    mlflow_state.tracking_uri(spec)  # MLFLOW_TRACKING_URI's too: no credential in it
     checked = preflight.preflight(spec)
     address = jobs.job_address(spec)
     if address and checked.plan.attempt > 1:

@@ -51,9 +51,71 @@ def test_fsspec_forced_protocol():
     assert isinstance(location.filesystem, pafs.PyFileSystem)
 
 
-def test_credentials_in_uri_are_refused():
-    with pytest.raises(SpecError, match="AWS_ACCESS_KEY_ID"):
-        storage.resolve("s3://bucket/p?access_key=AKIA&secret_key=shh")
+#: What each backend a URI can reach takes a credential as (their signatures and docs):
+#: pyarrow's S3FileSystem and GcsFileSystem, s3fs, gcsfs, adlfs (Azure), Databricks/HTTP tokens.
+BACKEND_CREDENTIALS = {
+    "pyarrow s3": ["access_key", "secret_key", "session_token"],
+    "pyarrow gcs": ["access_token"],
+    "s3fs": ["key", "secret", "token", "password"],
+    "botocore": ["aws_access_key_id", "aws_secret_access_key", "aws_session_token"],
+    "gcsfs": ["token"],
+    "adlfs": ["account_key", "sas_token", "connection_string", "client_secret", "credential"],
+    "azure, as its SDK spells them": ["AccountKey", "SharedAccessSignature", "sasToken", "sig"],
+}
+
+
+@pytest.mark.parametrize(
+    "name", [n for names in BACKEND_CREDENTIALS.values() for n in names], ids=str
+)
+@pytest.mark.parametrize(
+    "base", ["s3://bucket/runs", "gs://bucket/runs", "fsspec+memory://bucket/runs"]
+)
+def test_a_credential_in_a_uri_is_refused_by_its_shape_for_every_backend(base, name, tmp_path):
+    """Refused at setup, naming the option (never its value), before anything is reached."""
+    from tasks.setup import refuse_bad_input
+    from tests.conftest import tiny_raw
+    from trainer_core.spec.overrides import build_spec
+
+    uri = f"{base}?endpoint_override=127.0.0.1:1&{name}=CANARY-{name}"
+    with pytest.raises(SpecError) as raised:
+        storage.resolve(uri)
+    assert f"{name}=..." in str(raised.value) and "CANARY" not in str(raised.value)
+    with pytest.raises(SpecError) as raised:
+        refuse_bad_input(build_spec(tiny_raw(uri, "leaky")))
+    assert raised.value.field == "run.storage" and "CANARY" not in str(raised.value)
+
+
+def test_options_that_name_no_secret_pass():
+    for name in ("endpoint_override", "region", "scheme", "sse_kms_key_id", "project_id"):
+        assert not storage.uris.is_credential_option(name), name
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "http://user:hunter2@mlflow.internal:5000",
+        "https://mlflow.internal/?token=CANARY",
+        "https://mlflow.internal/?access_token=CANARY",
+    ],
+)
+def test_a_tracking_uri_from_the_environment_with_a_credential_is_refused_at_setup(
+    uri, tmp_path, monkeypatch
+):
+    """MLFLOW_TRACKING_URI was never checked: its password reached mlflow.json, the result and
+    Prefect's artifacts. Refused before anything is written, naming the variable."""
+    from tasks.setup import refuse_bad_input
+    from tests.conftest import tiny_raw
+    from trainer_core.spec.overrides import build_spec
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    spec = build_spec(tiny_raw(tmp_path / "runs", "tracked"))
+    with pytest.raises(SpecError) as raised:
+        refuse_bad_input(spec)
+    assert raised.value.field == "MLFLOW_TRACKING_URI"
+    assert "hunter2" not in str(raised.value) and "CANARY" not in str(raised.value)
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(SpecError, match=r"tracking\.mlflow_uri"):  # and in the spec itself
+        build_spec({**tiny_raw(tmp_path, "tracked"), "tracking": {"mlflow_uri": uri}})
 
 
 def test_unknown_protocol_is_a_spec_error():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -19,16 +20,42 @@ from trainer_core.storage.locations import Location, setup_wait_s
 PYARROW_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs")
 
 
-CREDENTIAL_KEYS = (
-    "access_key",
-    "secret_key",
-    "session_token",
-    "aws_secret_access_key",
-    "key",
-    "secret",
-    "token",
-    "password",
+#: The words credentials are named with in the options of the object stores a URI can reach:
+#: pyarrow (access_key, secret_key, session_token, access_token), s3fs (key, secret, token,
+#: aws_access_key_id, aws_secret_access_key, aws_session_token), gcsfs (token), adlfs
+#: (account_key, sas_token, connection_string, client_secret, credential), and any password.
+#: An option is refused by the words its name is made of (``is_credential_option``), so another
+#: backend's spelling of the same thing (``AccountKey``, ``sasToken``) is refused too.
+CREDENTIAL_WORDS = frozenset(
+    {
+        "key",
+        "secret",
+        "token",
+        "password",
+        "passwd",
+        "pwd",
+        "credential",
+        "credentials",
+        "sas",
+        "sig",
+        "signature",
+        "connection",
+        "auth",
+        "authorization",
+    }
 )
+#: Options whose names hold such a word but which name no secret (a KMS key's id).
+NOT_CREDENTIALS = frozenset({"sse_kms_key_id", "kms_key_id", "ssekmskeyid"})
+
+
+def is_credential_option(name: str) -> bool:
+    """Whether a URI's option ``name`` looks like a credential to any fsspec or pyarrow
+    backend: a word of it (split at ``_``, ``-``, ``.`` and camelCase) is a credential's."""
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+    if snake in NOT_CREDENTIALS or snake.replace("_", "") in NOT_CREDENTIALS:
+        return False
+    words = {w for w in re.split(r"[^a-z0-9]+", snake) if w}
+    return bool(words & CREDENTIAL_WORDS)
 
 
 #: Query options of ``s3://`` URIs, passed to ``pyarrow.fs.S3FileSystem``.
@@ -45,7 +72,7 @@ S3_OPTIONS = (
 def _parse_query(query: str) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for key, value in parse_qsl(query, keep_blank_values=True):
-        if key.lower() in CREDENTIAL_KEYS:
+        if is_credential_option(key):
             raise _credentials_in_uri(f"{key}=...")
         lowered = value.lower()
         if lowered in ("true", "false"):

@@ -9,6 +9,8 @@ import os
 from pydantic import BaseModel
 
 from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.errors import SpecError
+from trainer_core.spec.operations import tracking_uri_problem
 from trainer_core.spec.run_spec import RunSpec
 
 logger = logging.getLogger("relaytrain.mlflow")
@@ -48,7 +50,15 @@ def tracking_uri(spec: RunSpec | None) -> str | None:
     """The MLflow tracking URI a run logs to: ``tracking.mlflow_uri``, else the environment's
     ``MLFLOW_TRACKING_URI``; None: no MLflow."""
     configured = spec.tracking.mlflow_uri if spec is not None else None
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or None
+    if configured:
+        return configured
+    found = os.environ.get("MLFLOW_TRACKING_URI") or None
+    problem = tracking_uri_problem(found) if found else None
+    if problem:  # it would be written into mlflow.json, the result and Prefect's artifacts
+        raise SpecError(
+            f"MLFLOW_TRACKING_URI cannot be used: {problem}", field="MLFLOW_TRACKING_URI"
+        )
+    return found
 
 
 def read_state(run_dir: RunDirectory) -> MlflowState | None:
