@@ -86,3 +86,40 @@ def test_a_slow_fault_needs_its_seconds_and_only_it_takes_them():
         FaultSection(kind="slow", at_step=1)
     with pytest.raises(ValidationError, match=r"seconds=0\.5"):
         FaultSection(kind="raise", at_step=1, seconds=0.5)
+
+
+def test_an_own_loops_optimizer_hooks_put_each_wait_in_one_part():
+    """A user's loop's optimizer step, timed from its hooks, right after backward launched the
+    gradients' all-reduce, while the previous checkpoint's copy still runs (the manager's wait
+    for it, counted in ``Timings.checkpoint_s``, sleeps 0.2 s here): the copy's wait is the
+    checkpoint's alone, not the all-reduce's too, and the window's parts never sum past its
+    wall time (so forward and backward, what they leave, is not squeezed to 0)."""
+    import time
+
+    import torch
+
+    from trainer_core.execution.worker_group import Timings
+    from trainer_core.step_time import PARTS
+    from trainer_core.train.step_clock import StepClock
+
+    copy_s = 0.2
+    timings = Timings()
+
+    def wait_for_the_copy() -> None:  # CheckpointManager.before_optimizer_step, as it counts
+        time.sleep(copy_s)
+        timings.checkpoint_s += copy_s
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = StepClock(torch.device("cpu"), timings)
+    clock.watch_optimizer(optimizer, wait_for_the_copy)
+    model(torch.randn(3, 4)).sum().backward()
+    clock.launched = clock.start()  # DDP's hook: the last bucket's all-reduce launched now
+    optimizer.step()
+    wall, *parts = clock.window(rest="forward_backward")
+    named = dict(zip(PARTS, parts, strict=True))
+    assert named["checkpoint"] == pytest.approx(copy_s)
+    assert named["allreduce_wait"] < copy_s / 4, named  # the copy is not counted here again
+    assert named["optimizer"] < copy_s / 4, named
+    assert sum(parts) == pytest.approx(wall)  # the rest fills the window, and no more
+    assert sum(v for k, v in named.items() if k != "forward_backward") <= wall

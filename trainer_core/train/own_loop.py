@@ -92,7 +92,6 @@ class OwnLoop:
         self.clock = StepClock(self.device, self.timings)
         self.stragglers: Stragglers | None = None
         self._window_steps = 0
-        self._optimizer_started: Any = None
         data_spec = self.spec.data.resolved()
         self.batch_size = data_spec.batch_size
         #: The transform workers, started while the stream and the user's model are built.
@@ -149,12 +148,7 @@ class OwnLoop:
             timings=self.timings,
             node_rank=worker_api.node_rank(),
         )
-        # The checkpoint thread copies the parameters while the next forward and backward run:
-        # the optimizer waits for it before it changes them.
         checkpoints = self.checkpoints
-        optimizer.register_step_pre_hook(lambda *_: checkpoints.before_optimizer_step())
-        optimizer.register_step_pre_hook(lambda *_: self._optimizer_step_begins())
-        optimizer.register_step_post_hook(lambda *_: self._optimizer_step_ends())
         self.drains = DrainWatch(
             self.config.watch_preemption, self.rank, self.relay, checkpoints, self.timings
         )
@@ -164,16 +158,10 @@ class OwnLoop:
         # The first window starts here.
         self.clock = StepClock(self.device, self.timings, self.spec.report.step_time)
         self.clock.watch_allreduce(wrapped)
+        # The checkpoint thread copies the parameters while the next forward and backward run:
+        # the optimizer waits for it before it changes them.
+        self.clock.watch_optimizer(optimizer, checkpoints.before_optimizer_step)
         return wrapped
-
-    def _optimizer_step_begins(self) -> None:
-        self.clock.allreduce_waited()
-        self._optimizer_started = self.clock.start()
-
-    def _optimizer_step_ends(self) -> None:
-        if self._optimizer_started is not None:
-            self.clock.stop("optimizer", self._optimizer_started)
-            self._optimizer_started = None
 
     def _restore(self, checkpoints: CheckpointManager) -> None:
         self.group, candidates = resume_candidates(self.config, self.relay, self.run_dir)

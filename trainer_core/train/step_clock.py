@@ -109,6 +109,26 @@ class StepClock:
             self._add("allreduce_wait", self.launched, self._now())
             self.launched = None
 
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer, before_step: Any) -> None:
+        """Time a user's loop's optimizer steps from the optimizer's hooks, each wait in one
+        part only: first the wait for the gradients' all-reduce (since its last launch), then
+        ``before_step()`` (the checkpoint's copy of the parameters, which ``Timings`` counts as
+        checkpoint), then the step itself as ``optimizer``. ``before_step`` runs even with the
+        clock disabled."""
+        started: list[Any] = [None]
+
+        def begin(*_: Any) -> None:
+            self.allreduce_waited()
+            before_step()
+            started[0] = self.start()
+
+        def end(*_: Any) -> None:
+            self.stop("optimizer", started[0])
+            started[0] = None
+
+        optimizer.register_step_pre_hook(begin)
+        optimizer.register_step_post_hook(end)
+
     def watch_allreduce(self, model: torch.nn.Module) -> None:
         """Time the waits for DDP's gradient all-reduce (a no-op for a model DDP does not
         wrap): the default all-reduce, through a hook that notes each bucket's launch."""
