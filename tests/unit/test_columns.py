@@ -147,6 +147,14 @@ def test_a_binary_column_without_a_transform_names_the_fix(tmp_path, lm_file):
             {"metrics": ["tests.columns_workloads:needs_pixels"]},
             r"metrics.0 .*needs_pixels.* raised KeyError .*fn\(outputs, batch\)",
         ),
+        (  # validation's own transform: refused now, not after the first epoch
+            {"data": {"eval_transform": "tests.columns_workloads:raises_on_row_2"}},
+            r"data.eval_transform .*raised ValueError on row 2 of .*cannot decode this row",
+        ),
+        (
+            {"data": {"eval_transform": "tests.columns_workloads:returns_a_list"}},
+            r"data.eval_transform .*returned list .*return a dict of arrays",
+        ),
     ],
     ids=[
         "raises",
@@ -158,6 +166,8 @@ def test_a_binary_column_without_a_transform_names_the_fix(tmp_path, lm_file):
         "count",
         "missing-column",
         "metric",
+        "eval-raises",
+        "eval-not-a-dict",
     ],
 )
 def test_a_bad_workload_is_refused_in_setup(tmp_path, lm_file, changes, message):

@@ -31,6 +31,16 @@ def check_batch_workload(spec: RunSpec, ids: np.ndarray, rows: TableRows, where:
     batch = _batch(spec, ids, rows, where)
     model = workloads.build_model(spec.model, 0, 0, columns_form=True)
     workload = BatchWorkload(spec)
+    if spec.data.eval_transform is not None:  # validation's batches: now, not after an epoch
+        evaluated = _batch(spec, ids, rows, where, "data.eval_transform")
+        try:
+            _check_loss(workload, _forward(workload, model, evaluated, spec), evaluated, spec)
+        except SpecError as e:
+            raise SpecError(
+                f"validation's batch, made by data.eval_transform "
+                f"{spec.data.eval_transform!r}: {e}",
+                field="data.eval_transform",
+            ) from e
     if spec.data.task is not None and spec.loss is None and LABELS not in batch:
         raise SpecError(
             f"data.task {spec.data.task} reads the batch's {LABELS!r}, but the batch has only "
@@ -86,34 +96,39 @@ def _check_stateful_metric(
         )
 
 
-def _batch(spec: RunSpec, ids: np.ndarray, rows: TableRows, where: str) -> dict[str, Any]:
+def _batch(
+    spec: RunSpec, ids: np.ndarray, rows: TableRows, where: str, field: str = "data.transform"
+) -> dict[str, Any]:
+    """The batch the loop makes of ``rows`` with the transform ``field`` names (training's
+    ``data.transform``, or validation's ``data.eval_transform``)."""
     data = spec.data
     assert data is not None
-    if data.transform is None:
+    path = getattr(data, field.removeprefix("data."))
+    if path is None:
         return column_tensors(rows.table)
     columns = rows.columns()
     samples: list[Any] = []
     for k, row_id in enumerate(ids):
         one = {name: values[k : k + 1] for name, values in columns.items()}
-        first = _transform(spec, row_id, one, where)
-        again = _transform(spec, row_id, one, where)
+        first = _transform(spec, row_id, one, where, field)
+        again = _transform(spec, row_id, one, where, field)
         if not _equal(first, again):
             raise SpecError(
-                f"data.transform {data.transform!r} returned different values for row {row_id} "
-                f"of {where}, called twice with the same rng: draw every random number from "
-                "the rng it is given (numpy Generator keyed by run.seed, epoch and row id), "
-                "so a resumed or rescaled run gets the same samples",
-                field="data.transform",
+                f"{field} {path!r} returned different values for row {row_id} of {where}, "
+                "called twice with the same rng: draw every random number from the rng it is "
+                "given (numpy Generator keyed by run.seed, epoch and row id), so a resumed or "
+                "rescaled run gets the same samples",
+                field=field,
             )
         samples.append(first)
     if data.transform_batched:
         try:
-            return concatenate([as_tensors(part, "data.transform") for part in samples])
+            return concatenate([as_tensors(part, field) for part in samples])
         except (RuntimeError, TypeError, ValueError) as e:
             raise SpecError(
-                f"data.transform {data.transform!r} (batched) returned rows that cannot be "
-                f"joined into a batch: {e}. Return arrays of the same shape for every row",
-                field="data.transform",
+                f"{field} {path!r} (batched) returned rows that cannot be joined into a "
+                f"batch: {e}. Return arrays of the same shape for every row",
+                field=field,
             ) from e
     rows_out = [sample for part in samples for sample in part]
     collate = import_object(data.collate, "data.collate") if data.collate else default_collate
@@ -122,10 +137,10 @@ def _batch(spec: RunSpec, ids: np.ndarray, rows: TableRows, where: str) -> dict[
     except Exception as e:
         fix = "fix data.collate" if data.collate else "give data.collate to pad or stack them"
         raise SpecError(
-            f"data.transform {data.transform!r} returned rows that cannot be batched "
+            f"{field} {path!r} returned rows that cannot be batched "
             f"({_describe(rows_out[0])}, ...): {type(e).__name__}: {e}. Return arrays of the "
             f"same shape and type for every row, or {fix}",
-            field="data.collate" if data.collate else "data.transform",
+            field="data.collate" if data.collate else field,
         ) from e
     if not isinstance(batch, Mapping) or not all(
         isinstance(v, torch.Tensor) for v in batch.values()
@@ -138,13 +153,16 @@ def _batch(spec: RunSpec, ids: np.ndarray, rows: TableRows, where: str) -> dict[
     return dict(batch)
 
 
-def _transform(spec: RunSpec, row_id: Any, columns: dict[str, list[Any]], where: str) -> Any:
+def _transform(
+    spec: RunSpec, row_id: Any, columns: dict[str, list[Any]], where: str, field: str
+) -> Any:
     data = spec.data
-    assert data is not None and data.transform is not None
+    assert data is not None
+    path = getattr(data, field.removeprefix("data."))
     try:
         out = transform_rows(
-            data.transform,
-            "data.transform",
+            path,
+            field,
             data.transform_batched,
             spec.run.seed,
             0,
@@ -155,17 +173,16 @@ def _transform(spec: RunSpec, row_id: Any, columns: dict[str, list[Any]], where:
         raise
     except Exception as e:
         raise SpecError(
-            f"data.transform {data.transform!r} raised {type(e).__name__} on row {row_id} of "
-            f"{where}: {e}. Fix the transform (it is called as fn(row, rng) with the row's "
-            "columns as Python values: binary as bytes, lists as lists)",
-            field="data.transform",
+            f"{field} {path!r} raised {type(e).__name__} on row {row_id} of {where}: {e}. Fix "
+            "the transform (it is called as fn(row, rng) with the row's columns as Python "
+            "values: binary as bytes, lists as lists)",
+            field=field,
         ) from e
     if not data.transform_batched and not isinstance(out[0], Mapping):
         raise SpecError(
-            f"data.transform {data.transform!r} returned {_describe(out[0])} for row {row_id} "
-            f"of {where}: return a dict of arrays or tensors (e.g. {{'image': ..., "
-            "'labels': ...}})",
-            field="data.transform",
+            f"{field} {path!r} returned {_describe(out[0])} for row {row_id} of {where}: "
+            "return a dict of arrays or tensors (e.g. {'image': ..., 'labels': ...})",
+            field=field,
         )
     return out
 
