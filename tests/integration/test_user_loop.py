@@ -81,6 +81,8 @@ def counting_loop(config: dict[str, Any]) -> None:
         }
         if config.get("report_epoch"):
             metrics["epoch"] = epoch
+        if config.get("step_per_epochs"):  # a `step` that stays put across reports
+            metrics["step"] = epoch // config["step_per_epochs"]
         saved = rank == 0 and (epoch + 1) % config["checkpoint_every"] == 0
         if rank == 0:
             with open(config["log"], "a") as log:
@@ -330,6 +332,24 @@ def test_a_lost_peer_is_an_infrastructure_failure_and_the_work_it_cost_is_counte
 
 
 # -- the example ----------------------------------------------------------------------------------
+
+
+def test_a_step_that_does_not_grow_is_refused_naming_it_and_spends_no_retry(
+    relaytrain_ray, tmp_path
+):
+    """A stock loop reporting a ``step`` that stays put (here: one per two epochs, reported
+    every epoch) would collapse the history, one row per step, without a word."""
+    from tests.recovery import run_dir_of
+    from trainer_core.errors import SpecError
+    from trainer_core.run.engine import run_attempt
+
+    spec = own_loop_spec(tmp_path, "flat-step", num_epochs=4, checkpoint_every=2, step_per_epochs=2)
+    with pytest.raises(SpecError, match=r"reported step 0 after step 0 .*'step'") as raised:
+        run_attempt(spec)
+    assert raised.value.field == "train_loop"
+    (attempt,) = run_dir_of(spec).read_attempts()
+    assert attempt["error_class"] == "SpecError" and attempt["error_budget"] == "none"
+    assert len(loop_log(tmp_path / "flat-step.log.jsonl")) == 2  # stopped at the second report
 
 
 def test_the_example_loop_fails_resumes_and_exports(relaytrain_ray, tmp_path):

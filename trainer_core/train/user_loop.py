@@ -16,6 +16,7 @@ from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import (
     InjectedFault,
     RelaytrainError,
+    SpecError,
     TrainingCodeError,
 )
 from trainer_core.execution import worker_api
@@ -45,20 +46,32 @@ class ReportHook:
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.relay = Relay(config.relay, self.rank)
         self.run_dir = RunDirectory.of(config.storage_uri, config.run_name)
-        #: The run's reports so far, and the history key of the last one.
+        #: The run's reports so far, and the history key of the last one (known once reported,
+        #: or resumed from a report record).
         self.reports = 0
         self.step = 0
+        self.step_known = False
         self.unsaved: list[dict[str, Any]] = []
 
     def resume(self, record: dict[str, Any] | None) -> None:
         """Go on counting from the report record of the checkpoint Ray resumed the loop from."""
         if record is not None:
             self.reports, self.step = int(record["report"]), int(record["step"])
+            self.step_known = True
 
     def __call__(self, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         self.reports += 1
         self.faults.check(self.reports)
         step = user_step(metrics, self.reports)
+        if self.step_known and step <= self.step:
+            raise SpecError(
+                f"the train_loop reported step {step} after step {self.step} (report "
+                f"{self.reports}): relaytrain keeps one history row per 'step', so a 'step' that "
+                "does not grow would merge reports into one without a word. Report a counter "
+                "that grows with every report (the optimizer step), or leave 'step' out of the "
+                "metrics to number the reports",
+                field="train_loop",
+            )
         row = {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float | str)}
         row.update(step=step, attempt=self.config.attempt, time=time.time())
         self.unsaved.append(row)
@@ -68,7 +81,7 @@ class ReportHook:
             self.flush()  # the rows up to this report, before Ray registers its checkpoint
         self.relay.send("metrics", rows=[row])
         result = self.original(metrics, *args, **kwargs)
-        self.step = step
+        self.step, self.step_known = step, True
         if self.rank == 0 and checkpoint is not None:
             self.relay.send("checkpoint", step=step, metrics=row)
             self.relay.send("memory", peak_worker_rss_mb=round(peak_rss_mb(), 1))  # rank 0's
