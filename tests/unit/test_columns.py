@@ -252,3 +252,34 @@ def test_batches_finish_in_order_with_the_next_started_and_an_error_in_its_place
         for result, _ in finished_in_order(started(5, fail_at=3), ahead=2):
             got.append(result)
     assert got == [0, 10, 20]
+
+
+def test_rows_too_wide_for_data_memory_mb_are_refused_in_setup(tmp_path):
+    """Encoded images of 100 KB a row: at the defaults' 8 partitions and a window of 128 rows
+    even slices of the fewest rows (256) hold about 1.2 GB, which 512 MB cannot bound; setup
+    refuses, naming data.memory_mb and what it would take. Given that much, the same data
+    passes. The oracle: the bytes the file's rows decode to, times what a worker holds of
+    them (2 windows and 3 slices a partition, 12 slices in passing)."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(0)
+    width = 100_000
+    table = pa.table(
+        {
+            "raw": pa.array([rng.bytes(width) for _ in range(600)], pa.binary()),
+            "n": pa.array(np.arange(600, dtype=np.int64)),
+        }
+    )
+    path = tmp_path / "images.parquet"
+    pq.write_table(table, path, row_group_size=300, compression="none")
+    windows = {"partitions": 8, "shuffle_window": 128}
+    wide = lm_spec(tmp_path / "runs", str(path), data={**windows, "memory_mb": 512})
+    with pytest.raises(SpecError, match=r"holds about \d+ MB, more than data.memory_mb \(512\)"):
+        validate_workload(wide)
+    held = 48 * 2**20 + (8 * (2 * 128 + 3 * 256) + 12 * 256) * width
+    needed_mb = held / 2**20
+    assert needed_mb > 1000  # about 1.1 GB: what a worker would really have held
+    enough = lm_spec(
+        tmp_path / "runs", str(path), data={**windows, "memory_mb": int(needed_mb * 1.1)}
+    )
+    assert validate_workload(enough) > 0  # its steps: the model ran on its first rows

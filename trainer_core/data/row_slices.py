@@ -56,7 +56,19 @@ def slice_rows_for(
     small or smaller is read whole."""
     budget = (memory_mb - READER_OVERHEAD_MB) * 2**20 - 2 * partitions * window * row_bytes
     rows = int(budget / ((3 * partitions + 12) * max(row_bytes, 1.0)))
-    return min(largest, max(256, rows))
+    return min(largest, max(MIN_SLICE_ROWS, rows))
+
+
+#: The fewest rows a slice of a bigger row group holds (fewer would read it in tiny pieces).
+MIN_SLICE_ROWS = 256
+
+
+def held_bytes(row_bytes: float, partitions: int, window: int, slice_rows: int) -> float:
+    """What a rank reading ``partitions`` holds at slices of ``slice_rows`` rows (the sum
+    ``slice_rows_for`` keeps under the budget): wide rows can make even the smallest slices
+    hold more than ``data.memory_mb``, which setup then refuses."""
+    held_rows = partitions * (2 * window + 3 * slice_rows) + 12 * slice_rows
+    return READER_OVERHEAD_MB * 2**20 + held_rows * row_bytes
 
 
 class SliceStore:

@@ -22,7 +22,7 @@ import torch
 from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
+from trainer_core.data import dataset_snapshot, footers, rank_stream, row_slices, stream
 from trainer_core.data.table_rows import TableRows
 from trainer_core.errors import SpecError
 from trainer_core.run.plan import Plan, plan_attempt, run_directory
@@ -167,6 +167,23 @@ def _check_reader_memory(data: Any, layout: footers.Layout) -> None:
             f"half of data.memory_mb ({data.memory_mb}): lower data.shuffle_window or "
             "data.partitions, or raise data.memory_mb",
             field="data.shuffle_window",
+        )
+    # The slices around the windows: wide rows (encoded images) can make even the smallest
+    # hold more than the budget, which would then be no bound at all.
+    row = footers.row_bytes(layout)
+    largest = max((g.rows for g in layout.row_groups), default=0)
+    rows = row_slices.slice_rows_for(
+        data.memory_mb, row, data.partitions, data.shuffle_window, largest
+    )
+    held_mb = row_slices.held_bytes(row, data.partitions, data.shuffle_window, rows) / 2**20
+    if held_mb > data.memory_mb:
+        raise SpecError(
+            f"rows of {row / 1e3:.0f} KB (decoded) in slices of at least {rows} rows: a worker "
+            f"reading data.partitions ({data.partitions}) with data.shuffle_window "
+            f"({data.shuffle_window}) holds about {held_mb:.0f} MB, more than data.memory_mb "
+            f"({data.memory_mb}): raise data.memory_mb to at least {int(held_mb) + 1}, or "
+            "lower data.partitions or data.shuffle_window",
+            field="data.memory_mb",
         )
 
 
