@@ -149,26 +149,31 @@ def check_held(run_location: Location, owner: str) -> None:
 
 
 def release(run_location: Location, owner: str) -> None:
-    """Give the run back, if ``owner`` still holds it. A keeper renewing it in this process is
-    stopped first: a renewal that read the lease before the delete would write it back after
-    (on a local disk the delete is outside the renewal's compare-and-swap), holding the run
-    for another TTL after its flow ended."""
-    keeper = _keepers.get((run_location.uri, owner))
-    if keeper is not None:
+    """Give the run back, if ``owner`` still holds it. Every keeper renewing it in this process
+    is stopped first (the flow's and a train attempt's, nested): a renewal that read the lease
+    before the delete would write it back after (on a local disk the delete is outside the
+    renewal's compare-and-swap), holding the run for another TTL after its flow ended."""
+    with _keepers_guard:
+        renewing = list(_keepers.get((run_location.uri, owner), ()))
+    for keeper in renewing:
         keeper.stop()
     path = RunDirectory(run_location).lease_file
     if (read_whole_json(path) or {}).get("owner") == owner:
         path.delete_file()
 
 
-#: The keepers renewing a lease in this process, by (run URI, owner): ``release`` stops one.
-_keepers: dict[tuple[str, str], LeaseKeeper] = {}
+#: The keepers renewing a lease in this process, by (run URI, owner), outermost first: the
+#: flow's from setup to finalize and, inside it, each train attempt's. ``release`` stops all.
+_keepers: dict[tuple[str, str], list[LeaseKeeper]] = {}
+_keepers_guard = threading.Lock()
 
 
 class LeaseKeeper:
     """Renews a lease in a background thread while the run is driven (from setup to finalize,
     across retry delays). A renewal that finds the lease taken over stops renewing and keeps
-    the error in ``lost``: the attempt in progress checks it and stops."""
+    the error in ``lost``: the attempt in progress checks it and stops. Keepers of one lease
+    nest (the train task's inside the flow's): each leaving ends only its own renewals, and
+    ``release`` ends them all."""
 
     def __init__(self, run_location: Location, lease: Lease, ttl_s: float | None = None):
         self.location, self.lease = run_location, lease
@@ -194,16 +199,26 @@ class LeaseKeeper:
                 continue
 
     def __enter__(self) -> LeaseKeeper:
-        _keepers[(self.location.uri, self.lease.owner)] = self
+        with _keepers_guard:
+            _keepers.setdefault(self._key, []).append(self)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-        if _keepers.get((self.location.uri, self.lease.owner)) is self:
-            del _keepers[(self.location.uri, self.lease.owner)]
+        with _keepers_guard:
+            nested = _keepers.get(self._key, [])
+            if self in nested:
+                nested.remove(self)
+            if not nested:
+                _keepers.pop(self._key, None)
+
+    @property
+    def _key(self) -> tuple[str, str]:
+        return (self.location.uri, self.lease.owner)
 
     def stop(self) -> None:
         """Renew no more (a renewal in progress finishes first)."""
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5)
