@@ -50,3 +50,23 @@ def shard(model: Any, mesh: Any) -> None:
     for layer in model.net:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+
+
+def trains_twice(config: dict[str, Any]) -> None:
+    """An own loop (``train_loop_api: relaytrain``) that goes over ``batches()`` a second time
+    after training the run once: API misuse, which would silently train the run again."""
+    from trainer_core.train import own_loop
+
+    run = own_loop.session()
+    model = torch.nn.Linear(6, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = run.setup(model, optimizer)
+    for _ in range(2):
+        for batch in run.batches():
+            loss = torch.nn.functional.mse_loss(
+                model(batch["features"]).squeeze(1), batch["labels"]
+            )
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            run.report({"loss": loss.item(), "loss_weight": run.loss_weight})

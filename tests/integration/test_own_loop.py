@@ -190,3 +190,34 @@ def test_an_own_loop_on_the_columns_form_resumes_on_the_same_crops(relaytrain_ra
     ahead.close()
     batches.close()
     assert len(expected) == 7 and kept == expected
+
+
+def test_a_second_pass_over_batches_is_refused_and_spends_no_retry(relaytrain_ray, tmp_path):
+    """An own loop that goes over batches() again after the run's last epoch would train the
+    run again without a word: refused as the loop's misuse of the API (no retry: a retry runs
+    the same code), after the first pass was trained and committed whole."""
+    from tests.conftest import tiny_raw
+    from trainer_core.errors import SpecError
+    from trainer_core.run.engine import run_attempt
+    from trainer_core.spec.overrides import build_spec
+
+    raw = tiny_raw(
+        tmp_path,
+        "twice",
+        train_loop="tests.own_functions:trains_twice",
+        train_loop_api="relaytrain",
+        scaling={"num_workers": 1},
+        schedule={"epochs": 1, "lr_schedule": "constant", "warmup_steps": 0},
+        data={"task": "regression"},
+    )
+    del raw["model"]
+    spec = build_spec(raw)
+    with pytest.raises(SpecError, match=r"batches\(\) was called a second time") as raised:
+        run_attempt(spec)
+    assert raised.value.field == "train_loop"
+    run_dir = run_dir_of(spec)
+    (attempt,) = run_dir.read_attempts()
+    assert attempt["error_budget"] == "none"
+    history = read_metrics_history(run_dir)
+    assert [row["step"] for row in history] == list(range(1, 14))  # the one pass, once
+    assert {row["loss_weight"] for row in history} == {1.0}  # one worker: its whole batch

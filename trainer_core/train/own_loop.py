@@ -31,7 +31,7 @@ from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
 from trainer_core.data.transform import Batches, TransformPool
-from trainer_core.errors import RelaytrainError
+from trainer_core.errors import RelaytrainError, SpecError
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.execution.worker_group import (
@@ -60,6 +60,12 @@ logger = logging.getLogger("relaytrain.own_loop")
 
 #: The run of the loop this worker process runs now (``session()``).
 _current: OwnLoop | None = None
+
+
+def _misuse(message: str) -> SpecError:
+    """The API used out of order: the loop's code, which a retry would run the same way, so
+    no retry is spent on it."""
+    return SpecError(f"relaytrain's own-loop API: {message}", field="train_loop")
 
 
 def session() -> OwnLoop:
@@ -104,7 +110,12 @@ class OwnLoop:
         self.epochs = self.spec.schedule.epochs
         self.batches_per_epoch = self.data.batches_per_epoch
         self.total_steps = self.epochs * self.batches_per_epoch
+        #: The factor for this rank's mean loss so that DDP's average of the ranks' gradients
+        #: is the global batch's mean: its share of each global batch times the world size
+        #: (1.0 when the workers divide data.batch_size; else the slices differ by one row).
+        self.loss_weight = self.data.weight
         self.checkpoints: CheckpointManager | None = None
+        self._batches_called = False
         self.group = 0
         #: The steps done (the last reported), where the next batch is, where this group began.
         self.step = 0
@@ -134,7 +145,7 @@ class OwnLoop:
         (model, optimizer, ``scheduler``, every rank's RNG, the cursor) and return the model
         wrapped for DDP. Build the optimizer on the unwrapped model's parameters first."""
         if self.checkpoints is not None:
-            raise RuntimeError("setup() was called twice: call it once, before batches()")
+            raise _misuse("setup() was called twice: call it once, before batches()")
         model.to(self.device)
         training_state.seed_everything(self.spec.run.seed * 1009 + self.rank + 1)  # per rank
         self.checkpoints = CheckpointManager(
@@ -203,10 +214,18 @@ class OwnLoop:
         (a batch not reported is ended, with no metrics, when the next is asked for; one not
         reported when the loop returns is not counted)."""
         if self.checkpoints is None:
-            raise RuntimeError(
+            raise _misuse(
                 "batches() before setup(): call setup(model, optimizer, scheduler) first: it "
                 "restores the newest checkpoint and the cursor the batches start from"
             )
+        if self._batches_called:
+            raise _misuse(
+                "batches() was called a second time: it already hands out every batch from the "
+                "cursor to the end of the run's last epoch, so a second pass would train the "
+                "run again. Iterate over one batches() for the whole run (epoch and "
+                "end_of_epoch say where each batch lies)"
+            )
+        self._batches_called = True
         first = self.cursor.batch(self.batch_size)
         start = self._train_batches.start if self._train_batches is not None else None
         epochs = self.data.epochs(self.cursor.epoch, first, self.epochs, start)
@@ -261,7 +280,7 @@ class OwnLoop:
         drain's notice) say so. Report validation metrics at the epoch's last batch
         (``end_of_epoch``): the checkpoint of the weights they measured records them."""
         if not self._open:
-            raise RuntimeError(
+            raise _misuse(
                 "report() ends the step of the batch batches() handed out: call it once per "
                 "batch, after the optimizer step"
             )
@@ -366,7 +385,7 @@ def own_train_loop(config: dict[str, Any]) -> None:
         fn = workloads.resolve_train_loop(loop.spec.train_loop)
         workloads.call_train_loop(fn, loop.spec.train_loop_config)
         if loop.checkpoints is None:
-            raise RuntimeError(
+            raise _misuse(
                 f"train_loop {loop.spec.train_loop} returned without calling setup(): "
                 "nothing was trained or checkpointed"
             )
