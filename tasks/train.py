@@ -48,6 +48,12 @@ NOTICES: dict[str, tuple[int, str, Callable[[dict[str, Any]], tuple[Any, ...]]]]
         "(scaling.wait_for_resources_s) for other runs to free it",
         lambda e: (e["short"], e["wait_s"]),
     ),
+    "waiting_for_nodes": (
+        logging.WARNING,
+        "waiting for nodes: %s; the worker group waits up to %g s "
+        "(scaling.wait_for_resources_s) for the cluster to add them",
+        lambda e: (e["short"], e["wait_s"]),
+    ),
     "resizing": (
         logging.WARNING,
         "the cluster holds %s workers now: resizing the worker group from %s",

@@ -4,8 +4,10 @@ draining, and the Ray settings relaytrain sets."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +16,13 @@ import ray
 
 from trainer_core.errors import ClusterCapacityError
 from trainer_core.execution import ray_head
+from trainer_core.execution.capacity import (
+    CapacityDecision,
+    NeverFits,
+    NodeType,
+    WaitForNodes,
+    decide,
+)
 from trainer_core.spec.run_spec import RunSpec
 
 logger = logging.getLogger("relaytrain.engine")
@@ -70,9 +79,12 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None) -> Iter
         # "local": a new cluster of our own, not whatever `ray start` left on this machine.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
         ray_head.watch_started_cluster()  # its head lost: leave it, not end this process
+    global _started_here
+    _started_here = address == "local" or not address
     try:
         yield True
     finally:
+        _started_here = False
         ray_head.stop_watching()
         ray.shutdown()
 
@@ -125,36 +137,114 @@ def held_by_other_work(needs: dict[str, float]) -> bool:
     return fits_in_all and shortfall(needs) is not None
 
 
-def check_capacity(spec: RunSpec) -> None:
-    """Refuse a worker group the cluster can never hold (Ray would wait forever): the fixed
-    count, or an elastic run's MIN, in all; one worker on the largest of its live nodes."""
-    total = ray.cluster_resources()
-    workers = spec.scaling.min_workers
-    asked = spec.scaling.num_workers
-    shown = f"{list(asked)} (at least {workers})" if isinstance(asked, tuple) else f"{asked}"
-    for resource, needed in group_needs(spec).items():
-        available = total.get(resource, 0.0)
-        if needed > available:
-            raise ClusterCapacityError(
-                f"scaling.num_workers={shown} workers need {needed:g} {resource} in all, but "
-                f"the Ray cluster has {available:g}: lower scaling.num_workers or "
-                "scaling.resources_per_worker, or add nodes",
-                field="scaling.num_workers",
+def check_capacity(spec: RunSpec, first_attempt: bool = True) -> CapacityDecision:
+    """The cluster's capacity for the worker group of ``spec`` (``capacity``), refusing at
+    setup (``first_attempt``) a group no node the cluster can have could ever hold: a
+    ``ClusterCapacityError`` that names the request, the largest node type and the knob. A
+    group more nodes could hold is no error here: the attempt waits for them (``trainer.fit``).
+    """
+    decision = capacity(spec)
+    if isinstance(decision, NeverFits) and first_attempt:
+        raise ClusterCapacityError(decision.reason, field=decision.field)
+    return decision
+
+
+def capacity(spec: RunSpec) -> CapacityDecision:
+    """Whether the live nodes hold the smallest worker group of ``spec`` (an elastic run's MIN),
+    more nodes could, or no node the cluster can have could (``capacity.decide``)."""
+    return decide_now(worker_needs(spec), spec.scaling.min_workers, spec.scaling.placement_strategy)
+
+
+def decide_now(per_worker: dict[str, float], num_workers: int, strategy: str) -> CapacityDecision:
+    """``capacity.decide`` on the cluster as it is now: its live nodes and ``node_types()``."""
+    live = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+    return decide(per_worker, num_workers, live, node_types(), strategy)
+
+
+def short_of_nodes(per_worker: dict[str, float], num_workers: int, strategy: str) -> str | None:
+    """What the live nodes lack for the group, when more nodes could hold it (a node lost, an
+    autoscaling cluster still to start its workers); None when they hold it, or none could."""
+    decision = decide_now(per_worker, num_workers, strategy)
+    return decision.reason if isinstance(decision, WaitForNodes) else None
+
+
+#: Whether this process started the cluster it is connected to (``ray_cluster``, "local"):
+#: nobody adds nodes to it, so its live nodes are all the nodes it can have.
+_started_here = False
+
+
+def node_types() -> list[NodeType] | None:
+    """The kinds of node the cluster can have, for ``capacity.decide``:
+
+    - a cluster this process started: its live nodes, one of each (nobody adds nodes to it);
+    - the autoscaler's node types, with their bounds, where it publishes them in the GCS (Ray's
+      autoscaler v2 and KubeRay report them: ``ReportClusterConfig``, which Ray Data reads
+      the same way);
+    - None under an autoscaler that does not (Ray's v1 autoscaler writes only its status), or
+      while it is not yet known whether one runs: the node types are unknown here, so no request
+      is refused and a shortfall is waited for;
+    - any other cluster (nodes started with ``ray start``, a fixed-size KubeRay cluster): every
+      node it has had, alive or lost, as many as it takes (a lost one can be replaced, others
+      can join).
+    """
+    if _started_here:
+        return [
+            NodeType(n["NodeID"], dict(n.get("Resources", {})), 1)
+            for n in ray.nodes()
+            if n.get("Alive")
+        ]
+    config = _autoscaler_config()
+    if config is not None and config.node_group_configs:
+        return [
+            NodeType(
+                group.name,
+                {name: float(amount) for name, amount in group.resources.items()},
+                None if group.max_count < 0 else int(group.max_count),
             )
-    largest: dict[str, float] = {}
-    for node in ray.nodes():
-        if node.get("Alive"):
-            for resource, amount in node.get("Resources", {}).items():
-                largest[resource] = max(largest.get(resource, 0.0), amount)
-    for resource, needed in worker_needs(spec).items():
-        if needed > largest.get(resource, 0.0):
-            raise ClusterCapacityError(
-                f"scaling.resources_per_worker asks {needed:g} {resource} for each worker, but "
-                f"the largest node of the Ray cluster has {largest.get(resource, 0.0):g} (a "
-                "worker runs on one node): lower scaling.resources_per_worker, or add a node "
-                "that large",
-                field="scaling.resources_per_worker",
-            )
+            for group in config.node_group_configs
+        ]
+    if _has_autoscaler() is not False:
+        return None
+    return [NodeType(n["NodeID"], dict(n.get("Resources", {}))) for n in ray.nodes()]
+
+
+def _autoscaler_config() -> Any:
+    """The cluster config an autoscaler reported to the GCS (node types), or None."""
+    from ray._private.state import state
+
+    try:
+        return state.get_cluster_config()
+    except Exception:  # an older GCS, or none reported: unknown
+        return None
+
+
+def _has_autoscaler() -> bool | None:
+    """Whether an autoscaler manages the cluster's nodes (None: not known yet). Ray's monitor
+    runs on every head and writes its status to the GCS; without an autoscaling config its node
+    provider is Ray's read-only stand-in, which names each node's type ``node_<node id>``
+    (``format_readonly_node_type``): any other node type is an autoscaler's. Until the monitor
+    has made its first report (a head just started) it is not known."""
+    from ray._private import ray_constants
+    from ray.experimental import internal_kv
+
+    try:
+        raw = internal_kv._internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+    except Exception:  # the GCS did not answer: not known
+        return None
+    if raw is None:  # no monitor on this head (``--no-monitor``): nobody adds nodes
+        return False
+    try:
+        report = json.loads(raw).get("autoscaler_report")
+    except (ValueError, AttributeError):  # a status this reading does not know
+        return None
+    if not report:
+        return None
+    types = {*(report.get("node_type_mapping") or {}).values(), *(report.get("active_nodes") or {})}
+    types |= {*(report.get("pending_launches") or {})}
+    return any(not _READONLY_NODE_TYPE.fullmatch(str(name)) for name in types)
+
+
+_READONLY_NODE_TYPE = re.compile(r"node_[0-9a-f]+")
 
 
 def alive_nodes() -> set[str]:

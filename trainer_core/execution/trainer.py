@@ -18,9 +18,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from trainer_core import storage
 from trainer_core.errors import ClusterBusyError, InfrastructureError
 from trainer_core.execution import ray_head
+from trainer_core.execution.capacity import Fits
 from trainer_core.execution.classify import group_never_started
 from trainer_core.execution.cluster import (
     apply_ray_env_defaults,
+    capacity,
     group_needs,
     held_by_other_work,
     short_of,
@@ -198,6 +200,14 @@ def fit(
         # the cluster (a wait_for_resources_s under Ray's timeout must not rename that).
         waited_out = wait_s and time.monotonic() - began >= wait_s
         never_started = not fitting.group_began and group_never_started(error)
+        short_now = capacity(spec) if waited_out and never_started else Fits()
+        if not isinstance(short_now, Fits):  # nodes, not other runs: the cluster failed
+            raise InfrastructureError(
+                f"the Ray cluster stayed short of nodes: the worker group could not start "
+                f"within scaling.wait_for_resources_s={wait_s:g} s ({short_now.reason}). Add "
+                "nodes (or let its autoscaler add them), or raise the wait; retried on the "
+                "infrastructure budget, the run resumes from its newest checkpoint"
+            ) from error
         if waited_out and never_started and held_by_other_work(group_needs(spec)):
             raise ClusterBusyError(
                 f"the Ray cluster stayed busy: the worker group could not start within "
@@ -209,14 +219,34 @@ def fit(
 
 
 def _say_if_busy(spec: RunSpec, handle: EventHandler) -> None:
-    """When the cluster's free resources do not fit the worker group now (other runs hold
-    them), say what it is short of and how long the group waits for them in Ray's queue
-    (``scaling.wait_for_resources_s``); with a wait of 0, fail at once. Not for an elastic run,
-    which sizes its group to what the cluster holds."""
-    short = None if spec.scaling.elastic else short_of(spec)
-    if short is None:
+    """When the group does not fit now, say why and how long it waits
+    (``scaling.wait_for_resources_s``): for nodes, where the live ones cannot hold it (a node
+    lost, an autoscaling cluster that starts its workers when asked), or for other work to free
+    what it holds (a busy cluster, Ray's queue). With a wait of 0, fail at once: short of nodes
+    on the infrastructure budget, busy not retried. Not for an elastic run, which sizes its
+    group to what the cluster holds."""
+    if spec.scaling.elastic:
         return
     wait_s = spec.scaling.wait_for_resources_s
+    decision = capacity(spec)
+    if not isinstance(decision, Fits):
+        if wait_s == 0:
+            raise InfrastructureError(
+                f"the Ray cluster is short of nodes ({decision.reason}) and "
+                "scaling.wait_for_resources_s=0 says not to wait: raise it, or add nodes"
+            )
+        logger.warning(
+            "waiting for nodes: %s; the worker group waits up to %g s "
+            "(scaling.wait_for_resources_s) for the cluster to add them",
+            decision.reason,
+            wait_s,
+        )
+        event = {"kind": "waiting_for_nodes", "time": time.time(), "short": decision.reason}
+        handle({**event, "wait_s": wait_s})
+        return
+    short = short_of(spec)
+    if short is None:
+        return
     if wait_s == 0:
         raise ClusterBusyError(
             f"the Ray cluster is busy ({short}) and scaling.wait_for_resources_s=0 says not to "

@@ -31,7 +31,7 @@ from ray.train.v2._internal.execution.worker_group.placement_group_handle import
     DefaultPlacementGroupHandle,
 )
 
-from trainer_core.execution.cluster import held_by_other_work
+from trainer_core.execution.cluster import held_by_other_work, short_of_nodes
 
 #: Ray Train settings that only its controller (and the callbacks it runs) reads. Ray 2.60's
 #: readers: the controller (health checks, group start, preemption watcher and its poll) and
@@ -75,13 +75,29 @@ PLACING_GRACE_S = 5.0
 class QueuedPlacementGroup(DefaultPlacementGroupHandle):
     """The attempt's first group's placement group, which waits past Ray's start timeout, up to
     ``wait_s`` in all, while other work holds what the group needs (``held_by_other_work``:
-    the cluster's live nodes hold it in all, but not free). Once the cluster has room for it, or
-    lacks the nodes for it, it fails as at Ray's timeout (a retry, as before: a node lost, a
-    placement Ray did not make), a grace of ``PLACING_GRACE_S`` after."""
+    the cluster's live nodes hold it in all, but not free) or while the cluster is short of
+    nodes that could come (``short_of_nodes``: a node lost and not yet replaced, an autoscaler
+    starting nodes for this very placement group). Once the cluster has room for it, or no node
+    could come for it, it fails as at Ray's timeout (a placement Ray did not make), a grace of
+    ``PLACING_GRACE_S`` after."""
 
-    def __init__(self, placement_group: Any, needs: dict[str, float], wait_s: float):
+    def __init__(
+        self,
+        placement_group: Any,
+        needs: dict[str, float],
+        wait_s: float,
+        group: tuple[dict[str, float], int, str] | None = None,
+    ):
         super().__init__(placement_group)
         self.needs, self.wait_s = needs, wait_s
+        #: One worker's resources, the group's size and its placement strategy.
+        self.group = group
+
+    def _waits(self) -> bool:
+        """Whether the group waits on: other work holds what it needs, or nodes may come."""
+        if held_by_other_work(self.needs):
+            return True
+        return self.group is not None and short_of_nodes(*self.group) is not None
 
     def wait(self, timeout_seconds: float | int = 30) -> bool:
         deadline = time.monotonic() + max(self.wait_s, float(timeout_seconds))
@@ -89,7 +105,7 @@ class QueuedPlacementGroup(DefaultPlacementGroupHandle):
             return True
         grace_until = None
         while (left := deadline - time.monotonic()) > 0:
-            if held_by_other_work(self.needs):
+            if self._waits():
                 grace_until = None
             elif grace_until is None:
                 grace_until = time.monotonic() + PLACING_GRACE_S
@@ -118,8 +134,10 @@ class PooledWorkerGroup(WorkerGroup):
         handle = super()._create_placement_group(scaling_config, context)
         if self._queue_wait_s is None or not isinstance(handle, DefaultPlacementGroupHandle):
             return handle
-        needs = {name: n * context.num_workers for name, n in context.resources_per_worker.items()}
-        return QueuedPlacementGroup(handle.placement_group, needs, self._queue_wait_s)
+        per_worker = dict(context.resources_per_worker)
+        needs = {name: n * context.num_workers for name, n in per_worker.items()}
+        group = (per_worker, context.num_workers, scaling_config.placement_strategy)
+        return QueuedPlacementGroup(handle.placement_group, needs, self._queue_wait_s, group)
 
     @staticmethod
     def _get_worker_runtime_env(custom_runtime_env: Any) -> Any:

@@ -87,7 +87,7 @@ def run_attempt(
         if pinned.added and on_event is not None:
             on_event({"kind": "dataset_added", "files": pinned.added, "uri": pinned.layout.uri})
     with cluster.ray_cluster():
-        cluster.check_capacity(spec)
+        cluster.check_capacity(spec, first_attempt=plan.attempt == 1)  # retries wait
         reclaimed_before = cluster.preempted_nodes()
         _prepare_run_directory(spec, run_dir, plan)
         # From step 0 when nothing is committed; a user's loop from what only its workers know.
