@@ -114,8 +114,12 @@ def test_a_tracking_uri_from_the_environment_with_a_credential_is_refused_at_set
     assert raised.value.field == "MLFLOW_TRACKING_URI"
     assert "hunter2" not in str(raised.value) and "CANARY" not in str(raised.value)
     assert not (tmp_path / "runs").exists()
-    with pytest.raises(SpecError, match=r"tracking\.mlflow_uri"):  # and in the spec itself
-        build_spec({**tiny_raw(tmp_path, "tracked"), "tracking": {"mlflow_uri": uri}})
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    with pytest.raises(SpecError, match=r"tracking\.mlflow_uri") as raised:  # in the spec too
+        in_spec = {**tiny_raw(tmp_path / "runs", "tracked"), "tracking": {"mlflow_uri": uri}}
+        refuse_bad_input(build_spec(in_spec))
+    assert "hunter2" not in str(raised.value) and "CANARY" not in str(raised.value)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_unknown_protocol_is_a_spec_error():

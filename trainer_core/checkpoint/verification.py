@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from trainer_core.checkpoint.files import CheckpointInfo, file_digest, matches, sha256_hex
 from trainer_core.storage.locations import Location
-
-if TYPE_CHECKING:
-    from trainer_core.checkpoint.run_directory import RunDirectory
 
 logger = logging.getLogger("relaytrain.checkpoints")
 
@@ -86,11 +84,10 @@ def condemn(location: Location, reason: str) -> None:
     record(location, False, reason)
 
 
-def verify(run_dir: RunDirectory, checkpoint: CheckpointInfo, keep: bool = True) -> str | None:
-    """Read ``checkpoint`` whole unless its verdict is kept: None when sound, else what is
-    damaged. ``keep``: record the verdict (the run's holder; a reader that holds no lease
-    only reads)."""
-    location = run_dir.checkpoint_location(checkpoint.step)
+def verify(location: Location, checkpoint: CheckpointInfo, keep: bool = True) -> str | None:
+    """Read ``checkpoint`` (in ``location``) whole unless its verdict is kept: None when
+    sound, else what is damaged. ``keep``: record the verdict (the run's holder; a reader that
+    holds no lease only reads)."""
     verdict = stored_verdict(location)
     if verdict is not None:
         return None if verdict.get("ok") else str(verdict.get("reason"))
@@ -101,13 +98,14 @@ def verify(run_dir: RunDirectory, checkpoint: CheckpointInfo, keep: bool = True)
 
 
 def sound(
-    run_dir: RunDirectory, committed: list[CheckpointInfo], keep: bool = True
+    locate: Callable[[int], Location], committed: list[CheckpointInfo], keep: bool = True
 ) -> list[CheckpointInfo]:
     """The checkpoints of ``committed`` whose digests are verified (each read once in its
-    life, then by its kept verdict)."""
+    life, then by its kept verdict); ``locate(step)``: a checkpoint's directory
+    (``RunDirectory.checkpoint_location``)."""
     kept = []
     for checkpoint in committed:
-        found = verify(run_dir, checkpoint, keep)
+        found = verify(locate(checkpoint.step), checkpoint, keep)
         if found is None:
             kept.append(checkpoint)
         else:

@@ -168,7 +168,8 @@ def _sound_one(run_dir: RunDirectory, preferred: list[CheckpointInfo]) -> Checkp
         return preferred[0]
     damaged = []
     for checkpoint in preferred:
-        found = verification.verify(run_dir, checkpoint, keep=False)
+        location = run_dir.checkpoint_location(checkpoint.step)
+        found = verification.verify(location, checkpoint, keep=False)
         if found is None:
             return checkpoint
         damaged.append(f"{checkpoint.name}: {found}")

@@ -304,7 +304,7 @@ def finalize_run(
     ``summary.json``; return the result. ``history``: the run's metrics history (read here
     when None), read once for all of them: on object storage each segment is a request."""
     if not spec.ray_loop:  # read each checkpoint whole once: only sound ones count below
-        verification.sound(run_dir, run_dir.scan().committed)
+        verification.sound(run_dir.checkpoint_location, run_dir.scan().committed)
     run_dir.apply_retention(spec.checkpoint)  # relaytrain's own; Ray Train keeps a user loop's
     history = read_metrics_history(run_dir) if history is None else history
     tensorboard_log.write_quietly(run_dir, history)

@@ -4,7 +4,7 @@ tracking, retries and injected faults."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 from pydantic import (
     Field,
@@ -18,7 +18,6 @@ from trainer_core.spec.sections import (
     PositiveInt,
     _Section,
 )
-from trainer_core.storage.uris import is_credential_option
 
 
 class ScalingSection(_Section):
@@ -110,14 +109,6 @@ def tracking_uri_problem(uri: str) -> str | None:
         return (
             "it carries a user or password before the host: set MLFLOW_TRACKING_USERNAME and "
             "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment instead"
-        )
-    secret = [
-        k for k, _ in parse_qsl(parts.query, keep_blank_values=True) if is_credential_option(k)
-    ]
-    if secret:
-        return (
-            f"its query carries a credential ({secret[0]}=...): set MLFLOW_TRACKING_TOKEN (or "
-            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD) in the environment instead"
         )
     if parts.scheme in ("http", "https") and not parts.hostname:
         return "it names no host: give http://HOST:PORT"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import BaseModel
 
@@ -12,6 +13,7 @@ from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import SpecError
 from trainer_core.spec.operations import tracking_uri_problem
 from trainer_core.spec.run_spec import RunSpec
+from trainer_core.storage.uris import is_credential_option
 
 logger = logging.getLogger("relaytrain.mlflow")
 
@@ -50,14 +52,19 @@ def tracking_uri(spec: RunSpec | None) -> str | None:
     """The MLflow tracking URI a run logs to: ``tracking.mlflow_uri``, else the environment's
     ``MLFLOW_TRACKING_URI``; None: no MLflow."""
     configured = spec.tracking.mlflow_uri if spec is not None else None
-    if configured:
-        return configured
-    found = os.environ.get("MLFLOW_TRACKING_URI") or None
-    problem = tracking_uri_problem(found) if found else None
-    if problem:  # it would be written into mlflow.json, the result and Prefect's artifacts
-        raise SpecError(
-            f"MLFLOW_TRACKING_URI cannot be used: {problem}", field="MLFLOW_TRACKING_URI"
+    found = configured or os.environ.get("MLFLOW_TRACKING_URI") or None
+    if found is None:
+        return None
+    where = "tracking.mlflow_uri" if configured else "MLFLOW_TRACKING_URI"
+    problem = tracking_uri_problem(found)
+    secret = [k for k, _ in parse_qsl(urlsplit(found).query) if is_credential_option(k)]
+    if secret:
+        problem = (
+            f"its query carries a credential ({secret[0]}=...): set MLFLOW_TRACKING_TOKEN (or "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD) in the environment instead"
         )
+    if problem:  # it would be written into mlflow.json, the result and Prefect's artifacts
+        raise SpecError(f"{where} cannot be used: {problem}", field=where)
     return found
 
 
