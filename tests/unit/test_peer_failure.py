@@ -23,7 +23,7 @@ from ray.train import WorkerGroupError
 
 from trainer_core.errors import InfrastructureError, TrainingCodeError
 from trainer_core.execution.classify import classify
-from trainer_core.train.worker import is_peer_failure
+from trainer_core.train.failure import is_peer_failure
 
 TIMEOUT = datetime.timedelta(seconds=30)
 

@@ -9,7 +9,11 @@
 - ``steps``: one optimizer step: accumulation over micro-batches, clipping, precision.
 - ``metric_rows``: each step's loss averaged across ranks off the step, published, kept for
   the next checkpoint.
-- ``worker``: what every training worker shares: fault injection, errors, winding down.
+- ``faults``: the faults a spec injects, fired as each step begins.
+- ``failure``: what an exception out of a worker means (a lost peer or the code's), and how
+  a failing worker winds down.
+- ``group_start``: where a worker group starts: its number, the checkpoints to resume from,
+  this rank's stream of the pinned dataset.
 - ``user_loop``: a user's own Ray Train loop, run unchanged with relaytrain's bookkeeping.
 - ``own_loop``: the public API for a loop of the user's own (``train_loop_api: relaytrain``):
   the run's data stream from its cursor, committed checkpoints, reports.

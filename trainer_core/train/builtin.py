@@ -10,9 +10,9 @@ from typing import Any
 from trainer_core.errors import RelaytrainError
 from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.train.columns_loop import ColumnsLoop
+from trainer_core.train.failure import wind_down, worker_error
 from trainer_core.train.loop import BuiltinLoop
 from trainer_core.train.own_loop import own_train_loop
-from trainer_core.train.worker import wind_down, worker_error
 
 
 def builtin_train_loop(config: dict[str, Any]) -> None:

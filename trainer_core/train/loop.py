@@ -40,6 +40,8 @@ from trainer_core.execution.worker_group import (
 from trainer_core.spec.imports import import_object
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import validate, workloads
+from trainer_core.train.faults import Faults
+from trainer_core.train.group_start import Progress, rank_data, resume_candidates
 from trainer_core.train.metric_rows import MetricRows
 from trainer_core.train.preemption import DrainWatch
 from trainer_core.train.step_clock import StepClock
@@ -49,7 +51,6 @@ from trainer_core.train.steps import (
     optimizer_step,
     optimizer_steps,
 )
-from trainer_core.train.worker import Faults, Progress, rank_data, resume_candidates
 
 logger = logging.getLogger("relaytrain.worker")
 

@@ -44,17 +44,13 @@ from trainer_core.execution.worker_group import (
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.step_time import Stragglers, own_row, window_fields
 from trainer_core.train import workloads
+from trainer_core.train.failure import wind_down, worker_error
+from trainer_core.train.faults import Faults
+from trainer_core.train.group_start import rank_data, resume_candidates
 from trainer_core.train.metric_rows import report_row
 from trainer_core.train.preemption import DrainWatch
 from trainer_core.train.step_clock import StepClock
 from trainer_core.train.steps import batch_to_device
-from trainer_core.train.worker import (
-    Faults,
-    rank_data,
-    resume_candidates,
-    wind_down,
-    worker_error,
-)
 
 logger = logging.getLogger("relaytrain.own_loop")
 

@@ -24,7 +24,8 @@ from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.execution.worker_group import Relay, all_reduce, peak_rss_mb
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import workloads
-from trainer_core.train.worker import Faults, worker_error
+from trainer_core.train.failure import worker_error
+from trainer_core.train.faults import Faults
 
 logger = logging.getLogger("relaytrain.user_loop")
 
