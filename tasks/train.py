@@ -221,7 +221,12 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
     with lease.LeaseKeeper(run_dir.location, held) as keeper:
         try:
             if jobs.job_address(spec):  # a remote cluster: the attempt runs as a Ray job
-                result = jobs.run_attempt(spec, on_event=progress, on_log=logger.info)
+                result = jobs.run_attempt(
+                    spec,
+                    on_event=progress,
+                    on_log=logger.info,
+                    lease_owner=prepared.lease_owner,  # names the job: its commits are fenced
+                )
             else:
                 result = engine.run_attempt(
                     spec,

@@ -87,3 +87,75 @@ def test_a_job_server_that_answered_the_run_before_is_waited_for(monkeypatch, tm
         assert time.monotonic() - started >= 3
         assert address in str(raised.value) and jobs.HEAD_WAIT_ENV in str(raised.value)
         assert raised.value.budget == "infrastructure"
+
+
+class _JobServer:
+    """A stand-in for a Ray job server that runs each submitted job's entrypoint in this
+    process (``jobs.main``) and serves its printed log back."""
+
+    def __init__(self, capsys):
+        self.capsys, self.log, self.submitted = capsys, "", []
+
+    def list_jobs(self):
+        return []
+
+    def submit_job(self, *, entrypoint, submission_id, metadata):
+        import shlex
+
+        self.submitted.append(SimpleNamespace(entrypoint=entrypoint, metadata=metadata))
+        argv = shlex.split(entrypoint)
+        assert argv[:3] == ["python", "-m", "trainer_core.run.jobs"], argv
+        self.capsys.readouterr()
+        jobs.main(argv[3:])
+        self.log = self.capsys.readouterr().out
+
+    async def tail_job_logs(self, job_id):
+        yield self.log
+
+    def get_job_status(self, job_id):
+        return "FAILED"
+
+    def get_job_logs(self, job_id):
+        return self.log
+
+    def get_job_info(self, job_id):
+        return SimpleNamespace(status="FAILED", message="")
+
+
+def test_a_job_commits_under_the_flows_lease_fence(monkeypatch, tmp_path, capsys):
+    """Through ``scaling.job_address`` the attempt runs as a Ray job whose driver calls
+    ``engine.run_attempt`` in the cluster. Its workers' checkpoint commits are fenced by the
+    flow's lease as in-process ones are: while this flow holds the run the job commits step
+    5; then another flow takes the run over (rewrites lock.json), and the job's commit of step
+    10 does not land (no COMMITTED marker) and the attempt fails with LeaseLostError. The job
+    server and the workers are stand-ins (the workers commit as ``train.loop`` does, through a
+    RunDirectory of the plan's lease owner); the fence is real."""
+    import time
+
+    import pytest
+
+    from flows.pytest_plugin import tiny_spec_dict
+    from trainer_core.checkpoint.run_directory import RunDirectory
+    from trainer_core.errors import LeaseLostError
+    from trainer_core.run import lease
+
+    spec = build_spec(tiny_spec_dict(tmp_path, "a", scaling={"job_address": "http://head:8265"}))
+    run_dir = RunDirectory.of(str(tmp_path), "a")
+    lease.acquire(run_dir.location, owner="flow-run-1", settle_s=0)
+    server = _JobServer(capsys)
+    monkeypatch.setattr(jobs, "client_waiting", lambda address, say=None: server)
+
+    def workers(spec, *, attempt=None, on_event=None, lease_owner=None, **_):
+        fenced = RunDirectory.of(str(tmp_path), "a", lease_owner=lease_owner)
+        fenced.commit_checkpoint(5, [], {})
+        now = time.time()
+        taken = {"owner": "another-flow", "host": "elsewhere", "pid": 1, "acquired_at": now}
+        run_dir.lease_file.write_json({"schema": 1, **taken, "expires_at": now + 3600})
+        fenced.commit_checkpoint(10, [], {})
+        raise AssertionError("the commit after the takeover landed")
+
+    monkeypatch.setattr(jobs.engine, "run_attempt", workers)
+    with pytest.raises(LeaseLostError, match="held by another-flow"):
+        jobs.run_attempt(spec, lease_owner="flow-run-1")
+    assert run_dir.checkpoint_location(5).child("COMMITTED").exists()
+    assert not run_dir.checkpoint_location(10).child("COMMITTED").exists()

@@ -94,9 +94,10 @@ class RunDirectory:
         return cls(storage.resolve(storage_uri).child(run_name), lease_owner)
 
     def check_lease(self, owner: str) -> None:
-        """LeaseLostError unless ``owner`` holds the run's lease now."""
+        """LeaseLostError unless ``owner`` holds the run's lease now: the flow holding it, or
+        the Ray job that flow drives (named in the lease: ``lease.name_job``)."""
         current = self.read_lease()
-        if current is None or current.get("owner") != owner:
+        if current is None or owner not in (current.get("owner"), current.get("job")):
             holder = "nobody" if current is None else current.get("owner")
             raise LeaseLostError(
                 f"run {self.uri} is no longer held by {owner} (held by {holder}): it writes "

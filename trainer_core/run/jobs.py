@@ -13,6 +13,11 @@ which Ray logs. Submission ids are deterministic (``relaytrain-<run>-<attempt>``
 job carries the run in its metadata, so a caller that died while its job ran re-attaches to
 that job instead of starting a second one. A cancelled caller stops its job; a killed one
 leaves it running.
+
+The job's checkpoint commits are fenced as an attempt's in-process ones are: before the job
+is submitted (or re-attached to) the flow names it in the run's lease (``lease.name_job``), and
+the job's workers commit only while the lease still names it. A flow that takes the run over
+(after its holder's lease lapsed) fences out a job it does not drive.
 """
 
 from __future__ import annotations
@@ -35,9 +40,9 @@ from typing import Any
 
 from trainer_core import errors
 from trainer_core.checkpoint.run_directory import RunDirectory
-from trainer_core.errors import InfrastructureError, RelaytrainError, SpecError
+from trainer_core.errors import InfrastructureError, LeaseLostError, RelaytrainError, SpecError
 from trainer_core.execution import cluster, ray_head
-from trainer_core.run import attempts, engine
+from trainer_core.run import attempts, engine, lease
 from trainer_core.run.plan import canonical_storage_uri
 from trainer_core.spec.run_spec import RunSpec
 
@@ -149,9 +154,13 @@ def free_submission_id(taken: set[str], run_name: str, attempt: int) -> str:
     return submission_id(run_name, attempt, suffix)
 
 
-def entrypoint(spec: RunSpec, attempt: int) -> str:
+def entrypoint(spec: RunSpec, attempt: int, fence: str | None = None) -> str:
+    """The job's command line; ``fence``: the id its commits are fenced by (its own)."""
     payload = base64.b64encode(spec.model_dump_json().encode()).decode()
-    return f"python -m trainer_core.run.jobs --attempt {attempt} --spec {shlex.quote(payload)}"
+    fenced = f" --lease-fence {shlex.quote(fence)}" if fence else ""
+    return (
+        f"python -m trainer_core.run.jobs --attempt {attempt}{fenced} --spec {shlex.quote(payload)}"
+    )
 
 
 # -- the caller's side ------------------------------------------------------------------------
@@ -163,22 +172,34 @@ def run_attempt(
     on_event: engine.EventHandler | None = None,
     on_log: LineHandler | None = None,
     address: str | None = None,
+    lease_owner: str | None = None,
 ) -> engine.AttemptResult:
-    """Run (or re-attach to) this run's attempt as a Ray job and follow it to its end."""
+    """Run (or re-attach to) this run's attempt as a Ray job and follow it to its end.
+    ``lease_owner``: the flow's lease, which names the job so that its commits are fenced."""
     address = address or job_address(spec)
     assert address, "run_attempt needs a job address"
     # The job plans the attempt (and checks storage) itself; here only its number and run.
     assert spec.run.name, "the flow names the run before any attempt"
     run_dir = RunDirectory.of(canonical_storage_uri(spec.run.storage), spec.run.name)
     plan = Submission(spec.run.name, run_dir.uri, attempts.next_number(attempts.read(run_dir)))
+    fence = _LeaseFence(run_dir, lease_owner) if lease_owner else None
     say = on_log or logger.info
     jobs_client = client_waiting(address, say)  # setup saw it answer: a restart is waited for
     try:
-        job_id = _attach_or_submit(jobs_client, spec, plan, say)
+        job_id = _attach_or_submit(jobs_client, spec, plan, say, fence)
         outcome = follow(jobs_client, job_id, on_event, on_log)
         info = jobs_client.get_job_info(job_id)
         say(f"Ray job {job_id} ended {info.status}: {info.message}")
         return _result_of(job_id, info, outcome)
+    except LeaseLostError as e:
+        if fence is None or not fence.still_held():
+            raise  # the run is another flow's now
+        raise InfrastructureError(
+            f"a commit of the Ray job of run {plan.run_name} was refused while the lease did "
+            f"not name it yet ({e}): this flow took the run over while the job ran unattended. "
+            "The retry submits the attempt again and resumes from the newest committed "
+            "checkpoint."
+        ) from e
     except RelaytrainError:
         raise
     except (RuntimeError, OSError) as e:  # the job server failed us, not the training
@@ -194,18 +215,46 @@ class Submission:
     attempt: int
 
 
-def _attach_or_submit(jobs_client: Any, spec: RunSpec, plan: Submission, say: LineHandler) -> str:
-    """The id of this run's live job, or of the job just submitted for ``plan.attempt``."""
+@dataclass(frozen=True)
+class _LeaseFence:
+    """The flow's lease, which names the job it drives: the job's commits are fenced by it."""
+
+    run_dir: RunDirectory
+    owner: str
+
+    def name(self, job_id: str) -> str:
+        lease.name_job(self.run_dir.location, self.owner, job_id)
+        return job_id
+
+    def still_held(self) -> bool:
+        try:
+            lease.check_held(self.run_dir.location, self.owner)
+        except LeaseLostError:
+            return False
+        return True
+
+
+def _attach_or_submit(
+    jobs_client: Any,
+    spec: RunSpec,
+    plan: Submission,
+    say: LineHandler,
+    fence: _LeaseFence | None = None,
+) -> str:
+    """The id of this run's live job, or of the job just submitted for ``plan.attempt``; named
+    in the lease (``fence``) first, so that its commits are the flow's."""
     jobs = jobs_client.list_jobs()
     live = find_live_job(jobs, plan.run_uri)
     if live is not None:
         say(f"re-attaching to the running Ray job {live.submission_id} of run {plan.run_name}")
-        return str(live.submission_id)
+        return fence.name(str(live.submission_id)) if fence else str(live.submission_id)
     taken = {j.submission_id for j in jobs if j.submission_id}
     job_id = free_submission_id(taken, plan.run_name, plan.attempt)
+    if fence is not None:
+        fence.name(job_id)
     _submit(
         jobs_client,
-        entrypoint=entrypoint(spec, plan.attempt),
+        entrypoint=entrypoint(spec, plan.attempt, job_id if fence else None),
         submission_id=job_id,
         metadata={RUN_KEY: plan.run_uri, ATTEMPT_KEY: str(plan.attempt)},
         # No runtime_env: Ray logs runtime envs whole, so no credential may travel in one. The
@@ -349,12 +398,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer_core.run.jobs")
     parser.add_argument("--attempt", type=int, required=True)
     parser.add_argument("--spec", required=True, help="the RunSpec as base64 JSON")
+    parser.add_argument(
+        "--lease-fence", help="commit only while the run's lease names this (the job's id)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     spec = RunSpec.model_validate_json(base64.b64decode(args.spec))
     try:
         result = engine.run_attempt(
-            spec, attempt=args.attempt, on_event=lambda e: _emit(EVENT_TAG, e)
+            spec,
+            attempt=args.attempt,
+            on_event=lambda e: _emit(EVENT_TAG, e),
+            lease_owner=args.lease_fence,
         )
     except RelaytrainError as error:
         _emit(OUTCOME_TAG, {"error": errors.to_json(error)})

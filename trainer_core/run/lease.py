@@ -46,6 +46,8 @@ class Lease:
     pid: int
     acquired_at: float
     expires_at: float
+    #: The Ray job the holder drives (``scaling.job_address``), whose commits this lease fences.
+    job: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA_VERSION, **self.__dict__}
@@ -131,6 +133,7 @@ def renew(run_location: Location, lease: Lease, ttl_s: float | None = None) -> L
         lease.pid,
         lease.acquired_at,
         time.time() + (ttl_s or lease_ttl_s()),
+        current.get("job"),  # the job it drives, named by the train task (``name_job``)
     )
     if found is None:
         path.write_json(renewed.to_json())
@@ -140,6 +143,28 @@ def renew(run_location: Location, lease: Lease, ttl_s: float | None = None) -> L
     except conditional_write.ConditionFailed:
         return renew(run_location, lease, ttl_s)  # read again: lost, or ours still
     return renewed
+
+
+def name_job(run_location: Location, owner: str, job_id: str) -> None:
+    """Name in the lease the Ray job ``owner`` drives now (submitted or re-attached to), before
+    it commits: the job's commits are fenced by its id (``RunDirectory(lease_owner=job_id)``
+    holds while the lease names it), so a flow that takes the run over fences out every job it
+    does not drive, and a flow that re-attaches to its predecessor's job lets it go on.
+    LeaseLostError unless ``owner`` holds the lease."""
+    path = RunDirectory(run_location).lease_file
+    while True:
+        check_held(run_location, owner)
+        if not conditional_write.supported(path):
+            path.write_json({**(read_whole_json(path) or {}), "job": job_id})
+            return
+        found = conditional_write.read(path)
+        if (found.value or {}).get("owner") != owner:
+            continue  # taken over since: check_held says by whom
+        try:
+            conditional_write.write(path, {**(found.value or {}), "job": job_id}, found.version)
+            return
+        except conditional_write.ConditionFailed:  # renewed meanwhile (by a keeper): again
+            continue
 
 
 def check_held(run_location: Location, owner: str) -> None:
