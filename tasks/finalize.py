@@ -31,14 +31,16 @@ def finalize(
 ) -> TrainingResult:
     """Write the run summary, publish the artifacts, release the run, return the result.
 
-    Only under the run's lease: when another flow holds it now, nothing is written or deleted
-    (retention, summary.json, MLflow, artifacts would act under the live flow) and the result
-    is read from the run directory as it stands."""
+    Only under the run's lease: when another flow holds it now, or held it since this flow's
+    lease lapsed and wrote summary.json, nothing is written or deleted (retention,
+    summary.json, MLflow, artifacts would act under or over that flow) and the result is read
+    from the run directory as it stands."""
     logger = get_run_logger()
     owner = prepared.lease_owner
     run_dir = RunDirectory.of(prepared.storage_uri, prepared.run_name, lease_owner=owner)
     try:
-        lease.acquire(run_dir.location, owner=owner)  # ours still, or free again: take it
+        # ours still, or free again and nobody else's summary since setup: take it
+        lease.acquire_to_finalize(run_dir.location, owner, prepared.summary_seen)
     except LeaseHeldError as e:
         logger.warning("finalize writes nothing: %s", e)
         return build_result(spec, run_dir, prepared.storage_uri, status)

@@ -36,6 +36,9 @@ class Prepared(BaseModel):
     #: This flow run's first attempt: retry budgets count the failures from it on, as Prefect
     #: counts a task's retries per flow run (a relaunched run starts with whole budgets).
     first_attempt: int = 1
+    #: summary.json as setup found it (``lease.summary_version``): a finalize whose lease
+    #: lapsed meanwhile writes nothing over a summary another flow wrote since. None: unchecked.
+    summary_seen: str | None = None
 
 
 @contextmanager
@@ -101,6 +104,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
             pinned.layout.uri,
         )
     lease.acquire(run_dir.location, owner=lease_owner)
+    summary_seen = lease.summary_version(run_dir.location)  # under the lease: nobody writes it
     stored = read_stored_result(run_dir)
     if is_finished(spec, stored):
         logger.info(
@@ -125,4 +129,5 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
         resume_step=plan.resume_step,
         stored_result=stored,
         first_attempt=plan.attempt,
+        summary_seen=summary_seen,
     )

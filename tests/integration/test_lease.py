@@ -208,3 +208,41 @@ def test_of_flows_racing_for_a_free_lease_on_object_stores_exactly_one_wins(obje
     root.child("renewed", "lock.json").write_json({**held.to_json(), "owner": "b"})
     with pytest.raises(lease.LeaseLostError, match="held by b"):
         lease.renew(root.child("renewed"), held)
+
+
+def test_a_finalize_whose_lease_lapsed_leaves_another_flows_completed_summary(
+    relaytrain_prefect, tmp_path
+) -> None:
+    """This flow's lease lapsed before its finalize (its process stalled past the TTL);
+    meanwhile another flow took the run, completed it, wrote summary.json and released it. The
+    late finalize finds the lease free, but the summary is not the one this flow's setup saw:
+    it writes nothing (not over the other flow's completed summary, bytes identical) and
+    leaves the run unheld."""
+    spec = build_spec(tiny_raw(str(tmp_path), "lapsed", scaling=ONE_WORKER))
+    run_dir = run_dir_of(spec)
+    lease.acquire(run_dir.location, owner="this-flow", ttl_s=0.01, settle_s=0)  # setup
+    prepared = Prepared(
+        run_name="lapsed",
+        storage_uri=spec.run.storage,
+        run_uri=run_dir.uri,
+        lease_owner="this-flow",
+        plan_reason="test",
+        total_steps=39,
+        resume_step=None,
+        summary_seen=lease.summary_version(run_dir.location),  # as setup records it: none
+    )
+    time.sleep(0.05)  # this flow's lease has expired
+    lease.acquire(run_dir.location, owner="another-flow", settle_s=0)
+    run_dir.summary_file.write_json(
+        {"schema": 1, "run_name": "lapsed", "status": "completed", "steps_completed": 39}
+    )
+    lease.release(run_dir.location, "another-flow")
+    theirs = run_dir.summary_file.read_bytes()
+
+    @flow
+    def finalize_only() -> Any:
+        return finalize(spec, prepared, status="failed")
+
+    finalize_only()
+    assert run_dir.summary_file.read_bytes() == theirs
+    assert not run_dir.lease_file.exists()

@@ -416,3 +416,29 @@ def test_retry_budgets_count_this_flow_runs_failures_only(tmp_path):
 def _at(error, attempt):
     error.attempt = attempt
     return error
+
+
+def test_a_finalize_whose_lease_lapsed_takes_it_back_only_over_the_summary_setup_saw(
+    run_location,
+):
+    """This flow's lease lapsed and another flow took the run: when that flow wrote no
+    summary, finalize takes the freed lease back; when it wrote one, finalize is refused (the
+    lease stays free, the other summary's bytes as they were)."""
+    summary = RunDirectory(run_location).summary_file
+    for other_wrote in (False, True):
+        lease.acquire(run_location, owner="this", ttl_s=0.01, settle_s=0)
+        seen = lease.summary_version(run_location)  # setup
+        time.sleep(0.02)
+        lease.acquire(run_location, owner="other", settle_s=0)
+        if other_wrote:
+            summary.write_json({"schema": 1, "status": "completed", "owner": "other"})
+        lease.release(run_location, "other")
+        theirs = summary.read_bytes() if other_wrote else None
+        if not other_wrote:
+            assert lease.acquire_to_finalize(run_location, "this", seen).owner == "this"
+            lease.release(run_location, "this")
+            continue
+        with pytest.raises(lease.LeaseHeldError, match=r"summary\.json was written since"):
+            lease.acquire_to_finalize(run_location, "this", seen)
+        assert summary.read_bytes() == theirs
+        assert not RunDirectory(run_location).lease_file.exists()

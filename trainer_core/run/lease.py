@@ -17,6 +17,7 @@ finalize writes nothing without it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import threading
@@ -165,6 +166,41 @@ def name_job(run_location: Location, owner: str, job_id: str) -> None:
             return
         except conditional_write.ConditionFailed:  # renewed meanwhile (by a keeper): again
             continue
+
+
+#: ``summary_version`` of a run with no summary.json.
+NO_SUMMARY = "absent"
+
+
+def summary_version(run_location: Location) -> str:
+    """What the run's summary.json is now: its sha256, or ``NO_SUMMARY``."""
+    path = RunDirectory(run_location).summary_file
+    if not path.exists():
+        return NO_SUMMARY
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def acquire_to_finalize(
+    run_location: Location, owner: str, summary_seen: str | None = None
+) -> Lease:
+    """Take the lease again for finalize: still ``owner``'s, or free again. A lease that was
+    not ``owner``'s any more had lapsed, and another flow may have driven the run meanwhile:
+    when summary.json is not what setup saw (``summary_seen``, a ``summary_version``; None: not
+    recorded), that flow wrote it, and LeaseHeldError says finalize writes nothing over it."""
+    current = RunDirectory(run_location).read_lease()
+    held = acquire(run_location, owner=owner)
+    if (current or {}).get("owner") == owner or summary_seen is None:
+        return held
+    if summary_version(run_location) != summary_seen:
+        release(run_location, owner)
+        raise LeaseHeldError(
+            f"the lease of run {run_location.uri} lapsed before this flow's finalize ({owner} "
+            "no longer held it), and summary.json was written since this flow's setup read it: "
+            "by another flow that drove the run meanwhile. Its summary stands. Run this flow "
+            "again to get the run's result as it is now.",
+            field="run.name",
+        )
+    return held
 
 
 def check_held(run_location: Location, owner: str) -> None:
