@@ -159,3 +159,36 @@ def test_a_job_commits_under_the_flows_lease_fence(monkeypatch, tmp_path, capsys
         jobs.run_attempt(spec, lease_owner="flow-run-1")
     assert run_dir.checkpoint_location(5).child("COMMITTED").exists()
     assert not run_dir.checkpoint_location(10).child("COMMITTED").exists()
+
+
+def test_a_rerun_re_attaching_to_its_predecessors_job_names_it_in_the_lease(tmp_path):
+    """A new flow took over the run of a killed one whose job still runs: until the new flow
+    re-attaches, the job's commits are refused (the takeover's lease names no job); once it
+    has said it re-attaches, the lease names the job and its commits land again."""
+    import pytest
+
+    from flows.pytest_plugin import tiny_spec_dict
+    from trainer_core.checkpoint.run_directory import RunDirectory
+    from trainer_core.errors import LeaseLostError
+    from trainer_core.run import lease
+
+    spec = build_spec(tiny_spec_dict(tmp_path, "a", scaling={"job_address": "http://head:8265"}))
+    run_dir = RunDirectory.of(str(tmp_path), "a")
+    lease.acquire(run_dir.location, owner="flow-run-2", settle_s=0)  # the rerun's setup
+    running = job(jobs.submission_id("a", 1), "RUNNING", run=run_dir.uri)
+    server = SimpleNamespace(list_jobs=lambda: [running])
+    the_job = RunDirectory.of(str(tmp_path), "a", lease_owner=running.submission_id)
+    with pytest.raises(LeaseLostError):
+        the_job.commit_checkpoint(5, [], {})
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        the_job.check_lease(running.submission_id)  # named before it is said
+        said.append(line)
+
+    plan = jobs.Submission("a", run_dir.uri, 2)
+    fence = jobs._LeaseFence(run_dir, "flow-run-2")
+    assert jobs._attach_or_submit(server, spec, plan, say, fence) == running.submission_id
+    assert said and "re-attaching" in said[0]
+    the_job.commit_checkpoint(10, [], {})
+    assert run_dir.checkpoint_location(10).child("COMMITTED").exists()

@@ -246,8 +246,9 @@ def _attach_or_submit(
     jobs = jobs_client.list_jobs()
     live = find_live_job(jobs, plan.run_uri)
     if live is not None:
-        say(f"re-attaching to the running Ray job {live.submission_id} of run {plan.run_name}")
-        return fence.name(str(live.submission_id)) if fence else str(live.submission_id)
+        job_id = fence.name(str(live.submission_id)) if fence else str(live.submission_id)
+        say(f"re-attaching to the running Ray job {job_id} of run {plan.run_name}")
+        return job_id
     taken = {j.submission_id for j in jobs if j.submission_id}
     job_id = free_submission_id(taken, plan.run_name, plan.attempt)
     if fence is not None:
