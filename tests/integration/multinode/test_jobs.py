@@ -91,10 +91,12 @@ def test_a_preempted_node_then_a_killed_node_resume_on_the_remaining_nodes(
 
     - at a commit >= 10, a node of the group drained for preemption (a 2 s deadline), then
       killed: the group restarts in place, within the attempt, on the preemption budget;
-    - a node added back; that group held at its first step (a gate file) and one of its nodes
-      killed: the attempt fails on the infrastructure budget, and Prefect's retry submits
+    - that group (on the 2 nodes left) held at its first step (a gate file) and one of its
+      nodes killed: the attempt fails on the infrastructure budget, and Prefect's retry submits
       attempt 2 as a new Ray job (the path this case records; the default restart in place
-      after a killed node is test_fault_matrix's).
+      after a killed node is test_fault_matrix's). The retry meets one live node of the two it
+      needs and waits for nodes; a node is added back only once it has begun, as a slow spot
+      replacement comes (before, it was added back first, and the retry never met the lack).
 
     The run ends bit-identical to the uninterrupted one, no commit lost."""
     raw = slow_raw(run_storage, "multinode-lost-nodes", cluster)
@@ -115,8 +117,7 @@ def test_a_preempted_node_then_a_killed_node_resume_on_the_remaining_nodes(
     assert answer["accepted"], answer
     time.sleep(2)
     gate.touch()  # the next group holds at its first step until its node is killed
-    cluster.command("kill", nodes[-1])
-    cluster.command("add")  # 3 nodes again: attempt 2 needs 2 once the next one goes
+    cluster.command("kill", nodes[-1])  # 2 nodes left: the group restarts on them
 
     def restarted():
         (record,) = run_dir.read_attempts()
@@ -128,6 +129,11 @@ def test_a_preempted_node_then_a_killed_node_resume_on_the_remaining_nodes(
     before_kill = committed_step(run_dir)
     cluster.command("kill", survivors[-1])
     gate.unlink()
+    # One node left of the 2 the retry needs: it waits for nodes, and one comes only after it
+    # began (its record opened before its group waits).
+    wait_until(lambda: len(run_dir.read_attempts()) == 2 or not thread.is_alive(), 600, "retry")
+    assert len(cluster.nodes()) == 1
+    cluster.command("add")
     # The lost node may be rank 0's, and take the checkpoint it was writing with it.
     attempts = recovered_in_a_retry(thread, box, run_dir, uninterrupted, before_drain)
     (restart,) = attempts[0]["restarts"]  # the drained node: in place, on preemption's budget
