@@ -112,6 +112,9 @@ class Processes:
             _signal_group(process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=self.grace_s)
+        deadline = time.monotonic() + self.grace_s  # SIGKILL lands, but not at once
+        while any(_group_alive(p.pid) for p in alive) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _signal_group(pgid: int, signum: int) -> None:

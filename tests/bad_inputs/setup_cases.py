@@ -25,14 +25,14 @@ SETUP_CASES = [
     Case(
         "gpu-on-cpu-cluster",
         "scaling.resources_per_worker",
-        "or add nodes",
+        "give the cluster a node type that large",
         "setup",
         broken(scaling={"resources_per_worker": {"GPU": 1}}),
     ),
     Case(
         "custom-resource-missing",
         "scaling.resources_per_worker",
-        "or add nodes",
+        "give the cluster a node type that large",
         "setup",
         broken(scaling={"resources_per_worker": {"CPU": 1, "tpu_v9": 1}}),
     ),

@@ -82,7 +82,9 @@ def test_an_own_loop_reports_where_each_step_went_on_every_rank(own_reference):
         assert len(ranks) == 2
         for wall, *parts in ranks:
             named = dict(zip(PARTS, parts, strict=True))
-            assert sum(parts) <= wall * (1 + 1e-6), (wall, named)  # no wait counted twice
+            # No wait counted twice: the parts never sum past the window (each figure is
+            # rounded to the microsecond, so within half a microsecond each).
+            assert sum(parts) <= wall + 0.5e-6 * (len(parts) + 1), (wall, named)
             assert (named["validation"] > 0) == (window["step"] in (21, 42)), window
             assert named["optimizer"] > 0 and named["data_wait"] > 0
             # What the timed parts leave of the window: 11-49% of it in this tiny example.
