@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from tests.net import free_port
+from tests.ray_start import head_command
 from trainer_core.execution.cluster import RAY_ENV_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,12 +88,7 @@ class FakeAutoscalingCluster:
         config_path = Path(self.temp_dir) / "autoscaling.json"
         config_path.write_text(json.dumps(fake_autoscaling_config(self.gcs_address, node_types)))
         self.args = [
-            str(Path(sys.executable).parent / "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--disable-usage-stats",
-            f"--port={self.port}",
+            *head_command(self.port),
             "--num-cpus=0",
             f"--autoscaling-config={config_path}",
             "--include-dashboard=true",

@@ -16,6 +16,19 @@ from tests.net import free_port
 from trainer_core.execution.cluster import RAY_ENV_DEFAULTS
 
 
+def head_command(port: int) -> list[str]:
+    """`ray start --head --block` on GCS port ``port``, from this venv, without usage stats:
+    the start of every head command a test runs (options of its own follow)."""
+    return [
+        str(Path(sys.executable).parent / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--disable-usage-stats",
+        f"--port={port}",
+    ]
+
+
 class RayStartHead:
     """`ray start --head --block` in its own process group; ``kill()`` SIGKILLs the whole group
     (GCS server, raylet, agents, workers: a lost head node) and ``start()`` starts it again at
@@ -27,12 +40,7 @@ class RayStartHead:
         self.address = f"127.0.0.1:{self.port}"
         self.temp_dir = tempfile.mkdtemp(prefix="rt-head-")  # short: Ray's socket paths
         self.args = [
-            str(Path(sys.executable).parent / "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--disable-usage-stats",
-            f"--port={self.port}",
+            *head_command(self.port),
             f"--num-cpus={num_cpus}",
             "--include-dashboard=false",
             f"--dashboard-port={free_port()}",
