@@ -11,6 +11,9 @@ from typing import Any
 
 import xxhash
 
+#: A committed checkpoint's last file: it names its manifest's sha256 (``run_directory``).
+MARKER_FILE = "COMMITTED"
+
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()

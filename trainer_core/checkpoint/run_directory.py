@@ -38,6 +38,7 @@ from trainer_core.checkpoint import verification
 from trainer_core.checkpoint.files import (
     CHECKPOINT_PATTERN,
     FILE_DIGEST,
+    MARKER_FILE,
     CheckpointInfo,
     FileEntry,
     HashingWriter,
@@ -70,7 +71,6 @@ STEP_TIME_FILE = "step_time.png"
 LEASE_FILE = "lock.json"
 METRICS_DIR = "metrics"
 MANIFEST_FILE = "manifest.json"
-MARKER_FILE = "COMMITTED"
 
 
 class RunDirectory:

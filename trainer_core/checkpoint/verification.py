@@ -17,14 +17,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainer_core.checkpoint.files import CheckpointInfo, file_digest, matches, sha256_hex
+from trainer_core.checkpoint.files import (
+    MARKER_FILE,
+    CheckpointInfo,
+    file_digest,
+    matches,
+    sha256_hex,
+)
 from trainer_core.storage.locations import Location
 
 logger = logging.getLogger("relaytrain.checkpoints")
 
 #: Beside the manifest and marker: what the last whole read of the checkpoint found.
 VERDICT_FILE = "verdict.json"
-MARKER_FILE = "COMMITTED"
 SCHEMA_VERSION = 1
 
 
