@@ -333,7 +333,7 @@ def test_a_campaigns_processes_end_with_it_even_those_that_ignore_sigterm(tmp_pa
 
     import psutil
 
-    from bench.chaos_faults import Processes
+    from bench.processes import Processes
 
     stubborn = (
         "import signal, subprocess, sys, time\n"
