@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints: staging copies, the background slot, streamed hashed writes."""
+"""Asynchronous checkpoints: staging copies, the background queue, streamed hashed writes."""
 
 from __future__ import annotations
 
@@ -95,9 +95,88 @@ def test_background_settle_swallows_and_bounds():
     blocker = threading.Event()
     background.submit(lambda: blocker.wait(10))
     assert background.settle(0.1) is None  # gives up waiting
-    assert background.job is not None and not background.job.done()
+    assert background.in_flight() == 1 and not background.jobs[0].done()
     blocker.set()
     background.close()
+
+
+def test_background_queues_up_to_its_depth_and_runs_nothing_behind_a_failure():
+    background = Background(depth=2)
+    release = threading.Event()
+    ran: list[str] = []
+
+    def first() -> None:
+        release.wait(60)  # a hang guard only: the test releases it
+        ran.append("first")
+        raise OSError("disk gone")
+
+    background.submit(first)
+    background.submit(lambda: ran.append("second"))  # queued: returns while first still runs
+    assert background.in_flight() == 2 and ran == []
+    release.set()
+    with pytest.raises(OSError, match="disk gone"):
+        background.wait()
+    assert ran == ["first"]  # the one behind the failed write never ran
+    background.wait()  # raised once
+    background.close()
+
+
+def test_a_checkpoint_queued_behind_a_held_write_keeps_its_own_state(tmp_path):
+    """Two checkpoints in flight: the second is staged while the first is still being written
+    (held here), into buffers of its own. Oracle: the weights as they were at each save, cloned
+    by the test, against what each committed checkpoint's file holds."""
+    from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
+    from trainer_core.execution.worker_group import Relay, Timings
+    from trainer_core.spec.operations import CheckpointSection
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    run_dir = RunDirectory(resolve(str(tmp_path)).child("run"))
+    manager = CheckpointManager(
+        run_dir,
+        CheckpointSection(every=1, keep_last=None, keep_best=0),
+        TrainingState(model, optimizer, scheduler),
+        rank=0,
+        world_size=1,
+        attempt=1,
+        relay=Relay(None, 0),
+        timings=Timings(),
+    )
+    held, released = threading.Event(), threading.Event()
+    stream = run_dir.stream_checkpoint_file
+
+    def held_stream(step, name, produce):
+        if step == 1 and name == "model.pt":
+            held.set()
+            released.wait(60)  # a hang guard only: the test releases it
+        return stream(step, name, produce)
+
+    run_dir.stream_checkpoint_file = held_stream  # type: ignore[method-assign]
+    saved = {}
+    for step in (1, 2):
+        model(torch.randn(4, 64)).sum().backward()
+        manager.before_optimizer_step()
+        optimizer.step()
+        optimizer.zero_grad()
+        saved[step] = model.weight.detach().clone()
+        manager.save(step, {"metrics": {}, "cursor": {}}, [])
+        if step == 1:
+            held.wait(60)
+    # save(2) returned with the write of 1 still held: both are in flight
+    assert manager.background.in_flight() == 2 and not released.is_set()
+    model(torch.randn(4, 64)).sum().backward()
+    manager.before_optimizer_step()
+    optimizer.step()  # training goes on while both are in flight
+    released.set()
+    manager.wait()
+    manager.close()
+    for step in (1, 2):
+        info = run_dir.read_committed(step)
+        assert info is not None, f"checkpoint {step} not committed"
+        weights = training_state.from_bytes(run_dir.read_verified(info, "model.pt"))["weight"]
+        assert torch.equal(weights, saved[step]), f"checkpoint {step} holds other weights"
 
 
 def test_streamed_digest_matches_the_bytes_written(tmp_path):

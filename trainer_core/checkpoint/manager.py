@@ -16,11 +16,12 @@ the step changes what it copies, ``wait`` for the write in flight. Everything el
   into either strategy: a DDP checkpoint's whole tensors are sharded on load, a DCP one is
   gathered whole for DDP. Loading either is ``restore.Restorer``'s.
 - **Staging** (``staging.Stager``): the state is copied into kept buffers; with
-  ``checkpoint.asynchronous``, what only the optimizer step changes is copied on the checkpoint
+  ``checkpoint.asynchronous``, what only the optimizer step changes is copied on the copy
   thread while the next forward and backward run.
 - **The write** (``staging.Background``): serialize and hash each file into the run directory,
-  then (rank 0) the metrics segment, the manifest and ``COMMITTED``, and retention. One
-  checkpoint is in flight at a time, so commits come in step order.
+  then (rank 0) the metrics segment, the manifest and ``COMMITTED``, and retention. Up to
+  ``checkpoint.in_flight`` checkpoints are in flight, each staged into buffers of its own and
+  written one after the other on the checkpoint thread, so commits come in step order.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import functools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -95,14 +98,21 @@ class CheckpointManager:
         self.last_step = 0
         #: Kept from retention: the checkpoint this group resumed from.
         self.resumed_from = 0
-        self.stager = Stager()
-        self.background = Background()
-        #: Clear while the checkpoint thread copies what only the optimizer step changes.
+        #: A stager (its kept buffers) for each checkpoint that may be in flight, used in turn:
+        #: the one a new checkpoint takes was freed by the write ``depth`` saves before.
+        depth = section.in_flight if section.asynchronous else 1
+        self.stagers = [Stager() for _ in range(depth)]
+        self.num_saves = 0
+        self.background = Background(depth=depth)
+        #: Copies what the optimizer step changes while the write thread may still be busy
+        #: with an earlier checkpoint.
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-checkpoint-copy")
+        #: Clear while the copy thread copies what only the optimizer step changes.
         self.copied = threading.Event()
         self.copied.set()
-        #: When the last checkpoint went to the checkpoint thread, and whether training has
-        #: already been found waiting for one (said once per worker group).
-        self.last_submit: float | None = None
+        #: When the latest checkpoints went to the checkpoint thread (oldest first), and
+        #: whether training has already been found waiting for one (said once per group).
+        self.submitted: deque[float] = deque(maxlen=depth)
         self.slow_writes_said = False
         # Sharded and DCP checkpoints run collectives on the checkpoint thread (DCP's planning,
         # every rank's file list): on a group of their own, so they never interleave with the
@@ -133,7 +143,9 @@ class CheckpointManager:
         unsharded run needs no collective.
         """
         started = time.perf_counter()
-        self.background.wait()  # the previous checkpoint is committed, or its error raised
+        # Room for one more checkpoint in flight (the oldest committed when there was none), or
+        # an error of the writes waited for raised
+        self.background.make_room()
         waited = time.perf_counter()
         self._say_if_writes_are_slow(step, waited - started, started)
         sharded = self.section.sharded
@@ -147,7 +159,9 @@ class CheckpointManager:
             dist.gather_object(training_state.rng_to_send(rng), gathered, dst=0)
             rngs = {r: training_state.rng_received(s) for r, s in enumerate(gathered or [])}
         asynchronous = self.section.asynchronous
-        staged = self.stager.stage(
+        stager = self.stagers[self.num_saves % len(self.stagers)]
+        self.num_saves += 1
+        staged = stager.stage(
             self._state_to_stage(), defer=self._changed_by_step() if asynchronous else None
         )
         meta = {
@@ -160,8 +174,9 @@ class CheckpointManager:
         self.last_step = step
         if staged or rngs:
             self.copied.clear()
-            self.background.submit(lambda: self._write(step, staged, rngs, rows, meta))
-            self.last_submit = time.perf_counter()
+            copy = self.copier.submit(self._copy_deferred, stager)
+            self.background.submit(lambda: self._write(step, staged, rngs, rows, meta, copy))
+            self.submitted.append(time.perf_counter())
         if not asynchronous:
             self.background.wait()
         self.timings.checkpoint_s += time.perf_counter() - started
@@ -172,8 +187,8 @@ class CheckpointManager:
         """Allocate the staging buffers on the checkpoint thread (after the first step, when the
         optimizer's state exists), so the first checkpoint does not."""
         state = self._state_to_stage()
-        if state:
-            self.background.submit(lambda: self.stager.reserve(state))
+        if state:  # the first stager's: the others' are made by their first checkpoint
+            self.background.submit(lambda: self.stagers[0].reserve(state))
 
     def before_optimizer_step(self) -> None:
         """Wait until the checkpoint thread has copied what the optimizer step changes."""
@@ -186,19 +201,20 @@ class CheckpointManager:
         self.timings.checkpoint_copy_wait_s += waited
 
     def wait(self) -> None:
-        """Block until the checkpoint in flight is committed; raise its error."""
+        """Block until the checkpoints in flight are committed; raise the first error."""
         self.background.wait()
 
     def failed(self) -> bool:
-        """Whether the checkpoint in flight has failed (cheap: asked at every step)."""
+        """Whether a checkpoint in flight has failed (cheap: asked at every step)."""
         return self.background.failed()
 
     def settle(self, timeout_s: float) -> BaseException | None:
-        """Before an error ends the worker: let the write in flight commit what it can."""
+        """Before an error ends the worker: let the writes in flight commit what they can."""
         return self.background.settle(timeout_s)
 
     def close(self) -> None:
         self.background.close()
+        self.copier.shutdown(wait=False)
 
     def _state_to_stage(self) -> dict[str, Any]:
         """What this rank's checkpoint copies: model and optimizer on rank 0 (every rank when
@@ -233,9 +249,10 @@ class CheckpointManager:
         return lambda tensor: local(tensor).data_ptr() in pointers
 
     def _say_if_writes_are_slow(self, step: int, wait_s: float, now: float) -> None:
-        if self.slow_writes_said or self.last_submit is None:  # said, or no earlier write
+        # The write waited for is the oldest of a full queue
+        if self.slow_writes_said or len(self.submitted) < self.background.depth:
             return
-        since = now - self.last_submit
+        since = now - self.submitted[0]
         if not writes_outlast_interval(wait_s, since):
             return
         self.slow_writes_said = True
@@ -247,6 +264,13 @@ class CheckpointManager:
             every=self.section.every,
         )
 
+    def _copy_deferred(self, stager: Stager) -> None:
+        """The copy thread: finish staging (the next optimizer step waits for it)."""
+        try:
+            stager.copy_deferred()
+        finally:
+            self.copied.set()
+
     def _write(
         self,
         step: int,
@@ -254,14 +278,12 @@ class CheckpointManager:
         rngs: dict[int, dict[str, Any]],
         rows: list[dict[str, Any]],
         meta: dict[str, Any],
+        copy: Future[None],
     ) -> None:
-        """The checkpoint thread: finish staging (the next optimizer step waits for it), check,
-        write every file, then (rank 0) commit and retain."""
+        """The checkpoint thread: once the state is staged whole, check, write every file, then
+        (rank 0) commit and retain."""
         started = time.perf_counter()
-        try:
-            self.stager.copy_deferred()
-        finally:
-            self.copied.set()
+        copy.result()  # the copy's error, if any, is this checkpoint's
         if "dcp" in staged:
             self._check_finite_parameters(step, staged["dcp"]["model"])
         elif "model" in staged:

@@ -6,15 +6,20 @@ parameters and the optimizer's state) can be deferred: ``copy_deferred`` copies 
 checkpoint thread while the next step's forward and backward run, and that step's optimizer
 waits for the copy (the overlap torchtitan's asynchronous checkpoints use). Serializing,
 hashing, uploading, committing and retention then run on ``Background``'s single thread while the
-next steps train. One checkpoint is in flight at a time: the next one, the end of training and
-a failing step all wait for it first, so the commit order is the step order and an error in the
-background surfaces on the training thread.
+next steps train. Up to ``depth`` checkpoints are in flight, each in a stager of its own, written
+one after the other: a checkpoint due while the previous one is still being written (a
+validation's, a few steps after the cadence's) is staged and queued rather than waited for.
+The next one past the depth, the end of training and a failing step wait; the commit order is
+the step order, an error in the background surfaces on the training thread, and nothing queued
+behind a failed write is written.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -139,35 +144,70 @@ class Stager:
 
 
 class Background:
-    """One background job at a time; its error is raised on the thread that waits for it."""
+    """Jobs run in submission order on one thread, at most ``depth`` in flight; an error is
+    raised on the thread that waits for its job, and the jobs queued behind a failed one do not
+    run (a later checkpoint never commits after an earlier one failed)."""
 
-    def __init__(self, name: str = "relaytrain-checkpoint"):
+    def __init__(self, name: str = "relaytrain-checkpoint", depth: int = 1):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=name)
-        self.job: Future[Any] | None = None
+        self.depth = depth
+        #: The jobs in flight, oldest first.
+        self.jobs: deque[Future[Any]] = deque()
+        #: The jobs queued together until an error is raised to the waiter, numbered; the
+        #: batch a failed job was in (set on the job thread): the jobs behind it are skipped.
+        self.batch = 0
+        self.failed_batch: int | None = None
 
     def submit(self, fn: Callable[[], Any]) -> None:
-        self.wait()
-        self.job = self.executor.submit(fn)
+        """Queue ``fn`` behind the jobs in flight, once fewer than ``depth`` are."""
+        self.make_room()
+        self.jobs.append(self.executor.submit(self._run, fn, self.batch))
 
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Block until the job in flight is done; raise its error (once)."""
-        job, self.job = self.job, None
-        if job is None:
-            return
+    def make_room(self) -> None:
+        """Block until fewer than ``depth`` jobs are in flight; raise an error of those waited
+        for."""
+        while len(self.jobs) >= self.depth:
+            self._wait_oldest(None)
+
+    def _run(self, fn: Callable[[], Any], batch: int) -> Any:
+        if self.failed_batch == batch:
+            raise RuntimeError("not run: a job queued before it failed")
+        try:
+            return fn()
+        except BaseException:
+            self.failed_batch = batch
+            raise
+
+    def _wait_oldest(self, timeout_s: float | None) -> None:
+        job = self.jobs[0]
         try:
             job.result(timeout=timeout_s)
         except FutureTimeout:
-            self.job = job
+            raise  # still running: kept in flight
+        except BaseException:
+            # The first error is the one raised; those behind it in its batch never run
+            self.jobs.clear()
+            self.batch += 1
             raise
+        self.jobs.popleft()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every job in flight is done; raise the first error (once)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.jobs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._wait_oldest(left)
+
+    def in_flight(self) -> int:
+        return len(self.jobs)
 
     def failed(self) -> bool:
-        """True when the job in flight has ended with an error (cheap: for every step)."""
-        job = self.job
-        return job is not None and job.done() and job.exception() is not None
+        """True when a job in flight has ended with an error (cheap: for every step)."""
+        return any(job.done() and job.exception() is not None for job in self.jobs)
 
     def settle(self, timeout_s: float) -> BaseException | None:
-        """Before an error ends the worker: let the job in flight finish (commit what it can),
-        for at most ``timeout_s``. Its own error is returned, not raised."""
+        """Before an error ends the worker: let the jobs in flight finish (commit what they
+        can), for at most ``timeout_s``. The first error is returned, not raised."""
         try:
             self.wait(timeout_s)
         except FutureTimeout:

@@ -3,6 +3,7 @@ tracking, retries and injected faults."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
@@ -91,6 +92,22 @@ class CheckpointSection(_Section):
     #: memory. Then a checkpoint whose write fails can lose, besides one interval, the steps
     #: run while it was being written; false waits for every write (at most one interval).
     asynchronous: bool = True
+    #: With ``asynchronous``: at most this many checkpoints being written at once, each holding
+    #: a copy of the state in host memory. A checkpoint due while the previous one is still
+    #: being written (a validation's, a few steps after the cadence's) is staged and queued
+    #: instead of waited for; 1 holds one copy, and training waits for the previous write.
+    in_flight: PositiveInt = 2
+
+    @model_validator(mode="after")
+    def _in_flight_needs_asynchronous(self) -> CheckpointSection:
+        if "in_flight" in self.model_fields_set and not self.asynchronous:
+            warnings.warn(
+                f"checkpoint.in_flight={self.in_flight} does nothing with checkpoint."
+                "asynchronous false (every write is waited for): drop one of them",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self
 
 
 class ReportSection(_Section):
