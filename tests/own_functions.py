@@ -70,3 +70,31 @@ def trains_twice(config: dict[str, Any]) -> None:
             loss.backward()
             optimizer.step()
             run.report({"loss": loss.item(), "loss_weight": run.loss_weight})
+
+
+def accumulates(config: dict[str, Any]) -> None:
+    """An own loop that accumulates each optimizer step's gradients over the batches
+    ``optimizer.grad_accumulation`` gives it: DDP all-reduces on a step's last batch only
+    (``run.no_sync()``), the optimizer steps and the step is reported where ``run.ends_step``
+    says, each batch's loss weighted by ``run.loss_weight`` (its share of the step)."""
+    from examples.own_loop import build
+    from trainer_core.train import own_loop
+
+    run = own_loop.session()
+    model = build(int(config.get("hidden", 32)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(config.get("lr", 0.01)))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=run.total_steps)
+    model = run.setup(model, optimizer, scheduler)
+    model.train()
+    step_loss = 0.0
+    for batch in run.batches():
+        with run.no_sync():
+            loss = functional.cross_entropy(model(batch["features"]), batch["labels"])
+            (loss * run.loss_weight).backward()
+        step_loss += loss.item() * run.loss_weight
+        if run.ends_step:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            run.report({"loss": step_loss})
+            step_loss = 0.0

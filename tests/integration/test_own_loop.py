@@ -223,3 +223,33 @@ def test_a_second_pass_over_batches_is_refused_and_spends_no_retry(relaytrain_ra
     history = read_metrics_history(run_dir)
     assert [row["step"] for row in history] == list(range(1, 14))  # the one pass, once
     assert {row["loss_weight"] for row in history} == {1.0}  # one worker: its whole batch
+
+
+def test_an_own_loop_that_accumulates_gradients_resumes_bit_for_bit(relaytrain_ray, tmp_path):
+    """tests.own_functions:accumulates sums each optimizer step's gradients over 2 global
+    batches (``optimizer.grad_accumulation: 2``) on 2 workers, a checkpoint every 5 steps (were
+    a step a batch, every 5 batches would fall mid-step). A fault on rank 1 at step 17 of 22
+    (epoch 1; the 21 batches of an epoch make 11 steps, the last of one batch) and a resume from
+    the checkpoint of step 15 end with the same weights and optimizer state, to the bit, as an
+    uninterrupted run: no checkpoint holds half a step's gradients."""
+    from trainer_core.errors import TrainingCodeError
+
+    def accumulating(name: str, **sections) -> dict:
+        raw = own_raw(tmp_path / name, name, **sections)
+        raw["train_loop"] = "tests.own_functions:accumulates"
+        raw["optimizer"] = {"grad_accumulation": 2}
+        raw["checkpoint"]["every"] = 5
+        return raw
+
+    reference = build_spec(accumulating("reference"))
+    assert run_attempt(reference).steps_completed == 22
+    fault = {"kind": "raise", "at_step": 17, "rank": 1, "attempt": 1}
+    spec = build_spec(accumulating("faulted", faults=[fault]))
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    resumed = run_attempt(spec)
+    assert resumed.resumed_from_step == 15 and resumed.steps_completed == 22
+    run_dir, reference_dir = run_dir_of(spec), run_dir_of(reference)
+    assert_same_tensors(final_state(run_dir), final_state(reference_dir))
+    assert losses(run_dir) == losses(reference_dir)
+    assert [s for s, _ in losses(run_dir)] == list(range(1, 23))

@@ -7,6 +7,8 @@ from tests.conftest import tiny_raw
 from trainer_core.errors import SpecError
 from trainer_core.spec.overrides import build_spec
 from trainer_core.train import metric_rows, own_loop
+from trainer_core.train.own_loop_data import place_of
+from trainer_core.train.steps import optimizer_steps
 
 LOOP = {"train_loop": "examples.own_loop:train", "train_loop_api": "relaytrain"}
 
@@ -37,7 +39,6 @@ def test_an_own_loop_reads_data_and_schedule_and_is_not_pinned_to_its_worker_cou
         ({"drop": "data"}, "data", "set train_loop_api ray"),
         ({"drop": "schedule"}, "schedule", "data.dataset and schedule.epochs"),
         ({"drop": "train_loop"}, "train_loop_api", "set train_loop, or drop train_loop_api"),
-        ({"optimizer": {"grad_accumulation": 2}}, "optimizer.grad_accumulation", "drop it"),
         (
             {"schedule": {"epochs": 2, "early_stopping": {"metric": "val_loss", "patience": 1}}},
             "schedule.early_stopping",
@@ -55,6 +56,31 @@ def test_what_an_own_loop_spec_refuses(tmp_path, change, field, fix):
     with pytest.raises(SpecError, match=fix) as error:
         build_spec(raw)
     assert error.value.field == field
+
+
+@pytest.mark.parametrize(("batches", "accumulation"), [(21, 1), (21, 2), (21, 3), (7, 4), (3, 5)])
+def test_each_batch_lies_in_the_optimizer_step_the_built_in_loop_gives_it(batches, accumulation):
+    """The own loop's steps with ``optimizer.grad_accumulation`` are the built-in loop's: the
+    batches ``steps.optimizer_steps`` groups into each step, the last of an epoch what is left;
+    a checkpoint after a step points at the next step's first batch."""
+    epoch = [(index, None, index) for index in range(batches)]
+    for step_in_epoch, (end, group) in enumerate(optimizer_steps(epoch, accumulation)):
+        for position, index in enumerate(group):
+            place = place_of(1, index, batches, accumulation)
+            assert place.step_in_epoch == step_in_epoch
+            assert place.step_batches == len(group)
+            assert place.ends_step == (position == len(group) - 1)
+            assert place.end_of_epoch == (index == batches - 1)
+        cursor = place_of(1, end - 1, batches, accumulation).cursor_after(batch_size=8)
+        assert (cursor.epoch, cursor.samples) == ((2, 0) if end == batches else (1, end * 8))
+
+
+def test_an_own_loop_reads_the_accumulation_into_its_identity(tmp_path):
+    """An own loop accumulates gradients over ``optimizer.grad_accumulation`` batches: its
+    steps, and so its checkpoints, depend on it, so another value is another run."""
+    spec = build_spec(own_raw(tmp_path, optimizer={"grad_accumulation": 3}))
+    assert spec.optimizer.grad_accumulation == 3
+    assert spec.fingerprint() != build_spec(own_raw(tmp_path)).fingerprint()
 
 
 def test_what_an_own_loop_ignores_it_says(tmp_path):

@@ -59,7 +59,8 @@ def check_batch_size(spec: Any) -> None:
 
 
 def _check_own_loop_sections(spec: Any) -> None:
-    """A loop on relaytrain's API reads ``data`` for ``schedule.epochs``; it builds its own
+    """A loop on relaytrain's API reads ``data`` for ``schedule.epochs`` and
+    ``optimizer.grad_accumulation`` (the batches of each of its steps); it builds its own
     model, optimizer and loss (ignored, with a warning)."""
     missing = [s for s in ("data", "schedule") if getattr(spec, s) is None]
     if missing:
@@ -74,13 +75,6 @@ def _check_own_loop_sections(spec: Any) -> None:
             "schedule.early_stopping is the built-in loop's: your loop decides when to stop "
             "(return from it) and records why in its reports; drop schedule.early_stopping",
             field="schedule.early_stopping",
-        )
-    if spec.optimizer.grad_accumulation != 1:
-        raise SpecError(
-            f"optimizer.grad_accumulation={spec.optimizer.grad_accumulation} is the built-in "
-            "loop's; on relaytrain's API each batch is one step (accumulate in your loop "
-            "over a larger data.batch_size): drop it",
-            field="optimizer.grad_accumulation",
         )
     _say_ignored(
         spec,

@@ -351,7 +351,8 @@ class OptimizerSection(_Section):
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     #: Global batches per optimizer step: gradients add up over them, DDP synchronizing only
-    #: on the last. Steps and checkpoints count optimizer steps, so a checkpoint never holds a
+    #: on the last (a loop on relaytrain's API: its session says which batch ends a step).
+    #: Steps and checkpoints count optimizer steps, so a checkpoint never holds a
     #: half-accumulated gradient.
     grad_accumulation: PositiveInt = 1
     #: Clip the gradients' total norm to this before each optimizer step (after fp16's

@@ -16,7 +16,12 @@
   this rank's stream of the pinned dataset.
 - ``user_loop``: a user's own Ray Train loop, run unchanged with relaytrain's bookkeeping.
 - ``own_loop``: the public API for a loop of the user's own (``train_loop_api: relaytrain``):
-  the run's data stream from its cursor, committed checkpoints, reports.
+  the session (``session()``) a user's loop calls: setup, batches, reports.
+- ``own_loop_data``: a session's data stream from its cursor, each batch's place in its
+  optimizer step (``optimizer.grad_accumulation``), its validation rows.
+- ``own_loop_checkpoints``: a session's restore, the optimizer steps it counts, what a
+  checkpoint records and when one is due.
+- ``own_loop_window``: where a session's report windows' time went, and stragglers.
 - ``preemption``: answering a drain's notice with a checkpoint.
 - ``workloads``: the built-in models, losses and metrics; the import-path contract for users'.
 - ``validate``: the validation metrics, one definition for the loop (a rank's pass, in step

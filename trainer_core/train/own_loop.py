@@ -8,19 +8,25 @@ its own: ``session()`` hands it this worker's side of the run.
   model wrapped for DDP;
 - ``batches()`` is the run's data stream from its cursor: this rank's slice of each global
   batch, the same rows in the same order for any worker count, through ``data.transform``;
-- ``report(metrics)`` ends the step of the batch just handed out: the row goes to the run's
-  history and the driver, and a checkpoint in relaytrain's committed format is taken when
-  ``checkpoint.every`` or the epoch's end says (retention, keep-best, exports as the built-in
-  loop's).
+- ``report(metrics)`` ends the optimizer step of the batches just handed out: the row goes to
+  the run's history and the driver, and a checkpoint in relaytrain's committed format is taken
+  when ``checkpoint.every`` or the epoch's end says (retention, keep-best, exports as the
+  built-in loop's). With ``optimizer.grad_accumulation: k`` a step takes k batches:
+  ``ends_step`` says which batch ends one, and ``no_sync()`` skips DDP's all-reduce on the
+  others.
 
 A fault, a retry or an in-place restart resumes the loop at the step after the checkpoint, with
 the same batches and RNG it would have had: bit-identical to a run without the fault.
+
+The session's parts: ``own_loop_data`` (the stream and each batch's place in its step),
+``own_loop_checkpoints`` (the restore, the steps counted, what a checkpoint records and when),
+``own_loop_window`` (where each report window's time went).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,28 +35,18 @@ import torch
 from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
 from trainer_core.checkpoint.run_directory import RunDirectory
-from trainer_core.data import arrays as data_mod
-from trainer_core.data.transform import Batches, TransformPool
 from trainer_core.errors import RelaytrainError, SpecError
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_config import WorkerConfig
-from trainer_core.execution.worker_group import (
-    Relay,
-    Timings,
-    all_reduce,
-    gather_nodes,
-    share_peak_rss,
-)
+from trainer_core.execution.worker_group import Relay, Timings, all_reduce, share_peak_rss
 from trainer_core.spec.run_spec import RunSpec
-from trainer_core.step_time import Stragglers, own_row, window_fields
 from trainer_core.train import workloads
 from trainer_core.train.failure import wind_down, worker_error
 from trainer_core.train.faults import Faults
-from trainer_core.train.group_start import rank_data, resume_candidates
-from trainer_core.train.metric_rows import report_row
+from trainer_core.train.own_loop_checkpoints import StepLedger
+from trainer_core.train.own_loop_data import BatchPlace, SessionData
+from trainer_core.train.own_loop_window import ReportWindows
 from trainer_core.train.preemption import DrainWatch
-from trainer_core.train.step_clock import StepClock
-from trainer_core.train.steps import batch_to_device
 
 logger = logging.getLogger("relaytrain.own_loop")
 
@@ -90,46 +86,62 @@ class OwnLoop:
         self.relay = Relay(config.relay, self.rank)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.timings = Timings()
-        #: Where each report window's time goes; the straggler rule over the windows.
-        self.clock = StepClock(self.device, self.timings)
-        self.stragglers: Stragglers | None = None
-        self._window_steps = 0
-        data_spec = self.spec.data.resolved()
-        self.batch_size = data_spec.batch_size
-        #: The transform workers, started while the stream and the user's model are built.
-        self._pool = TransformPool(data_spec).warm() if data_spec.columns_form else None
-        self.data, _ = rank_data(config, data_spec, self.spec.run.seed, self.world_size, self.rank)
-        seed, pool = self.spec.run.seed, self._pool
-        self._train_batches = Batches(data_spec, seed, pool=pool) if pool else None
-        self._eval_batches = Batches(data_spec, seed, training=False, pool=pool) if pool else None
-        #: Epochs of the run, global batches per epoch, optimizer steps in all.
-        self.epochs = self.spec.schedule.epochs
+        self.windows = ReportWindows(self.device, self.timings, self.relay, self.rank)
+        self.data = SessionData(
+            config, self.spec, self.rank, self.world_size, self.device, self.timings
+        )
+        self.batch_size = self.data.batch_size
+        #: Global batches per optimizer step (``optimizer.grad_accumulation``).
+        self.accumulation = self.data.accumulation
+        #: Epochs of the run, global batches per epoch, optimizer steps per epoch and in all.
+        self.epochs = self.data.epochs
         self.batches_per_epoch = self.data.batches_per_epoch
-        self.total_steps = self.epochs * self.batches_per_epoch
-        #: The factor for this rank's mean loss so that DDP's average of the ranks' gradients
-        #: is the global batch's mean: its share of each global batch times the world size
-        #: (1.0 when the workers divide data.batch_size; else the slices differ by one row).
-        self.loss_weight = self.data.weight
+        self.steps_per_epoch = self.data.steps_per_epoch
+        self.total_steps = self.epochs * self.steps_per_epoch
+        self.ledger = StepLedger(self.spec, config.attempt, self.batch_size)
         self.checkpoints: CheckpointManager | None = None
+        self._model: torch.nn.Module | None = None
         self._batches_called = False
         self.group = 0
-        #: The steps done (the last reported), where the next batch is, where this group began.
-        self.step = 0
-        #: Where this worker group's batches begin (the restored checkpoint's cursor).
-        self.cursor = data_mod.Cursor(0, 0)
-        self.resumed_from = 0
-        #: The batch handed out: its epoch, the index after it in its epoch, whether it ends it.
-        self.epoch = 0
-        self._end = 0
-        self.end_of_epoch = False
+        #: The batch handed out last, and whether the step it is part of is still open.
+        self.place = BatchPlace(0, 0, False, True, 1, 0)
         self._open = False
-        self._after = data_mod.Cursor(0, 0)
         self._metrics: dict[str, Any] = {}
-        self.latest: dict[str, Any] = {}
-        self.unsaved: list[dict[str, Any]] = []
         training_state.seed_everything(self.spec.run.seed)  # identical initial weights
 
-    # -- setup ---------------------------------------------------------------------------------
+    # -- where the run is ------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The optimizer steps done (the last one ended)."""
+        return self.ledger.step
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the batch handed out."""
+        return self.place.epoch
+
+    @property
+    def end_of_epoch(self) -> bool:
+        """The batch handed out is its epoch's last (its step ends the epoch)."""
+        return self.place.end_of_epoch
+
+    @property
+    def ends_step(self) -> bool:
+        """The batch handed out is its optimizer step's last: step the optimizer, then
+        ``report``. Always true without ``optimizer.grad_accumulation``."""
+        return self.place.ends_step
+
+    @property
+    def loss_weight(self) -> float:
+        """The factor for this rank's mean loss of the batch handed out, so that the gradients
+        summed over its step's batches and averaged by DDP over the ranks are those of the
+        step's mean loss: this rank's share of each global batch times the world size (1.0 when
+        the workers divide data.batch_size; else the slices differ by one row), over the
+        step's global batches (1 without ``optimizer.grad_accumulation``)."""
+        return self.data.rank_weight / self.place.step_batches
+
+    # -- setup -----------------------------------------------------------------------------
 
     def setup(
         self,
@@ -159,56 +171,31 @@ class OwnLoop:
         self.drains = DrainWatch(
             self.config.watch_preemption, self.rank, self.relay, checkpoints, self.timings
         )
-        self._restore(checkpoints)
-        wrapped = worker_api.prepare_model(model)
-        self.stragglers = Stragglers(gather_nodes(self.world_size))
-        # The first window starts here.
-        self.clock = StepClock(self.device, self.timings, self.spec.report.step_time)
-        self.clock.watch_allreduce(wrapped)
-        # The checkpoint thread copies the parameters while the next forward and backward run:
-        # the optimizer waits for it before it changes them.
-        self.clock.watch_optimizer(optimizer, checkpoints.before_optimizer_step)
-        return wrapped
-
-    def _restore(self, checkpoints: CheckpointManager) -> None:
-        self.group, candidates = resume_candidates(self.config, self.relay, self.run_dir)
-        self.faults.group = self.group
-        loaded = checkpoints.load(candidates)
-        checkpoint = loaded.checkpoint
-        if checkpoint is None:
-            if self.spec.run.init_from:
-                checkpoints.load_weights(self.spec.run.init_from)
-            self.relay.send(
-                "fresh_start",
-                skipped=loaded.skipped,
-                warm_start=self.spec.run.init_from,
-                group=self.group,
-                world_size=self.world_size,
-            )
-            return
-        self.step = self.resumed_from = checkpoint.step
-        self.cursor = data_mod.Cursor.from_json(checkpoint.manifest["cursor"])
-        self.latest = dict(checkpoint.manifest.get("metrics") or {})
-        self.relay.send(
-            "resumed",
-            step=checkpoint.step,
-            checkpoint_uri=checkpoint.uri,
-            skipped=loaded.skipped,
-            bytes_read=int(all_reduce([float(loaded.bytes_read)])[0]),
-            restore_s=round(loaded.seconds, 4),
-            group=self.group,
-            world_size=self.world_size,
+        self.group = self.ledger.restore(
+            checkpoints, self.config, self.relay, self.run_dir, self.world_size
         )
+        self.faults.group = self.group
+        self._model = worker_api.prepare_model(model)
+        # The checkpoint thread copies the parameters while the next forward and backward run:
+        # the optimizer waits for it before it changes them. The first window starts here.
+        self.windows.start(
+            self._model,
+            optimizer,
+            checkpoints.before_optimizer_step,
+            self.world_size,
+            self.spec.report.step_time,
+        )
+        return self._model
 
-    # -- data ----------------------------------------------------------------------------------
+    # -- data ------------------------------------------------------------------------------
 
     def batches(self) -> Iterator[Any]:
         """This rank's slice of each global batch from the cursor to the end of the run's last
         epoch, on this worker's device: the columns form's dict of tensors (through
         ``data.transform`` and ``data.collate``), or ``{"features", "labels"}`` for the tabular
-        form. ``epoch`` and ``end_of_epoch`` say where the batch lies; ``report`` ends its step
-        (a batch not reported is ended, with no metrics, when the next is asked for; one not
-        reported when the loop returns is not counted)."""
+        form. ``epoch``, ``end_of_epoch`` and ``ends_step`` say where the batch lies;
+        ``report`` ends its step (a step not reported is ended, with no metrics, when the next
+        batch is asked for; one not reported when the loop returns is not counted)."""
         if self.checkpoints is None:
             raise _misuse(
                 "batches() before setup(): call setup(model, optimizer, scheduler) first: it "
@@ -222,143 +209,115 @@ class OwnLoop:
                 "end_of_epoch say where each batch lies)"
             )
         self._batches_called = True
-        first = self.cursor.batch(self.batch_size)
-        start = self._train_batches.start if self._train_batches is not None else None
-        epochs = self.data.epochs(self.cursor.epoch, first, self.epochs, start)
+        stream = self.data.training(self.ledger.cursor)
         try:
-            for epoch, ahead in self.timings.waited(iter(epochs)):
-                for index, _, rows in self.timings.waited(iter(ahead)):
-                    self._end_step()
-                    self.epoch, self._end = epoch, index + 1
-                    self.end_of_epoch = self._end == self.batches_per_epoch
+            for place, rows in stream:
+                self._end_step()
+                if not self._open:  # the step's first batch
                     self._open, self._metrics = True, {}
-                    with self.clock.part("h2d"):
-                        batch = self._on_device(rows)
-                    yield batch
+                self.place = place
+                with self.windows.clock.part("h2d"):
+                    batch = self.data.on_device(rows)
+                yield batch
         finally:
-            epochs.close()
+            stream.close()
         self._end_step()
 
     def validation(self) -> Iterator[Any]:
         """This rank's share of the validation rows, in batches on this worker's device
         (through ``data.eval_transform``). Sum what you measure and its count over the ranks
         with ``sum_over_ranks``: the figure is then that of every validation row."""
-        started = self.clock.start()
+        clock = self.windows.clock
+        started = clock.start()
         try:
-            if self._eval_batches is None:
-                for rows in self.data.validation():
-                    yield self._on_device(rows)
-                return
-            parts = self.data.validation_with_ids()
-            for batch in self._eval_batches.each(0, parts, ahead=self.data.data.prefetch):
-                yield self._on_device(batch)
+            yield from self.data.validation()
         finally:
-            self.clock.stop("validation", started)
+            clock.stop("validation", started)
 
     def sum_over_ranks(self, values: list[float]) -> list[float]:
         """``values`` summed over every rank (a collective: every rank calls it alike)."""
         return all_reduce([float(v) for v in values])
 
-    def _on_device(self, rows: Any) -> dict[str, Any]:
-        if isinstance(rows, data_mod.Arrays):
-            rows = {
-                "features": torch.from_numpy(rows.features),
-                "labels": torch.from_numpy(rows.labels),
-            }
-        return batch_to_device(rows, self.device)
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Run the batch's forward and backward in this block: on a batch that does not end
+        its optimizer step (``optimizer.grad_accumulation``) under DDP's ``no_sync``, so the
+        gradients add up on each rank and are all-reduced once, in the step's last backward."""
+        no_sync = getattr(self._model, "no_sync", None)
+        if self.ends_step or no_sync is None:
+            yield
+            return
+        with no_sync():
+            yield
 
-    # -- steps ---------------------------------------------------------------------------------
+    # -- steps -----------------------------------------------------------------------------
 
     def report(self, metrics: dict[str, Any] | None = None) -> None:
-        """End the step of the batch ``batches()`` handed out, with rank 0's ``metrics`` (numbers
-        or one-element tensors; give every rank's figure through ``sum_over_ranks``): its row in
-        the history, and a checkpoint when ``checkpoint.every`` steps or the epoch's end (or a
-        drain's notice) say so. Report validation metrics at the epoch's last batch
-        (``end_of_epoch``): the checkpoint of the weights they measured records them."""
+        """End the optimizer step of the batches ``batches()`` handed out, with rank 0's
+        ``metrics`` (numbers or one-element tensors; give every rank's figure through
+        ``sum_over_ranks``): its row in the history, and a checkpoint when ``checkpoint.every``
+        steps or the epoch's end (or a drain's notice) say so. Call it at the batch that ends
+        the step (``ends_step``), after the optimizer step. Report validation metrics at the
+        epoch's last batch (``end_of_epoch``): the checkpoint of the weights they measured
+        records them."""
         if not self._open:
             raise _misuse(
                 "report() ends the step of the batch batches() handed out: call it once per "
-                "batch, after the optimizer step"
+                "optimizer step, after the optimizer step"
+            )
+        if not self.ends_step:
+            raise _misuse(
+                f"report() at a batch that does not end its optimizer step (with "
+                f"optimizer.grad_accumulation={self.accumulation}, a step takes "
+                f"{self.place.step_batches} batches): step the optimizer and report where "
+                "run.ends_step is true"
             )
         self._metrics = dict(metrics or {})
         self._end_step()
 
     def _end_step(self) -> None:
-        if not self._open:
+        if not (self._open and self.ends_step):
             return
         self._open = False
         assert self.checkpoints is not None
-        self.step += 1
-        self.relay.completed_step = self.step
-        self.faults.check(self.step)
-        if self.step == self.resumed_from + 1:  # the optimizer state exists now
+        ledger, place = self.ledger, self.place
+        ledger.step += 1
+        self.relay.completed_step = ledger.step
+        self.faults.check(ledger.step)
+        if ledger.step == ledger.resumed_from + 1:  # the optimizer state exists now
             self.checkpoints.reserve()
         if self.checkpoints.failed():
             self.checkpoints.wait()  # raises the checkpoint's error
         self.timings.num_steps += 1
-        #: Where the next batch after this step is: the cursor of its checkpoint.
-        self._after = (
-            data_mod.Cursor(self.epoch + 1, 0)
-            if self.end_of_epoch
-            else data_mod.Cursor(self.epoch, self._end * self.batch_size)
-        )
-        row = {"step": self.step, "epoch": self.epoch, "batch": self._end - 1}
-        row.update(report_row(self._metrics))
-        self.latest = dict(row)
-        due = self.step % self.spec.checkpoint.every == 0 or self.end_of_epoch
-        at_report = due or self.step % self.spec.report.every == 0
-        self._window_steps += 1
-        timing = self._window() if at_report else {}
-        self.unsaved.append({**row, "attempt": self.config.attempt, "time": time.time(), **timing})
-        self.relay.send("metrics", rows=[self.unsaved[-1]])
+        row = ledger.record(place, self._metrics)
+        self.windows.count_step()
+        at_report = ledger.report_due(place)
+        timing = self.windows.end(self.world_size) if at_report else {}
+        self.relay.send("metrics", rows=[ledger.keep(row, timing)])
         notice = self.drains.new_notice() if at_report else None
-        if due or notice is not None:
-            with self.clock.part("checkpoint"):
-                self._checkpoint()
+        if ledger.checkpoint_due(place) or notice is not None:
+            with self.windows.clock.part("checkpoint"):
+                ledger.save(self.checkpoints, self.relay)
         if notice is not None:
-            self.drains.hold(self.step, notice)
-
-    def _window(self) -> dict[str, Any]:
-        """The report window ending at this step: every rank's breakdown (one collective),
-        the history's fields for it; a new straggler is told to the driver."""
-        times = self.clock.window(rest="forward_backward")
-        if times is None:
-            return {}
-        matrix = all_reduce(own_row(times, self.rank, self.world_size))
-        if self.rank != 0:  # rank 0 writes the history and relays
-            self._window_steps = 0
-            return {}
-        fields, new = window_fields(matrix, self.world_size, self._window_steps, self.stragglers)
-        self._window_steps = 0
-        for found in new:
-            self.relay.send("straggler", **found)
-        return fields
-
-    def _checkpoint(self) -> None:
-        assert self.checkpoints is not None
-        after = self._after  # not the batch handed out since, when it was not reported
-        meta = {"epoch": after.epoch, "cursor": after.to_json(), "metrics": self.latest}
-        rows, self.unsaved = self.unsaved, []
-        self.checkpoints.save(self.step, meta, rows)
-        share_peak_rss(self.relay)
+            self.drains.hold(ledger.step, notice)
 
     def finish(self) -> None:
         """After the loop returns: its last step checkpointed when it was not (a loop that
-        returns early keeps its work; the run goes on from there next time). A batch handed
-        out but not reported (the loop broke out of ``batches()`` first) is not counted: the
-        next run trains it."""
+        returns early keeps its work; the run goes on from there next time). Batches handed
+        out but not reported (the loop broke out of ``batches()`` first, maybe mid-step) are
+        not counted: the next run trains them."""
         self._open = False
         assert self.checkpoints is not None
         if self.step > self.checkpoints.last_step:
-            self._checkpoint()
+            self.ledger.save(self.checkpoints, self.relay)
         share_peak_rss(self.relay)
         self.checkpoints.wait()
-        if self.step == self.resumed_from and self.step > 0:
+        if self.step == self.ledger.resumed_from and self.step > 0:
             self.relay.send("already_complete", step=self.step)
         self.relay.send(
             "finished",
             step=self.step,
-            metrics=self.latest,
+            metrics=self.ledger.latest,
             timings=self.timings.to_json(),
             stopped=False,
         )
@@ -366,8 +325,7 @@ class OwnLoop:
     def close(self) -> None:
         if self.checkpoints is not None:
             self.checkpoints.close()
-        if self._pool is not None:
-            self._pool.close()
+        self.data.close()
 
 
 def own_train_loop(config: dict[str, Any]) -> None:
