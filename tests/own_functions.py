@@ -76,7 +76,9 @@ def accumulates(config: dict[str, Any]) -> None:
     """An own loop that accumulates each optimizer step's gradients over the batches
     ``optimizer.grad_accumulation`` gives it: DDP all-reduces on a step's last batch only
     (``run.no_sync()``), the optimizer steps and the step is reported where ``run.ends_step``
-    says, each batch's loss weighted by ``run.loss_weight`` (its share of the step)."""
+    says, each batch's loss weighted by ``run.loss_weight`` (its share of the step). A step's
+    row says whether, after its first batch's backward, the ranks' gradients still differed
+    (``kept_apart``: no all-reduce ran; DDP's would have made them equal)."""
     from examples.own_loop import build
     from trainer_core.train import own_loop
 
@@ -87,14 +89,20 @@ def accumulates(config: dict[str, Any]) -> None:
     model = run.setup(model, optimizer, scheduler)
     model.train()
     step_loss = 0.0
+    kept_apart: dict[str, bool] = {}
     for batch in run.batches():
         with run.no_sync():
             loss = functional.cross_entropy(model(batch["features"]), batch["labels"])
             (loss * run.loss_weight).backward()
         step_loss += loss.item() * run.loss_weight
+        if not run.ends_step and not kept_apart:
+            grad = next(model.parameters()).grad
+            assert grad is not None
+            own = [float(grad.sum()) if r == run.rank else 0.0 for r in range(run.world_size)]
+            kept_apart["kept_apart"] = len(set(run.sum_over_ranks(own))) > 1
         if run.ends_step:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-            run.report({"loss": step_loss})
-            step_loss = 0.0
+            run.report({"loss": step_loss, **kept_apart})
+            step_loss, kept_apart = 0.0, {}

@@ -231,7 +231,8 @@ def test_an_own_loop_that_accumulates_gradients_resumes_bit_for_bit(relaytrain_r
     a step a batch, every 5 batches would fall mid-step). A fault on rank 1 at step 17 of 22
     (epoch 1; the 21 batches of an epoch make 11 steps, the last of one batch) and a resume from
     the checkpoint of step 15 end with the same weights and optimizer state, to the bit, as an
-    uninterrupted run: no checkpoint holds half a step's gradients."""
+    uninterrupted run: no checkpoint holds half a step's gradients. In every step of two
+    batches, DDP left the first batch's gradients apart on the ranks (``no_sync``)."""
     from trainer_core.errors import TrainingCodeError
 
     def accumulating(name: str, **sections) -> dict:
@@ -252,4 +253,9 @@ def test_an_own_loop_that_accumulates_gradients_resumes_bit_for_bit(relaytrain_r
     run_dir, reference_dir = run_dir_of(spec), run_dir_of(reference)
     assert_same_tensors(final_state(run_dir), final_state(reference_dir))
     assert losses(run_dir) == losses(reference_dir)
-    assert [s for s, _ in losses(run_dir)] == list(range(1, 23))
+    history = read_metrics_history(run_dir)
+    assert [row["step"] for row in history] == list(range(1, 23))
+    # Steps 11 and 22 are their epoch's last batch alone: nothing to keep apart.
+    assert [r["step"] for r in history if r.get("kept_apart")] == [
+        s for s in range(1, 23) if s not in (11, 22)
+    ]
