@@ -104,7 +104,9 @@ class OwnLoop:
         self._batches_called = False
         self.group = 0
         #: The batch handed out last, and whether the step it is part of is still open.
-        self.place = BatchPlace(0, 0, False, True, 1, 0)
+        self.place = BatchPlace(
+            epoch=0, index=0, end_of_epoch=False, ends_step=True, step_batches=1, step_in_epoch=0
+        )
         self._open = False
         self._metrics: dict[str, Any] = {}
         training_state.seed_everything(self.spec.run.seed)  # identical initial weights
