@@ -20,6 +20,7 @@ from prefect.client.orchestration import get_client
 from flows.pytest_plugin import tiny_spec_dict, with_fault
 from flows.training import training
 from tests.conftest import ONE_WORKER
+from tests.helpers import steps_by_process
 from tests.prefect_api import artifacts, task_runs
 from tests.recovery import (
     assert_records_what_it_measures,
@@ -142,21 +143,33 @@ def test_finished_run_returns_stored_result_unless_more_epochs(happy):
 
 
 def test_raise_fault_is_retried_and_resume_is_exact(relaytrain_prefect, uninterrupted, tmp_path):
-    """Also the fault matrix's case 1 (an exception in training code), with its row."""
-    spec = with_fault(build_spec(tiny_spec_dict(tmp_path, "flow-fault")), "raise", at_step=17)
+    """Also the fault matrix's case 1 (an exception in training code), with its row. The
+    figures' oracles: the fault's step (it fires as step 17 begins: 16 completed), and the
+    steps the workers ran, counted from what rank 0's model saw in each attempt (the tiny
+    spec's MLP, computing the same, logging every training forward pass)."""
+    forwards = tmp_path / "forwards"
+    forwards.mkdir()
+    raw = tiny_spec_dict(tmp_path, "flow-fault")
+    kwargs = {**raw["model"]["kwargs"], "log_dir": str(forwards)}
+    raw["model"] = {"name": "tests.helpers:step_log_mlp", "kwargs": kwargs}
+    spec = with_fault(build_spec(raw), "raise", at_step=17)
     state = training(spec, return_state=True)
     assert state.is_completed()
     assert task_runs(state.state_details.flow_run_id)["train"].run_count == 2
     run_dir = run_dir_of(spec)
-    attempts = assert_recovered(run_dir, uninterrupted, interval=10, committed_before=13)
+    attempts = assert_recovered(
+        run_dir, uninterrupted, interval=10, committed_before=13, fault_step=17
+    )
     assert attempts[0]["error_budget"] == "code" and attempts[0]["restarts"] == []
     record_matrix_row("1 exception in training code", run_dir, committed_before=13, fault_step=17)
     result = state.result()
     assert [a.status for a in result.attempts] == ["failed", "completed"]
     assert result.attempts[0].error_class == "TrainingCodeError"
-    assert result.attempts[0].steps_lost == 4  # failed at 17, resumed from 13 (validated)
-    # 17 steps, then 14-39 again from the checkpoint at 13: 43 computed for 39 kept
-    assert result.steps_computed == 17 + 26 and result.goodput == round(39 / 43, 4)
+    assert result.attempts[1].resumed_from_step == 13  # the newest commit before the fault
+    # 16 steps, then 14-39 again from the checkpoint at 13: 42 computed for 39 kept.
+    ran = steps_by_process(forwards)
+    assert ran == [16, 26]
+    assert result.steps_computed == sum(ran) and result.goodput == round(39 / sum(ran), 4)
     # Where the time went counts each kept step once (the history holds no lost step), and
     # the retry cost time in each of its three parts, within the wall time.
     account = result.time

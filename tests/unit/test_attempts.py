@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from trainer_core import storage
@@ -31,8 +34,12 @@ def test_an_attempt_opens_fails_and_is_decided(tmp_path):
     attempts.write(run_dir, stored.decided("code retry budget spent"))
     assert attempts.read(run_dir)[0].retry_decision == "code retry budget spent"
     assert attempts.next_number(attempts.read(run_dir)) == 2
+    # Preempted while running step 3, when the driver had heard of step 1 only: steps 1 and 2
+    # completed. A user's Ray loop fails in its 3rd report, after the epoch it reports trained.
     preempted = record.failed(PreemptedError("preempted: node gone", step=3), {}, last_step=1)
-    assert preempted.error_budget == "preemption" and preempted.last_step == 3
+    assert preempted.error_budget == "preemption" and preempted.last_step == 2
+    in_report = record.failed(error, {}, last_step=1, error_step_ran=True)
+    assert in_report.last_step == 7
 
 
 def test_a_running_record_of_another_attempt_is_closed_as_driver_lost(tmp_path):
@@ -104,3 +111,24 @@ def test_an_attempt_the_engine_could_not_close_is_closed_by_the_train_task(tmp_p
     attempts.write(run_dir, AttemptRecord.opened(2, "resume", 10))
     attempts.close_abandoned(run_dir, 2)  # the next launch: nothing left to close
     assert attempts.read(run_dir)[0].error_class == "StorageFullError"
+
+
+def test_attempt_records_read_mid_write_are_read_again(tmp_path):
+    """attempts.jsonl is rewritten whole at each attempt's end, and read meanwhile by the
+    retry decision, the catalog, and the lease tests' own polling (which saw it torn on the
+    moto server in a full-suite run of d679fd6): a torn read is read again until it parses."""
+    run_location = storage.resolve(str(tmp_path / "run"))
+    run_dir = RunDirectory(run_location)
+    run_dir.record_attempt({"attempt": 1, "status": "failed"})
+    path = run_location.child("attempts.jsonl")
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-10])
+
+    def heal_later() -> None:
+        time.sleep(0.3)
+        path.write_bytes(whole)
+
+    healer = threading.Thread(target=heal_later)
+    healer.start()
+    assert [r["status"] for r in run_dir.read_attempts()] == ["failed"]
+    healer.join()

@@ -69,15 +69,26 @@ class AttemptRecord:
         return dataclasses.replace(self, **_known(outcome))
 
     def failed(
-        self, error: BaseException, outcome: dict[str, Any], last_step: int
+        self,
+        error: BaseException,
+        outcome: dict[str, Any],
+        last_step: int,
+        *,
+        error_step_ran: bool = False,
     ) -> AttemptRecord:
-        """Ended by ``error`` (classified); ``outcome`` is what the workers said of themselves."""
+        """Ended by ``error`` (classified); ``outcome`` is what the workers said of themselves;
+        ``last_step`` the newest step they are known to have completed. The error's own step
+        was completed only when ``error_step_ran`` (a user's Ray loop fails in a report, after
+        its epoch trained); relaytrain's loops fail in the step they were running, so the step
+        before it is the newest the error proves completed (a fault as step 17 begins: 16)."""
+        error_step = getattr(error, "step", None) or 0
+        reached = error_step if error_step_ran else error_step - 1
         return dataclasses.replace(
             self,
             **_known(outcome),
             status="failed",
             ended_at=time.time(),
-            last_step=max(last_step, getattr(error, "step", None) or 0),
+            last_step=max(last_step, reached),
             error_class=type(error).__name__,
             error_budget=getattr(error, "budget", "none"),
             error_message=str(error)[:2000],

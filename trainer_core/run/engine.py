@@ -109,7 +109,9 @@ def run_attempt(
             named = ray_head.name_loss(classify.classify(error))  # a lost head, not Ray's exit
             classified = classify.name_preemption(named, reclaimed_before | live.preempted_nodes)
             classified.attempt = plan.attempt  # type: ignore[attr-defined]  # for the train task
-            failed = record.failed(classified, live.outcome(), live.step)
+            failed = record.failed(
+                classified, live.outcome(), live.step, error_step_ran=spec.ray_loop
+            )
             if not isinstance(classified, LeaseLostError):  # the run is another flow's now
                 attempts.write_quietly(run_dir, failed)
             if classified is error:
