@@ -182,3 +182,11 @@ def own_lm_loop(config: dict[str, Any]) -> None:
 def needs_pixels(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> Any:
     """A metric written for another batch: it reads a key this one does not have."""
     return batch["pixels"].float().mean()
+
+
+def image_header(row: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """An encoded image's first 32 bytes as tokens (a decoder reads its header first): wide
+    rows (tests/integration/test_streaming.py) trained by ``tiny_lm`` without a 100,000-token
+    sequence a row."""
+    ids = np.frombuffer(row["raw"][:32], dtype=np.uint8).astype(np.int64)
+    return {"input_ids": ids, "labels": ids}

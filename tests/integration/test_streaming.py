@@ -5,6 +5,7 @@ dataset's feature 0 is the row id)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -499,3 +500,74 @@ def test_a_worker_holds_at_most_data_memory_mb_whatever_the_row_groups(
     _write_wide(tmp_path / "table", 96 * 1024, 2, row_group_size)
     peak = _peak_rss_mb(tmp_path, tmp_path / "table", "wide")
     assert peak - idle_worker_rss_mb <= MEMORY_MB, (peak, idle_worker_rss_mb)
+
+
+IMAGE_BYTES = 100_000  # an encoded image a row
+
+
+def _write_images(directory: Path, rows_per_file: int, files: int, row_group_size: int) -> None:
+    """``files`` Parquet files of ``rows_per_file`` rows: 100 KB of random bytes (encoded images
+    do not compress either) and the row's number, in row groups of ``row_group_size``."""
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for index in range(files):
+        first = index * rows_per_file
+        raw = [rng.bytes(IMAGE_BYTES) for _ in range(rows_per_file)]
+        table = pa.table(
+            {
+                "raw": pa.array(raw, pa.binary()),
+                "n": pa.array(np.arange(first, first + rows_per_file, dtype=np.int64)),
+            }
+        )
+        pq.write_table(table, directory / f"part-{index}.parquet", row_group_size=row_group_size)
+
+
+@pytest.mark.xfail(
+    strict=False,  # the measured peak straddles the bound: 118 to 147 MB over ten runs
+    reason="defect (issue 63, item 6): at data.memory_mb 128 the reader of 100 KB rows peaks "
+    "at 118-147 MB above idle (median about 134), past the bound setup accepted by its own "
+    "estimate (115 MB). Arrow's pool holds at most about 55 MB of it; the rest is memory "
+    "freed but kept resident by the allocator (mimalloc, jemalloc and malloc alike)",
+)
+def test_a_reader_of_100_kb_rows_holds_at_most_data_memory_mb(tmp_path):
+    """Encoded images of 100 KB a row: 183 MB in three files of 640 rows, in row groups of 32
+    rows. Setup accepts the spec at data.memory_mb 128 (2 partitions, a window of 32 rows),
+    and a fresh process reading one epoch of it as a worker's rank stream does then holds at
+    most 128 MB more than its peak before the first read: the oracle is the peak measured
+    (VmHWM), not what setup reckons. (The dataset is bigger than the bound: a reader that held
+    it whole would break it.)"""
+    from trainer_core.run.preflight import validate_workload
+
+    _write_images(tmp_path / "images", rows_per_file=640, files=3, row_group_size=32)
+    raw = {
+        "run": {"name": "images", "storage": str(tmp_path / "runs")},
+        "model": {"name": "tests.columns_workloads:tiny_lm"},
+        "data": {
+            "dataset": str(tmp_path / "images"),
+            "columns": ["raw", "n"],
+            "transform": "tests.columns_workloads:image_header",
+            "task": "causal_lm",
+            "batch_size": 8,
+            "validation_fraction": 0.0,
+            "partitions": 2,
+            "shuffle_window": 32,
+            "memory_mb": MEMORY_MB,
+        },
+        "schedule": {"epochs": 1},
+        "checkpoint": {"best_metric": "loss"},
+        "scaling": ONE_WORKER,
+    }
+    spec = build_spec(raw)
+    assert validate_workload(spec) == 3 * 640 // 8  # accepted: the epoch's steps
+    assert spec.data is not None
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.reader_memory", spec.data.model_dump_json()],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured["rows"] == 3 * 640  # every row read once
+    held = measured["peak_mb"] - measured["idle_mb"]
+    assert held <= MEMORY_MB, measured
