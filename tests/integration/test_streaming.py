@@ -526,8 +526,9 @@ def _write_images(directory: Path, rows_per_file: int, files: int, row_group_siz
     strict=False,  # the measured peak straddles the bound: 118 to 147 MB over ten runs
     reason="defect (issue 63, item 6): at data.memory_mb 128 the reader of 100 KB rows peaks "
     "at 118-147 MB above idle (median about 134), past the bound setup accepted by its own "
-    "estimate (115 MB). Arrow's pool holds at most about 55 MB of it; the rest is memory "
-    "freed but kept resident by the allocator (mimalloc, jemalloc and malloc alike)",
+    "estimate (115 MB). Arrow's pool holds at most about 55 MB of it; most of the rest is "
+    "memory freed but kept resident by Arrow's default allocator, mimalloc (the system "
+    "allocator kept more, 178 MB; jemalloc with its decay at 0 less, about 103 MB)",
 )
 def test_a_reader_of_100_kb_rows_holds_at_most_data_memory_mb(tmp_path):
     """Encoded images of 100 KB a row: 183 MB in three files of 640 rows, in row groups of 32
