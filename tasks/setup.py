@@ -96,12 +96,12 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     if names:
         logger.info("storage credentials from block %s: %s", spec.run.credentials, names)
     checked = refuse_bad_input(spec, logger.warning)  # bad input first, as it names itself
-    plan, run_dir, pinned = checked.plan, checked.run_dir, checked.pinned
-    if pinned is not None and pinned.added:
+    plan, run_dir = checked.plan, checked.run_dir
+    for uri, added in checked.added():
         logger.info(
             "%s file(s) added to %s since this run took its dataset snapshot are ignored",
-            len(pinned.added),
-            pinned.layout.uri,
+            len(added),
+            uri,
         )
     lease.acquire(run_dir.location, owner=lease_owner)
     summary_seen = lease.summary_version(run_dir.location)  # under the lease: nobody writes it

@@ -221,3 +221,92 @@ def test_a_snapshot_that_is_not_the_run_records_is_refused(tmp_path):
     snapshot_file.write_json(_first_attempt(other).pinned.record)
     with pytest.raises(SpecError, match=r"not the one run\.json records"):
         preflight.preflight(spec, attempt=2)
+
+
+def _ray_data_spec(tmp_path, name="ray-data"):
+    """A Ray Train loop of the user's own (examples/ray_data_loop.py) fed ``datasets.train``,
+    a directory of two Parquet files."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory = tmp_path / "table"
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(2):
+        pixels = np.full((16, 64), i, dtype=np.float32)
+        table = pa.table({"pixels": list(pixels), "label": np.arange(16) % 10})
+        pq.write_table(table, directory / f"part-{i}.parquet")
+    raw = {
+        "run": {"name": name, "storage": str(tmp_path / "runs")},
+        "scaling": {"num_workers": 1},
+        "train_loop": "examples.ray_data_loop:train_func",
+        "datasets": {"train": str(directory)},
+    }
+    return directory, build_spec(raw)
+
+
+def _first_ray_attempt(spec):
+    """The first attempt's preflight, and what it stores before its workers start."""
+    from trainer_core.run import preflight
+    from trainer_core.run.engine import versions
+
+    first = preflight.preflight(spec)
+    assert first.tables is not None and first.snapshot is not None
+    first.run_dir.write_dataset_snapshot(first.snapshot)
+    first.run_dir.write_run_record(
+        {}, spec.identity(), spec.fingerprint(), versions(), first.snapshot["fingerprint"]
+    )
+    return first
+
+
+def test_a_ray_loops_datasets_are_read_from_the_runs_snapshot(tmp_path, monkeypatch):
+    """A Ray loop's ``datasets`` follow the built-in loop's rule: a later attempt reads no
+    footer again, counts what landed in the table (a cut-off Parquet file, another schema, a
+    text file) by path, and hands Ray Data the snapshot's files; a new run meets them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainer_core.data import footers
+    from trainer_core.run import preflight
+
+    directory, spec = _ray_data_spec(tmp_path)
+    footers_read = []
+    read_footer = footers.read_footer
+    monkeypatch.setattr(
+        footers, "read_footer", lambda *a: footers_read.append(a[1]) or read_footer(*a)
+    )
+    first = _first_ray_attempt(spec)
+    pinned = [str(directory / f"part-{i}.parquet") for i in range(2)]
+    assert first.tables is not None and first.tables.files() == {"train": pinned}
+    assert len(footers_read) == 2
+
+    whole = (directory / "part-1.parquet").read_bytes()
+    (directory / "part-2.parquet").write_bytes(whole[: len(whole) // 2])
+    pq.write_table(pa.table({"user": ["a", "b"]}), directory / "part-3.parquet")
+    (directory / "README.txt").write_text("hourly clicks\n")
+    grown = preflight.preflight(spec, attempt=2)
+    assert len(footers_read) == 2  # the snapshot's files kept their times: nothing read
+    assert grown.tables is not None and grown.tables.files() == {"train": pinned}
+    landed = [str(directory / n) for n in ("README.txt", "part-2.parquet", "part-3.parquet")]
+    assert grown.added() == [(str(directory), landed)]
+    assert grown.snapshot == first.snapshot
+    with pytest.raises(SpecError, match=r"datasets\.train .*README\.txt.*is not Parquet"):
+        preflight.preflight(spec.with_run_name("fresh"))
+
+
+def test_a_ray_loops_snapshot_with_an_edited_file_list_is_refused(tmp_path):
+    """dataset.json of a Ray loop's run with a file dropped from a table: its fingerprint is
+    not the one run.json recorded, and the error names ``datasets``."""
+    import json
+
+    from trainer_core.run import preflight
+
+    _, spec = _ray_data_spec(tmp_path)
+    first = _first_ray_attempt(spec)
+    edited = json.loads(json.dumps(first.snapshot))
+    table = edited["datasets"]["train"]
+    table["files"] = table["files"][:1]
+    first.run_dir.location.child("dataset.json").write_json(edited)
+    with pytest.raises(SpecError, match=r"dataset\.json.*run\.json.*Restore it") as refused:
+        preflight.preflight(spec, attempt=2)
+    assert refused.value.field == "datasets"

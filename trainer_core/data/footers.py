@@ -100,6 +100,14 @@ def scan(data: DataSection) -> Layout:
     return Layout(location.uri, location, tuple(row_groups), schema, files=tuple(files))
 
 
+def scan_table(location: storage.Location, field: str) -> Layout:
+    """The layout of a table another reader reads whole (a Ray loop's ``datasets``, Ray
+    Data's): every column, one schema in every file; SpecError naming ``field`` and the file
+    otherwise. Reads footers only."""
+    row_groups, schema, files = scan_files(location, None, None, field)
+    return Layout(location.uri, location, tuple(row_groups), schema, files=tuple(files))
+
+
 #: Rows per row group of a dataset relaytrain generates in memory.
 MEMORY_ROW_GROUP = 1024
 

@@ -89,7 +89,7 @@ def _trainer(spec: RunSpec, plan: Any, loop: TrainLoop, relay: Any) -> Any:
     # Typed as Ray's V1 TorchTrainer (type checkers see V1's config classes, not V2's).
     trainer_class: Any = AbortableTorchTrainer
     trainer = trainer_class(
-        datasets=_ray_datasets(spec, credentials),
+        datasets=_ray_datasets(spec, plan.ray_datasets, credentials),
         train_loop_per_worker=_with_credentials(loop, credentials),
         train_loop_config=worker_config.to_dict(),
         # Ray's TorchConfig, minus its module's torch import in the controller.
@@ -138,26 +138,34 @@ def _worker_config(spec: RunSpec, plan: Any, relay: Any) -> WorkerConfig:
     )
 
 
-def _ray_datasets(spec: RunSpec, credentials: list[Any]) -> dict[str, Any]:
+def _ray_datasets(
+    spec: RunSpec, pinned_files: dict[str, list[str]] | None, credentials: list[Any]
+) -> dict[str, Any]:
     """``spec.datasets`` as Ray Train's ``datasets``: each read by Ray Data when the worker
-    group starts (in the controller, which has the credentials), its files through a
-    filesystem that sets them in every read task first."""
+    group starts (in the controller, which has the credentials) from the files the run's
+    snapshot pinned (``pinned_files``, by name: ``run.preflight.PinnedTables.files``), through
+    a filesystem that sets the credentials in every read task first."""
     from trainer_core.execution.controller import apply_credentials
 
+    if not spec.datasets:
+        return {}
+    assert pinned_files is not None, "an attempt's preflight pins its datasets"
     found = {}
     for name, uri in spec.datasets.items():
         location = storage.resolve(uri)
         filesystem = lazyfs.for_tasks(
             uri, location.filesystem, functools.partial(apply_credentials, credentials)
         )
-        found[name] = functools.partial(_read_parquet, location.path, filesystem)
+        found[name] = functools.partial(_read_parquet, pinned_files[name], filesystem)
     return found
 
 
-def _read_parquet(path: str, filesystem: Any) -> Any:
+def _read_parquet(files: list[str], filesystem: Any) -> Any:
+    """Exactly ``files``: no listing (a file added to the table since its snapshot is not
+    read) and no filter by suffix (the snapshot checked that every one is Parquet)."""
     import ray.data
 
-    return ray.data.read_parquet(path, filesystem=filesystem)
+    return ray.data.read_parquet(files, filesystem=filesystem, file_extensions=None)
 
 
 def fit(

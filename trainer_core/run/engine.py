@@ -80,16 +80,19 @@ def run_attempt(
     the lease is lost (the attempt is stopped and raises it)."""
     started = time.time()
     checked = preflight(spec, attempt)  # bad input names itself before any worker starts
-    run_dir, pinned = checked.run_dir, checked.pinned
+    run_dir, pinned, tables = checked.run_dir, checked.pinned, checked.tables
     plan = replace(checked.plan, lease_owner=lease_owner)
     if pinned is not None:
         plan = replace(plan, dataset=pinned.for_workers())
-        if pinned.added and on_event is not None:
-            on_event({"kind": "dataset_added", "files": pinned.added, "uri": pinned.layout.uri})
+    if tables is not None:
+        plan = replace(plan, ray_datasets=tables.files())
+    if on_event is not None:
+        for uri, added in checked.added():
+            on_event({"kind": "dataset_added", "files": added, "uri": uri})
     with cluster.ray_cluster():
         cluster.check_capacity(spec, first_attempt=plan.attempt == 1)  # retries wait
         reclaimed_before = cluster.preempted_nodes()
-        _prepare_run_directory(spec, run_dir, plan)
+        _prepare_run_directory(spec, run_dir, plan, checked.snapshot)
         # From step 0 when nothing is committed; a user's loop from what only its workers know.
         start = plan.resume_step if plan.resume_step is not None or spec.ray_loop else 0
         record = attempts.AttemptRecord.opened(plan.attempt, plan.reason, start)
@@ -122,14 +125,16 @@ def run_attempt(
         return result
 
 
-def _prepare_run_directory(spec: RunSpec, run_dir: RunDirectory, plan: Plan) -> None:
-    """The dataset snapshot and the run record on the first attempt (in that order: the run
-    record names the snapshot's fingerprint, the stored one's where an attempt stored it
-    already); earlier attempts that ended without a word closed; checkpoint directories no
-    attempt committed removed (before any worker starts)."""
+def _prepare_run_directory(
+    spec: RunSpec, run_dir: RunDirectory, plan: Plan, pinned: dict[str, Any] | None
+) -> None:
+    """The dataset snapshot (``pinned``: what preflight pinned) and the run record on the
+    first attempt (in that order: the run record names the snapshot's fingerprint, the stored
+    one's where an attempt stored it already); earlier attempts that ended without a word
+    closed; checkpoint directories no attempt committed removed (before any worker starts)."""
     snapshot = run_dir.read_dataset_snapshot()
-    if snapshot is None and plan.dataset is not None:
-        snapshot = plan.dataset["snapshot"]
+    if snapshot is None and pinned is not None:
+        snapshot = pinned
         run_dir.write_dataset_snapshot(snapshot)
     if run_dir.read_run_record() is None:
         run_dir.write_run_record(

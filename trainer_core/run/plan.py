@@ -30,6 +30,9 @@ class Plan:
     reason: str
     #: The snapshot the workers read (``PinnedDataset.for_workers``); None: made data, own loop.
     dataset: dict[str, Any] | None = None
+    #: The files each of a Ray loop's ``datasets`` is read from: its snapshot's
+    #: (``PinnedTables.files``).
+    ray_datasets: dict[str, list[str]] | None = None
     #: The lease owner the attempt's commits are fenced by (None: no lease, e.g. a test).
     lease_owner: str | None = None
 

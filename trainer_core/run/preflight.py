@@ -4,6 +4,8 @@ attempt trains on.
 - ``pin_dataset``: the built-in loop's dataset as the attempt must read it: the run's
   snapshot, taken on the first attempt and read first by every later one (which lists the
   dataset only to count the files added since).
+- ``pin_ray_datasets``: the same for each of a Ray Train loop's ``datasets``; Ray Data is
+  handed the pinned files.
 - ``validate_workload``: what the spec imports, the dataset, the model, the loss and the
   metrics, tried on the driver (a SpecError before any worker starts), and the run's total
   optimizer steps.
@@ -13,13 +15,13 @@ attempt trains on.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import dataset_snapshot, footers, rank_stream, row_slices, stream
@@ -62,14 +64,45 @@ def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDat
     assert spec.data is not None
     data = spec.data.resolved()
     stored = _snapshot_of_this_run(spec, run_dir) if run_dir is not None else None
-    added: list[str] = []
-    if stored is None:
-        layout = footers.scan(data)  # footers only
-    else:
-        layout = dataset_snapshot.from_json(dataset_snapshot.at_location(stored, data), data)
-        added = dataset_snapshot.verify(layout, data).added
+    source = dataset_snapshot.Source.of(data)
+    layout, added = dataset_snapshot.pin(source, stored, lambda: footers.scan(data))
     record = dataset_snapshot.to_json(layout) if layout.files else None
     return PinnedDataset(layout, stream.describe(layout, data), record, added)
+
+
+@dataclass(frozen=True)
+class PinnedTables:
+    """A Ray Train loop's ``datasets`` as the attempt must read them (Ray Data): each one's
+    snapshot, by name (taken now on the first attempt, else read from the run directory and
+    verified), the record the run directory keeps of them all, and the files added to each
+    since (counted by path, never opened)."""
+
+    layouts: dict[str, footers.Layout]
+    record: dict[str, Any]
+    added: dict[str, list[str]]
+
+    def files(self) -> dict[str, list[str]]:
+        """The files each dataset is read from (what Ray Data is handed), in snapshot order."""
+        return {name: [f.path for f in layout.files] for name, layout in self.layouts.items()}
+
+
+def pin_ray_datasets(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedTables | None:
+    """A Ray Train loop's ``datasets`` as this attempt must read them, each by the rule of
+    ``pin_dataset`` (``dataset_snapshot.pin``): a later attempt reads the run's snapshot
+    first, checks its files, and only counts the files added since; the first attempt reads
+    every footer now (SpecError naming ``datasets.<name>`` and the file for one that is not
+    Parquet, or of another schema). None without ``datasets``."""
+    if not spec.ray_loop or not spec.datasets:
+        return None
+    stored = _snapshot_of_this_run(spec, run_dir) if run_dir is not None else None
+    layouts: dict[str, footers.Layout] = {}
+    added: dict[str, list[str]] = {}
+    for name, uri in spec.datasets.items():
+        source = dataset_snapshot.Source.of_table(name, uri)
+        table = dataset_snapshot.table_record(stored, source) if stored is not None else None
+        scan = functools.partial(footers.scan_table, source.location, source.field)
+        layouts[name], added[name] = dataset_snapshot.pin(source, table, scan)
+    return PinnedTables(layouts, dataset_snapshot.tables_to_json(layouts), added)
 
 
 def _snapshot_of_this_run(spec: RunSpec, run_dir: RunDirectory) -> dict[str, Any] | None:
@@ -87,12 +120,13 @@ def _snapshot_of_this_run(spec: RunSpec, run_dir: RunDirectory) -> dict[str, Any
     recorded = run.get("dataset") if run is not None else None
     computed = dataset_snapshot.recorded_fingerprint(stored)
     if computed != stored.get("fingerprint") or recorded not in (None, computed):
+        field = "datasets" if spec.ray_loop else "data.dataset"
         raise SpecError(
             f"run {run_dir.uri}: its dataset snapshot (dataset.json, files fingerprint "
             f"{computed[:12]}, stated {str(stored.get('fingerprint'))[:12]}) is not the one "
             f"run.json records ({str(recorded)[:12]}): dataset.json was replaced or edited. "
-            "Restore it, or start a new run.name to train on data.dataset as it is now.",
-            field="data.dataset",
+            f"Restore it, or start a new run.name to train on {field} as it is now.",
+            field=field,
         )
     return stored
 
@@ -100,12 +134,11 @@ def _snapshot_of_this_run(spec: RunSpec, run_dir: RunDirectory) -> dict[str, Any
 def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int | None:
     """Import what the spec names, read the dataset (footers; ``pinned``: already read) and
     build the model: SpecError before any worker starts. Returns the run's total optimizer
-    steps (None for a Ray Train loop of the user's own)."""
+    steps (None for a Ray Train loop of the user's own, whose ``datasets`` are checked where
+    they are pinned: ``pin_ray_datasets``)."""
     if spec.train_loop is not None:
         workloads.resolve_train_loop(spec.train_loop)
     if spec.ray_loop:
-        for name, uri in spec.datasets.items():  # footers only: the files are Parquet
-            footers.scan_files(storage.resolve(uri), None, None, f"datasets.{name}")
         return None
     assert spec.data is not None and spec.schedule is not None
     data = spec.data.resolved()
@@ -190,22 +223,41 @@ def _check_reader_memory(data: Any, layout: footers.Layout) -> None:
 @dataclass(frozen=True)
 class Preflight:
     """What the driver settled before an attempt: its plan, the run directory, the dataset it
-    trains on (None for a user's own loop) and the run's total optimizer steps."""
+    trains on (None for a user's own loop), a Ray loop's ``datasets`` (``tables``; None
+    otherwise) and the run's total optimizer steps."""
 
     plan: Plan
     run_dir: RunDirectory
     pinned: PinnedDataset | None
     total_steps: int | None
+    tables: PinnedTables | None = None
+
+    @property
+    def snapshot(self) -> dict[str, Any] | None:
+        """What the run directory keeps as the run's dataset snapshot (dataset.json)."""
+        if self.tables is not None:
+            return self.tables.record
+        return self.pinned.record if self.pinned is not None else None
+
+    def added(self) -> list[tuple[str, list[str]]]:
+        """The files added since the run's snapshot, by the dataset's URI (none opened)."""
+        if self.tables is not None:
+            layouts, added = self.tables.layouts, self.tables.added
+            return [(layouts[name].uri, files) for name, files in added.items() if files]
+        if self.pinned is not None and self.pinned.added:
+            return [(self.pinned.layout.uri, self.pinned.added)]
+        return []
 
 
 def preflight(spec: RunSpec, attempt: int | None = None) -> Preflight:
     """Everything the driver checks before an attempt, in the order errors name themselves:
-    storage (writable) and the run's name; the dataset the attempt trains on (a later
-    attempt's snapshot, read first; else the dataset's footers) and the workload on it (what
-    the spec imports, the memory bound, the model, the loss, the total steps); then the run
-    directory's record and the plan. The dataset is read and described once."""
+    storage (writable) and the run's name; the dataset the attempt trains on, or a Ray loop's
+    ``datasets`` (a later attempt's snapshot, read first; else the footers) and the workload
+    on it (what the spec imports, the memory bound, the model, the loss, the total steps);
+    then the run directory's record and the plan. The dataset is read and described once."""
     run_dir = run_directory(spec)
     pinned = pin_dataset(spec, run_dir)
+    tables = pin_ray_datasets(spec, run_dir)
     total_steps = validate_workload(spec, pinned)
     plan, run_dir = plan_attempt(spec, attempt, run_dir)
-    return Preflight(plan, run_dir, pinned, total_steps)
+    return Preflight(plan, run_dir, pinned, total_steps, tables)
