@@ -34,6 +34,7 @@ from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, 
 from trainer_core.errors import CheckpointCorruptError, SpecError
 from trainer_core.numbers import is_finite_number
 from trainer_core.spec.run_spec import RunSpec
+from trainer_core.tracking import mlflow_model
 from trainer_core.tracking.mlflow_server import _bounded_http, _get_run, _probe, spec_params
 from trainer_core.tracking.mlflow_state import (
     STATE_FILE,
@@ -293,45 +294,17 @@ class Tracker:
                 "--trust-stored-spec for a run directory nobody else can write)."
             )
             return
-        import mlflow.pytorch
-        import torch
-        from mlflow.models import Model
-        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-
-        from trainer_core.checkpoint.exports import model_weights
-        from trainer_core.train import evaluate, workloads
-
-        checkpoint = self.run_dir.read_committed(step)
-        if checkpoint is None:
-            raise FileNotFoundError(f"checkpoint {uri} is not committed any more")
-        info = evaluate.describe(self.spec)
-        model = workloads.build_model(
-            self.spec.model, info.num_features, info.num_outputs, self.spec.data.columns_form
-        )
+        assert uri is not None and self.state.run_id is not None
         try:
-            weights = model_weights(self.run_dir, checkpoint)
+            model_uri = mlflow_model.log_checkpoint_model(
+                self.spec, self.run_dir, self.uri, self.state.run_id, step, uri
+            )
         except (CheckpointCorruptError, SpecError) as e:  # never loggable: say so, once
             self.model_not_logged = f"{uri}: {e}"
             logger.warning("best model not logged to MLflow: %s", self.model_not_logged)
             client.set_tag(self.state.run_id, "relaytrain.model", f"not logged: {e}"[:TAG_CHARS])
             return
-        model.load_state_dict(weights)
-        model.eval()
-        with _use_tracking_uri(self.uri):
-            logged = Model.log(
-                artifact_path=None,
-                name="model",
-                flavor=mlflow.pytorch,
-                pytorch_model=model,
-                run_id=self.state.run_id,
-                step=step,
-                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-                # the module pickled whole: MLflow's 'pt2' export would fix the batch size to
-                # the input example's; loading needs relaytrain's workloads importable
-                serialization_format="pickle",
-                tags={"relaytrain.checkpoint": uri},
-            )
-        self.state.model_uri, self.state.model_step = logged.model_uri, step
+        self.state.model_uri, self.state.model_step = model_uri, step
 
     def _end(self, status: str) -> None:
         self._mlflow_client().set_terminated(
