@@ -218,17 +218,17 @@ def _snapshot_spec(tmp_path: Path, dataset: Path, name: str, faults: list) -> Ru
 
 def _between_attempts(spec: RunSpec, change: Any) -> Any:
     """Run the flow; once its first attempt has failed, ``change()`` the dataset (the retry
-    waits ``retries.delay_s``); the flow's final state."""
+    waits ``retries.delay_s``); the flow's final state. Bounded by the flow's own work: it
+    ends, completed or not, within its retry budget."""
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(state=training(spec, return_state=True)))
     thread.start()
     run_dir = run_dir_of(spec)
-    deadline = time.time() + 300
     while not any(a.get("status") == "failed" for a in run_dir.read_attempts()):
-        assert time.time() < deadline and thread.is_alive(), "attempt 1 never failed"
+        assert thread.is_alive(), "the flow ended before its first attempt failed"
         time.sleep(0.05)
     change()
-    thread.join(timeout=300)
+    thread.join()
     return box["state"]
 
 
