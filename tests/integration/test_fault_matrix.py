@@ -122,13 +122,13 @@ def test_corrupt_newest_checkpoint_falls_back(
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(state=training(spec, return_state=True)))
     thread.start()
-    deadline = time.time() + 300
+    # Bounded by the flow's work: it ends, completed or not, within its retry budget
     for failed, (step, how) in enumerate([(20, "truncated"), (30, "missing marker")], start=1):
         while sum(a.get("status") == "failed" for a in run_dir.read_attempts()) < failed:
-            assert time.time() < deadline and thread.is_alive(), f"attempt {failed} never failed"
+            assert thread.is_alive(), f"attempt {failed} never failed"
             time.sleep(0.1)
         corrupt(run_dir, step, how)
-    thread.join(timeout=300)
+    thread.join()
     assert box["state"].is_completed(), box["state"]
     attempts = assert_recovered(run_dir, uninterrupted_one_worker, interval=20, committed_before=13)
     # past the damaged step 20, then past the unmarked step 30
@@ -195,9 +195,8 @@ def start_slowed_flow(
     reader = threading.Thread(target=lambda: output.extend(flow.stdout or []), daemon=True)
     reader.start()
     run_dir = run_dir_of(build_spec(raw))
-    deadline = time.time() + 300
-    while not run_dir.scan().committed:
-        assert time.time() < deadline and flow.poll() is None, "".join(output)
+    while not run_dir.scan().committed:  # the flow commits, or ends
+        assert flow.poll() is None, "".join(output)
         time.sleep(0.2)
     return flow, output, reader, run_dir
 
@@ -262,12 +261,11 @@ def test_the_ray_address_head_restarted_mid_attempt_is_reconnected_and_resumed(
         flow, output, reader, run_dir = start_slowed_flow("matrix-address", tmp_path, head.address)
         head.kill()
         killed_at = time.time()
-        deadline = time.time() + 120
         while not any("does not answer (its head restarting?)" in line for line in output):
-            assert time.time() < deadline and flow.poll() is None, "".join(output)
+            assert flow.poll() is None, "".join(output)  # the flow says so, or ends
             time.sleep(0.2)
         head.start()
-        assert flow.wait(timeout=300) == 0, "".join(output)
+        assert flow.wait() == 0, "".join(output)
         reader.join(30)
     finally:
         head.stop()
