@@ -1,6 +1,8 @@
 """A loop of the user's own on relaytrain's API (``train_loop_api: relaytrain``): what its spec
 needs and refuses, and what the API says when it is used outside a run or out of order."""
 
+import re
+
 import pytest
 
 from tests.conftest import tiny_raw
@@ -84,8 +86,12 @@ def test_an_own_loop_reads_the_accumulation_into_its_identity(tmp_path):
 
 
 def test_what_an_own_loop_ignores_it_says(tmp_path):
+    """tiny_raw's spec sets optimizer.name and .lr: an own loop builds its own optimizer, so
+    they are named; grad_accumulation, which the session reads, is not."""
     raw = tiny_raw(tmp_path, "own", **LOOP, precision="bf16")
-    with pytest.warns(UserWarning, match=r"\['model', 'precision=bf16'\] are ignored"):
+    raw["optimizer"]["grad_accumulation"] = 2
+    ignored = "['model', 'optimizer.lr', 'optimizer.name', 'precision=bf16'] are ignored"
+    with pytest.warns(UserWarning, match=re.escape(ignored)):
         build_spec(raw)
 
 

@@ -91,9 +91,19 @@ def test_train_loop_ignores_builtin_sections_with_a_warning(tmp_path):
         build_spec(raw)
 
 
+def test_a_ray_loop_names_the_optimizer_keys_it_ignores(tmp_path):
+    raw = tiny_raw(tmp_path, "x", train_loop="examples.ray_train_loop:train_func")
+    for section in ("model", "data", "schedule"):
+        del raw[section]
+    raw["optimizer"] = {"grad_accumulation": 2, "momentum": 0.0}
+    ignored = r"\['optimizer.grad_accumulation', 'optimizer.momentum'\] are ignored"
+    with pytest.warns(UserWarning, match=ignored):
+        build_spec(raw)
+
+
 def test_train_loop_ignores_precision_with_a_warning(tmp_path):
     raw = tiny_raw(tmp_path, "x", train_loop="examples.ray_train_loop:train_func", precision="bf16")
-    for section in ("model", "data", "schedule"):
+    for section in ("model", "data", "schedule", "optimizer"):
         del raw[section]
     with pytest.warns(UserWarning, match=r"\['precision=bf16'\] are ignored"):
         build_spec(raw)

@@ -81,12 +81,22 @@ def _check_own_loop_sections(spec: Any) -> None:
         ("model",),
         "train_loop is your own loop, so {} are ignored: build them in your loop "
         "(train_loop_config passes it settings)",
+        optimizer_read=("grad_accumulation",),
     )
 
 
-def _say_ignored(spec: Any, sections: tuple[str, ...], message: str) -> None:
-    """Warn of the ``sections`` and settings a loop of the user's own does not read."""
+def _say_ignored(
+    spec: Any, sections: tuple[str, ...], message: str, optimizer_read: tuple[str, ...] = ()
+) -> None:
+    """Warn of the ``sections`` and settings a loop of the user's own does not read: of the
+    optimizer section (always there, with defaults), the keys the spec sets but the loop does
+    not read (it builds its own optimizer)."""
     ignored = [s for s in sections if getattr(spec, s) is not None]
+    ignored += [
+        f"optimizer.{key}"
+        for key in sorted(spec.optimizer.model_fields_set)
+        if key not in optimizer_read
+    ]
     if spec.precision != "fp32":
         ignored.append(f"precision={spec.precision}")  # your loop autocasts itself
     ignored += [key for key in ("loss", "metrics") if getattr(spec, key)]
