@@ -151,7 +151,7 @@ def test_a_file_another_client_rewrote_reads_fresh_through_s3fs(s3, monkeypatch)
     ETag and opened a file with that ETag: once the object was replaced, every read failed
     (FileExpired) until the storage patience ran out, and a flow run on s3fs failed with
     StorageUnavailableError."""
-    from trainer_core.storage.locations import read_whole_json
+    from trainer_core.storage.torn_reads import read_whole_json
 
     monkeypatch.setenv("RELAYTRAIN_STORAGE_PATIENCE_S", "2")
     name = f"rewritten-{uuid.uuid4().hex[:8]}"

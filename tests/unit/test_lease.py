@@ -54,7 +54,7 @@ def test_a_lease_read_mid_write_is_read_again_not_the_readers_error(run_location
     until it is whole, and call one that stays torn an outage (retried), never a parse error
     (which the workers would report as the training code's)."""
     from trainer_core.errors import StorageUnavailableError
-    from trainer_core.storage import conditional_write, locations
+    from trainer_core.storage import conditional_write, torn_reads
 
     held = lease.acquire(run_location, owner="a", settle_s=0)
     path = run_location.child("lock.json")
@@ -77,7 +77,7 @@ def test_a_lease_read_mid_write_is_read_again_not_the_readers_error(run_location
         read()
         healer.join()
     assert path.read_json()["owner"] == "a"
-    monkeypatch.setattr(locations, "TORN_READ_PATIENCE_S", 0.2)
+    monkeypatch.setattr(torn_reads, "TORN_READ_PATIENCE_S", 0.2)
     path.write_bytes(torn)
     with pytest.raises(StorageUnavailableError, match="stayed unreadable"):
         RunDirectory(run_location).check_lease("a")

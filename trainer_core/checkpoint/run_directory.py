@@ -58,7 +58,8 @@ from trainer_core.errors import (
 )
 from trainer_core.spec.operations import CheckpointSection
 from trainer_core.spec.run_spec import RunSpec, identity_changes
-from trainer_core.storage.locations import Location, read_whole, read_whole_json
+from trainer_core.storage.locations import Location
+from trainer_core.storage.torn_reads import read_whole, read_whole_json
 
 SCHEMA_VERSION = 1
 RUN_FILE = "run.json"

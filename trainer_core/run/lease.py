@@ -29,7 +29,8 @@ from typing import Any
 from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory
 from trainer_core.errors import LeaseHeldError, LeaseLostError
 from trainer_core.storage import conditional_write
-from trainer_core.storage.locations import Location, read_whole_json
+from trainer_core.storage.locations import Location
+from trainer_core.storage.torn_reads import read_whole_json
 
 DEFAULT_TTL_S = 60.0
 
