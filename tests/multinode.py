@@ -42,7 +42,7 @@ class MultiNodeCluster:
             **RAY_ENV_DEFAULTS,  # the nodes are started as the README asks of a user's cluster
             **os.environ,
             **(env or {}),
-            # The jobs' drivers run `python -m trainer_core.run.jobs` and import test workloads.
+            # The jobs' drivers (`python -m trainer_core.run.job_entry`) import test workloads.
             "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONPATH": str(REPO),
             "RAY_USAGE_STATS_ENABLED": "0",

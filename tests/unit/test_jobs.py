@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from trainer_core import errors
 from trainer_core.errors import ClusterCapacityError, InfrastructureError, TrainingCodeError
-from trainer_core.run import jobs
+from trainer_core.run import job_entry, jobs
 from trainer_core.spec.overrides import build_spec
 
 
@@ -91,7 +91,7 @@ def test_a_job_server_that_answered_the_run_before_is_waited_for(monkeypatch, tm
 
 class _JobServer:
     """A stand-in for a Ray job server that runs each submitted job's entrypoint in this
-    process (``jobs.main``) and serves its printed log back."""
+    process (``job_entry.main``) and serves its printed log back."""
 
     def __init__(self, capsys):
         self.capsys, self.log, self.submitted = capsys, "", []
@@ -104,9 +104,9 @@ class _JobServer:
 
         self.submitted.append(SimpleNamespace(entrypoint=entrypoint, metadata=metadata))
         argv = shlex.split(entrypoint)
-        assert argv[:3] == ["python", "-m", "trainer_core.run.jobs"], argv
+        assert argv[:3] == ["python", "-m", "trainer_core.run.job_entry"], argv
         self.capsys.readouterr()
-        jobs.main(argv[3:])
+        job_entry.main(argv[3:])
         self.log = self.capsys.readouterr().out
 
     async def tail_job_logs(self, job_id):

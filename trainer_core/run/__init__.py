@@ -7,7 +7,8 @@ retry decision, the result, and what a storage holds.
   run's pinned snapshot).
 - ``plan``: the run directory and the attempt's plan: fresh start or resume, and why.
 - ``live_state``: what the driver knows of a running attempt, from its workers' events.
-- ``jobs``: attempts as Ray jobs on a remote cluster.
+- ``jobs``: attempts as Ray jobs on a remote cluster: submitted, followed, re-attached.
+- ``job_entry``: the job's side: the attempt's driver inside the cluster.
 - ``attempts``: the attempt records (``attempts.jsonl``).
 - ``lease``: one live flow drives a run at a time (``lock.json``).
 - ``retry``: retry or stop, from the error and the records.

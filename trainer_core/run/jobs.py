@@ -1,9 +1,9 @@
 """Attempts as Ray jobs: drive a remote Ray cluster through its Jobs API instead of in-process.
 
 When ``scaling.job_address`` (or ``RELAYTRAIN_RAY_JOB_ADDRESS``) names a cluster's job server,
-the train task submits each attempt as a Ray job whose driver runs ``engine.run_attempt`` inside
-the cluster (``python -m trainer_core.run.jobs``). The job prints its relayed events and its outcome
-as tagged JSON lines; the caller follows the job's log, streams the events to ``on_event``,
+the train task submits each attempt as a Ray job whose driver runs ``engine.run_attempt``
+inside the cluster (``job_entry``). The job prints its relayed events and its outcome as
+tagged JSON lines; the caller follows the job's log, streams the events to ``on_event``,
 relays every other line to its logger, and rebuilds the outcome: an ``AttemptResult`` or the
 classified error the job raised.
 
@@ -22,7 +22,6 @@ the job's workers commit only while the lease still names it. A flow that takes 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import contextlib
@@ -31,7 +30,6 @@ import logging
 import os
 import queue
 import shlex
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +40,7 @@ from trainer_core import errors
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import InfrastructureError, LeaseLostError, RelaytrainError, SpecError
 from trainer_core.execution import cluster, ray_head
-from trainer_core.run import attempts, engine, lease
+from trainer_core.run import attempts, engine, job_entry, lease
 from trainer_core.run.plan import canonical_storage_uri
 from trainer_core.spec.run_spec import RunSpec
 
@@ -53,8 +51,8 @@ JOB_ADDRESS_ENV = "RELAYTRAIN_RAY_JOB_ADDRESS"
 #: restarting, a network cut) to answer again, then fails on the infrastructure budget: the
 #: bound a driver's lost head is waited for too.
 HEAD_WAIT_ENV = ray_head.HEAD_WAIT_ENV
-EVENT_TAG = "RELAYTRAIN_EVENT "
-OUTCOME_TAG = "RELAYTRAIN_OUTCOME "
+EVENT_TAG = job_entry.EVENT_TAG
+OUTCOME_TAG = job_entry.OUTCOME_TAG
 RUN_KEY = "relaytrain_run_uri"
 ATTEMPT_KEY = "relaytrain_attempt"
 LIVE = ("PENDING", "RUNNING")
@@ -159,7 +157,8 @@ def entrypoint(spec: RunSpec, attempt: int, fence: str | None = None) -> str:
     payload = base64.b64encode(spec.model_dump_json().encode()).decode()
     fenced = f" --lease-fence {shlex.quote(fence)}" if fence else ""
     return (
-        f"python -m trainer_core.run.jobs --attempt {attempt}{fenced} --spec {shlex.quote(payload)}"
+        f"python -m trainer_core.run.job_entry --attempt {attempt}{fenced} "
+        f"--spec {shlex.quote(payload)}"
     )
 
 
@@ -385,39 +384,3 @@ def _result_of(job_id: str, info: Any, outcome: dict[str, Any] | None) -> engine
         f"Ray job {job_id} ended {info.status} without reporting an outcome: {info.message}. "
         "Its driver or node died; the next attempt resumes from the newest committed checkpoint."
     )
-
-
-# -- the job's side (the driver inside the cluster) ----------------------------------------------
-
-
-def _emit(tag: str, payload: dict[str, Any]) -> None:
-    print(tag + json.dumps(payload, default=str), flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the job: run one attempt in the cluster, print events and the outcome."""
-    parser = argparse.ArgumentParser(prog="python -m trainer_core.run.jobs")
-    parser.add_argument("--attempt", type=int, required=True)
-    parser.add_argument("--spec", required=True, help="the RunSpec as base64 JSON")
-    parser.add_argument(
-        "--lease-fence", help="commit only while the run's lease names this (the job's id)"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    spec = RunSpec.model_validate_json(base64.b64decode(args.spec))
-    try:
-        result = engine.run_attempt(
-            spec,
-            attempt=args.attempt,
-            on_event=lambda e: _emit(EVENT_TAG, e),
-            lease_owner=args.lease_fence,
-        )
-    except RelaytrainError as error:
-        _emit(OUTCOME_TAG, {"error": errors.to_json(error)})
-        return 1
-    _emit(OUTCOME_TAG, {"result": result.to_dict()})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
