@@ -85,6 +85,7 @@ class RowGroupFiles:
                 table = self.parquet(f, g.file).read_row_group(
                     g.index, columns=columns_of(self.data), use_threads=False
                 )
+            row_slices.release_freed()  # the column chunk and pages it was decoded from
         return self.to_rows(table)
 
     def parquet(self, f: pa.NativeFile, name: str) -> pq.ParquetFile:
