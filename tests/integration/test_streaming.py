@@ -522,24 +522,9 @@ def _write_images(directory: Path, rows_per_file: int, files: int, row_group_siz
         pq.write_table(table, directory / f"part-{index}.parquet", row_group_size=row_group_size)
 
 
-@pytest.mark.xfail(
-    strict=False,  # the measured peak straddles the bound: 118 to 147 MB over ten runs
-    reason="defect (issue 63, item 6): at data.memory_mb 128 the reader of 100 KB rows peaks "
-    "at 118-147 MB above idle (median about 134), past the bound setup accepted by its own "
-    "estimate (115 MB). Arrow's pool holds at most about 55 MB of it; most of the rest is "
-    "memory freed but kept resident by Arrow's default allocator, mimalloc (the system "
-    "allocator kept more, 178 MB; jemalloc with its decay at 0 less, about 103 MB)",
-)
-def test_a_reader_of_100_kb_rows_holds_at_most_data_memory_mb(tmp_path):
-    """Encoded images of 100 KB a row: 183 MB in three files of 640 rows, in row groups of 32
-    rows. Setup accepts the spec at data.memory_mb 128 (2 partitions, a window of 32 rows),
-    and a fresh process reading one epoch of it as a worker's rank stream does then holds at
-    most 128 MB more than its peak before the first read: the oracle is the peak measured
-    (VmHWM), not what setup reckons. (The dataset is bigger than the bound: a reader that held
-    it whole would break it.)"""
-    from trainer_core.run.preflight import validate_workload
-
-    _write_images(tmp_path / "images", rows_per_file=640, files=3, row_group_size=32)
+def _image_spec(tmp_path: Path, memory_mb: int) -> RunSpec:
+    """The built-in loop over ``tmp_path / "images"`` at ``data.memory_mb``: 2 partitions and a
+    window of 32 rows, one worker reading both."""
     raw = {
         "run": {"name": "images", "storage": str(tmp_path / "runs")},
         "model": {"name": "tests.columns_workloads:tiny_lm"},
@@ -552,14 +537,18 @@ def test_a_reader_of_100_kb_rows_holds_at_most_data_memory_mb(tmp_path):
             "validation_fraction": 0.0,
             "partitions": 2,
             "shuffle_window": 32,
-            "memory_mb": MEMORY_MB,
+            "memory_mb": memory_mb,
         },
         "schedule": {"epochs": 1},
         "checkpoint": {"best_metric": "loss"},
         "scaling": ONE_WORKER,
     }
-    spec = build_spec(raw)
-    assert validate_workload(spec) == 3 * 640 // 8  # accepted: the epoch's steps
+    return build_spec(raw)
+
+
+def _reader_held_mb(spec: RunSpec) -> float:
+    """What a fresh process reading one epoch of ``spec``'s data as a worker's rank stream does
+    holds at its peak above its peak before the first read (VmHWM, MB)."""
     assert spec.data is not None
     done = subprocess.run(
         [sys.executable, "-m", "tests.reader_memory", spec.data.model_dump_json()],
@@ -569,6 +558,32 @@ def test_a_reader_of_100_kb_rows_holds_at_most_data_memory_mb(tmp_path):
         cwd=REPO,
     )
     measured = json.loads(done.stdout.strip().splitlines()[-1])
-    assert measured["rows"] == 3 * 640  # every row read once
-    held = measured["peak_mb"] - measured["idle_mb"]
-    assert held <= MEMORY_MB, measured
+    assert measured["rows"] == 3 * 640, measured  # every row read once
+    return float(measured["peak_mb"] - measured["idle_mb"])
+
+
+def test_a_reader_of_100_kb_rows_holds_the_data_memory_mb_setup_accepts(tmp_path):
+    """Encoded images of 100 KB a row: 183 MB in three files of 640 rows, in row groups of 32
+    rows (more than any budget here: a reader that held it whole would break it). At
+    data.memory_mb 128 setup refuses the spec, naming data.memory_mb and the figure it would
+    take, and writes nothing. At that figure setup accepts it, and a fresh process reading one
+    epoch as a worker's rank stream does holds at most that much above its peak before the
+    first read, in each of two runs: the oracle is the peak measured (VmHWM), not what setup
+    reckons. (Before the reader returned decoding's freed memory at once and setup counted the
+    decoding of whole row groups, setup accepted 128 and the reader held 118-158 MB.)"""
+    from trainer_core.run.preflight import validate_workload
+
+    _write_images(tmp_path / "images", rows_per_file=640, files=3, row_group_size=32)
+    with pytest.raises(SpecError) as refused:
+        validate_workload(_image_spec(tmp_path, MEMORY_MB))
+    assert refused.value.field == "data.memory_mb"
+    message = str(refused.value)
+    assert f"more than data.memory_mb ({MEMORY_MB})" in message, message
+    needed = int(message.split("raise data.memory_mb to at least ")[1].split(",")[0])
+    assert needed > MEMORY_MB, message
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+    spec = _image_spec(tmp_path, needed)
+    assert validate_workload(spec) == 3 * 640 // 8  # accepted: the epoch's steps
+    held = [_reader_held_mb(spec) for _ in range(2)]
+    assert max(held) <= needed, (held, needed)

@@ -256,10 +256,11 @@ def test_batches_finish_in_order_with_the_next_started_and_an_error_in_its_place
 
 def test_rows_too_wide_for_data_memory_mb_are_refused_in_setup(tmp_path):
     """Encoded images of 100 KB a row: at the defaults' 8 partitions and a window of 128 rows
-    even slices of the fewest rows (256) hold about 1.2 GB, which 512 MB cannot bound; setup
+    even slices of the fewest rows (256) hold about 1.3 GB, which 512 MB cannot bound; setup
     refuses, naming data.memory_mb and what it would take. Given that much, the same data
     passes. The oracle: the bytes the file's rows decode to, times what a worker holds of
-    them (2 windows and 3 slices a partition, 12 slices in passing)."""
+    them (2 windows and 3 slices a partition, 12 slices in passing and 2 reading threads
+    decoding at 4x a slice)."""
     import pyarrow as pa
 
     rng = np.random.default_rng(0)
@@ -276,9 +277,9 @@ def test_rows_too_wide_for_data_memory_mb_are_refused_in_setup(tmp_path):
     wide = lm_spec(tmp_path / "runs", str(path), data={**windows, "memory_mb": 512})
     with pytest.raises(SpecError, match=r"holds about \d+ MB, more than data.memory_mb \(512\)"):
         validate_workload(wide)
-    held = 48 * 2**20 + (8 * (2 * 128 + 3 * 256) + 12 * 256) * width
+    held = 48 * 2**20 + (8 * (2 * 128 + 3 * 256) + (12 + 2 * 4) * 256) * width
     needed_mb = held / 2**20
-    assert needed_mb > 1000  # about 1.1 GB: what a worker would really have held
+    assert needed_mb > 1000  # about 1.3 GB: what a worker would really have held
     enough = lm_spec(
         tmp_path / "runs", str(path), data={**windows, "memory_mb": int(needed_mb * 1.1)}
     )

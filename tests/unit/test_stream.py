@@ -269,13 +269,14 @@ def test_big_row_groups_are_read_in_slices_with_the_same_rows(tmp_path, monkeypa
 
 def test_slices_fit_the_memory_bound():
     """What a rank holds at the slice size chosen (per partition: the live window and the
-    next, three slices at their ends; twelve slices in passing; the reader's fixed overhead)
-    stays within data.memory_mb."""
+    next, three slices at their ends; slices in passing, the reading threads' decoding among
+    them; the reader's fixed overhead) stays within data.memory_mb."""
     row = 1024.0  # bytes: 256 float32 features
     for partitions, window, largest in [(8, 8192, 1_000_000), (4, 1024, 400_000), (1, 64, 10)]:
         rows = row_slices.slice_rows_for(512, row, partitions, window, largest)
         assert rows <= largest
-        held = (partitions * (2 * window + 3 * rows) + 12 * rows) * row
+        in_passing = 12 + 2 * 4  # twelve measured, and 2 threads decoding at 4x a slice
+        held = (partitions * (2 * window + 3 * rows) + in_passing * rows) * row
         held += row_slices.READER_OVERHEAD_MB * 2**20
         assert held == row_slices.held_bytes(row, partitions, window, rows)
         # Within the bound, or past it only at the fewest rows a slice holds: setup refuses

@@ -42,6 +42,23 @@ STREAM_BATCH_BYTES = 1 << 20
 #: allocator, the read-ahead threads' arenas (a worker reading 96 MB row groups in 2,000-row
 #: slices peaked about 85 MB above its start, measured with pyarrow 25).
 READER_OVERHEAD_MB = 48
+#: Slices a reading thread's decoding of a row group read whole (one no larger than a
+#: slice) holds at its peak: the column chunk read whole and the pages decoded beside it (a
+#: dictionary page too, as pyarrow writes by default) and the values. Measured with pyarrow
+#: 25: reading a 32-row group of 100 KB binary rows, 3.05 MB decoded, peaked Arrow's pool at
+#: 12.2 MB.
+DECODE_SLICES = 4
+#: Threads decoding slices at once (``stream.Reader.prefetch``).
+READING_THREADS = 2
+#: Slices held in passing, whatever the partitions: twelve measured on streamed row groups (a
+#: spill's batches, joined slice and arrays, a validation read's slice, and what the
+#: allocator keeps of them: about seven slices above the fixed overhead at the peak of an
+#: epoch, one partition), and each reading thread's decoding of a row group read whole,
+#: which streamed ones (1 MB batches) never showed. Wide rows (20-100 KB) in row groups read
+#: whole held, at the peak of an epoch, Arrow's pool (within the other terms) and 4 to 9
+#: slices more that the allocator kept resident (five layouts, after ``release_freed``): a
+#: decode's peak for each thread covers them. A streamed row group's slices hold less.
+SLICES_IN_PASSING = 12 + READING_THREADS * DECODE_SLICES
 
 
 def slice_rows_for(
@@ -49,13 +66,11 @@ def slice_rows_for(
 ) -> int:
     """Rows per slice so that what a rank holds stays under ``memory_mb``: for each of the
     ``partitions`` it reads, the live window and the next one read ahead (together at most
-    half the budget: checked on the driver) and three slices at their ends; and about twelve
-    more in passing: a spill's batches, joined slice and arrays, a validation read's slice,
-    and what the allocator keeps of them (measured: about seven slices above the fixed
-    overhead at the peak of an epoch, one partition). At least 256 rows; a row group that
-    small or smaller is read whole."""
+    half the budget: checked on the driver) and three slices at their ends; and
+    ``SLICES_IN_PASSING`` more. At least 256 rows; a row group that small or smaller is read
+    whole."""
     budget = (memory_mb - READER_OVERHEAD_MB) * 2**20 - 2 * partitions * window * row_bytes
-    rows = int(budget / ((3 * partitions + 12) * max(row_bytes, 1.0)))
+    rows = int(budget / ((3 * partitions + SLICES_IN_PASSING) * max(row_bytes, 1.0)))
     return min(largest, max(MIN_SLICE_ROWS, rows))
 
 
@@ -67,7 +82,7 @@ def held_bytes(row_bytes: float, partitions: int, window: int, slice_rows: int) 
     """What a rank reading ``partitions`` holds at slices of ``slice_rows`` rows (the sum
     ``slice_rows_for`` keeps under the budget): wide rows can make even the smallest slices
     hold more than ``data.memory_mb``, which setup then refuses."""
-    held_rows = partitions * (2 * window + 3 * slice_rows) + 12 * slice_rows
+    held_rows = partitions * (2 * window + 3 * slice_rows) + SLICES_IN_PASSING * slice_rows
     return READER_OVERHEAD_MB * 2**20 + held_rows * row_bytes
 
 
