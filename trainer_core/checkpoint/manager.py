@@ -185,10 +185,12 @@ class CheckpointManager:
 
     def reserve(self) -> None:
         """Allocate the staging buffers on the checkpoint thread (after the first step, when the
-        optimizer's state exists), so the first checkpoint does not."""
+        optimizer's state exists), and start the copy thread, so the first checkpoint does
+        neither."""
         state = self._state_to_stage()
         if state:  # the first stager's: the others' are made by their first checkpoint
             self.background.submit(lambda: self.stagers[0].reserve(state))
+        self.copier.submit(lambda: None)  # its thread starts with its first job
 
     def before_optimizer_step(self) -> None:
         """Wait until the checkpoint thread has copied what the optimizer step changes."""
