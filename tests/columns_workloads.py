@@ -186,7 +186,7 @@ def needs_pixels(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> Any:
 
 def image_header(row: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
     """An encoded image's first 32 bytes as tokens (a decoder reads its header first): wide
-    rows (tests/integration/test_streaming.py) trained by ``tiny_lm`` without a 100,000-token
+    rows (tests/integration/test_reader_memory.py) trained by ``tiny_lm`` without a 100,000-token
     sequence a row."""
     ids = np.frombuffer(row["raw"][:32], dtype=np.uint8).astype(np.int64)
     return {"input_ids": ids, "labels": ids}

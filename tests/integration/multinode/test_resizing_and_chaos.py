@@ -9,17 +9,17 @@ import pytest
 
 from tests.conftest import tiny_raw
 from tests.integration.multinode.runs import run_flow_in_thread
-from tests.integration.test_streaming import (
-    assert_epochs_cover_every_sample_once,
-    expected_batches,
-    write_dataset,
-)
 from tests.multinode import MultiNodeCluster, wait_until
 from tests.prefect_api import task_runs
 from tests.recovery import (
     committed_step,
     record_matrix_row,
     run_dir_of,
+)
+from tests.streaming_data import (
+    assert_epochs_cover_every_sample_once,
+    expected_batches,
+    write_dataset,
 )
 from trainer_core.run.report import render_markdown
 from trainer_core.spec.overrides import build_spec
