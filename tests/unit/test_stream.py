@@ -368,3 +368,30 @@ def test_windows_gathered_by_plan_give_each_positions_rows(tmp_path, monkeypatch
         finally:
             ahead.close()
         assert got == expected and len(expected) > 10
+
+
+def test_row_groups_the_budget_streams_are_named_with_the_budget_that_reads_them_whole(
+    tmp_path, monkeypatch, caplog
+):
+    """One 120,000-row row group under data.memory_mb 64: setup warns that it is streamed and
+    spilled, naming the data.memory_mb that reads it whole. The oracle is the reader itself:
+    an epoch at 64 spills slices to disk, an epoch at the figure named spills nothing."""
+    from trainer_core.run import preflight
+
+    write(tmp_path / "big" / "part-0.parquet", 0, 120_000, 1_000_000)
+    for budget in ("64", None):
+        data = section(tmp_path / "big", batch_size=1000, partitions=2, shuffle_window=256)
+        if budget is None:
+            said = [r.getMessage() for r in caplog.records if "streamed and spilled" in r.message]
+            assert len(said) == 1 and "data.memory_mb (64)" in said[0], said
+            budget = said[0].rsplit("data.memory_mb ", 1)[1].split()[0]
+        data = data.model_copy(update={"memory_mb": int(budget)})
+        layout = footers.scan(data)
+        with caplog.at_level("WARNING", logger="relaytrain.data"):
+            preflight._check_reader_memory(data, layout)
+        spill = tmp_path / f"spill-{budget}"
+        monkeypatch.setenv("RELAYTRAIN_SPILL_DIR", str(spill))
+        rank = rank_stream.RankStream(layout, data, 5, 1, 0)
+        assert _epoch(rank)  # an epoch read
+        spilled = list(spill.glob("relaytrain-spill-*/*"))
+        assert bool(spilled) == (budget == "64"), (budget, len(spilled))

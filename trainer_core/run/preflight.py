@@ -16,6 +16,7 @@ attempt trains on.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +33,8 @@ from trainer_core.spec.imports import import_object
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import workloads
 from trainer_core.train.batch_checks import check_batch_workload
+
+logger = logging.getLogger("relaytrain.data")
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,18 @@ def _check_reader_memory(data: Any, layout: footers.Layout) -> None:
             f"({data.memory_mb}): raise data.memory_mb to at least {int(held_mb) + 1}, or "
             "lower data.partitions or data.shuffle_window",
             field="data.memory_mb",
+        )
+    if rows < largest:  # held to the bound at a cost the user may rather pay in memory
+        whole_mb = row_slices.held_bytes(row, data.partitions, data.shuffle_window, largest)
+        logger.warning(
+            "row groups of up to %d rows are larger than the %d-row slices data.memory_mb "
+            "(%d) leaves room for: they are streamed and spilled to local disk slice by slice, "
+            "several times slower than reading them whole on object storage. data.memory_mb "
+            "%d reads them whole (or write the files in smaller row groups)",
+            largest,
+            rows,
+            data.memory_mb,
+            int(whole_mb / 2**20) + 1,
         )
 
 
