@@ -125,25 +125,7 @@ def test_a_checkpoint_queued_behind_a_held_write_keeps_its_own_state(tmp_path):
     """Two checkpoints in flight: the second is staged while the first is still being written
     (held here), into buffers of its own. Oracle: the weights as they were at each save, cloned
     by the test, against what each committed checkpoint's file holds."""
-    from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
-    from trainer_core.execution.worker_group import Relay, Timings
-    from trainer_core.spec.operations import CheckpointSection
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    run_dir = RunDirectory(resolve(str(tmp_path)).child("run"))
-    manager = CheckpointManager(
-        run_dir,
-        CheckpointSection(every=1, keep_last=None, keep_best=0),
-        TrainingState(model, optimizer, scheduler),
-        rank=0,
-        world_size=1,
-        attempt=1,
-        relay=Relay(None, 0),
-        timings=Timings(),
-    )
+    model, optimizer, run_dir, manager = _one_rank_manager(tmp_path)
     held, released = threading.Event(), threading.Event()
     stream = run_dir.stream_checkpoint_file
 
@@ -233,3 +215,61 @@ def test_training_waiting_on_writes_is_said_when_it_is_a_tenth_of_the_interval(
     from trainer_core.checkpoint.manager import writes_outlast_interval
 
     assert writes_outlast_interval(wait_s, since_s) is slow
+
+
+def _one_rank_manager(tmp_path):
+    """A 1-rank run's checkpoint manager (SGD over a Linear), checkpoints kept."""
+    from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
+    from trainer_core.execution.worker_group import Relay, Timings
+    from trainer_core.spec.operations import CheckpointSection
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    run_dir = RunDirectory(resolve(str(tmp_path)).child("run"))
+    manager = CheckpointManager(
+        run_dir,
+        CheckpointSection(every=1, keep_last=None, keep_best=0),
+        TrainingState(model, optimizer, scheduler),
+        rank=0,
+        world_size=1,
+        attempt=1,
+        relay=Relay(None, 0),
+        timings=Timings(),
+    )
+    return model, optimizer, run_dir, manager
+
+
+def test_the_next_optimizer_step_waits_for_every_copy_in_flight(tmp_path):
+    """Two checkpoints saved with no optimizer step between them (their copies queued on the
+    copy thread): the first copy ends while a timer still holds the second, and the next
+    optimizer step must wait for the second, so checkpoint 2 holds the weights as they were
+    at its save (cloned by the test), not the step's. Were the first copy's end taken for
+    all of them, the step would run first and checkpoint 2 would hold the stepped weights."""
+    model, optimizer, run_dir, manager = _one_rank_manager(tmp_path)
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    before = model.weight.detach().clone()
+    releases = [threading.Event(), threading.Event()]
+    for stager, release in zip(manager.stagers, releases, strict=True):
+
+        def held_copy(copy=stager.copy_deferred, release=release) -> None:
+            release.wait(60)  # a hang guard only: the test releases it
+            copy()
+
+        stager.copy_deferred = held_copy  # type: ignore[method-assign]
+    manager.save(1, {"metrics": {}, "cursor": {}}, [])
+    manager.save(2, {"metrics": {}, "cursor": {}}, [])
+    releases[0].set()  # the first copy ends while the second is still held
+    threading.Timer(0.5, releases[1].set).start()
+    model(torch.randn(4, 64)).sum().backward()
+    manager.before_optimizer_step()
+    optimizer.step()
+    manager.wait()
+    manager.close()
+    info = run_dir.read_committed(2)
+    assert info is not None
+    weights = training_state.from_bytes(run_dir.read_verified(info, "model.pt"))["weight"]
+    assert torch.equal(weights, before), "checkpoint 2 holds the weights of a later step"

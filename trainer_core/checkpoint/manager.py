@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -107,9 +107,9 @@ class CheckpointManager:
         #: Copies what the optimizer step changes while the write thread may still be busy
         #: with an earlier checkpoint.
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-checkpoint-copy")
-        #: Clear while the copy thread copies what only the optimizer step changes.
-        self.copied = threading.Event()
-        self.copied.set()
+        #: The newest copy of what only the optimizer step changes (copies run in order, so
+        #: when it is done every earlier one is); None before the first checkpoint.
+        self.last_copy: Future[None] | None = None
         #: When the latest checkpoints went to the checkpoint thread (oldest first), and
         #: whether training has already been found waiting for one (said once per group).
         self.submitted: deque[float] = deque(maxlen=depth)
@@ -173,8 +173,7 @@ class CheckpointManager:
         }
         self.last_step = step
         if staged or rngs:
-            self.copied.clear()
-            copy = self.copier.submit(self._copy_deferred, stager)
+            copy = self.last_copy = self.copier.submit(stager.copy_deferred)
             self.background.submit(lambda: self._write(step, staged, rngs, rows, meta, copy))
             self.submitted.append(time.perf_counter())
         if not asynchronous:
@@ -193,11 +192,13 @@ class CheckpointManager:
         self.copier.submit(lambda: None)  # its thread starts with its first job
 
     def before_optimizer_step(self) -> None:
-        """Wait until the checkpoint thread has copied what the optimizer step changes."""
-        if self.copied.is_set():
+        """Wait until the copy thread has copied what the optimizer step changes (a failed copy
+        is its checkpoint's error, raised by the write)."""
+        copy = self.last_copy
+        if copy is None or copy.done():
             return
         started = time.perf_counter()
-        self.copied.wait()
+        futures.wait([copy])
         waited = time.perf_counter() - started
         self.timings.checkpoint_s += waited
         self.timings.checkpoint_copy_wait_s += waited
@@ -265,13 +266,6 @@ class CheckpointManager:
             since_s=round(since, 3),
             every=self.section.every,
         )
-
-    def _copy_deferred(self, stager: Stager) -> None:
-        """The copy thread: finish staging (the next optimizer step waits for it)."""
-        try:
-            stager.copy_deferred()
-        finally:
-            self.copied.set()
 
     def _write(
         self,
