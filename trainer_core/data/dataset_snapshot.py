@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from trainer_core import storage
-from trainer_core.data import footers
+from trainer_core.data import footers, samples
 from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
 
@@ -119,6 +119,8 @@ def fingerprint(layout: footers.Layout) -> str:
 def recorded_fingerprint(record: dict[str, Any]) -> str:
     """The fingerprint of the files a stored snapshot names (computed, not the one it states:
     an edited file list has another); of a Ray loop's ``tables_to_json``, of every table's."""
+    if record.get("kind") == "torch_dataset":  # the Dataset form's: its sets' lengths
+        return samples.lengths_record_fingerprint(record)
     if "datasets" in record:
         return _tables_fingerprint(
             {name: recorded_fingerprint(table) for name, table in record["datasets"].items()}

@@ -36,7 +36,7 @@ import numpy as np
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def _splitmix64(values: np.ndarray) -> np.ndarray:
+def splitmix64(values: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer over uint64 values (wrapping arithmetic): a fast, well-mixed hash."""
     with np.errstate(over="ignore"):
         z = values + np.uint64(0x9E3779B97F4A7C15)
@@ -49,8 +49,8 @@ def is_validation(row_ids: np.ndarray, seed: int, fraction: float) -> np.ndarray
     """Whether each row id is in the validation split (deterministic in (seed, id))."""
     if fraction <= 0:
         return np.zeros(len(row_ids), dtype=bool)
-    keyed = row_ids.astype(np.uint64) ^ _splitmix64(np.array([seed], dtype=np.uint64))[0]
-    unit = (_splitmix64(keyed) >> np.uint64(11)).astype(np.float64) / float(2**53)
+    keyed = row_ids.astype(np.uint64) ^ splitmix64(np.array([seed], dtype=np.uint64))[0]
+    unit = (splitmix64(keyed) >> np.uint64(11)).astype(np.float64) / float(2**53)
     return unit < fraction
 
 

@@ -25,13 +25,13 @@ import torch
 
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import dataset_snapshot, footers, rank_stream, row_slices, stream
+from trainer_core.data import dataset_snapshot, footers, rank_stream, row_slices, samples, stream
 from trainer_core.data.table_rows import TableRows
 from trainer_core.errors import SpecError
 from trainer_core.run.plan import Plan, plan_attempt, run_directory
 from trainer_core.spec.imports import import_object
 from trainer_core.spec.run_spec import RunSpec
-from trainer_core.train import workloads
+from trainer_core.train import sample_checks, workloads
 from trainer_core.train.batch_checks import check_batch_workload
 
 logger = logging.getLogger("relaytrain.data")
@@ -55,7 +55,40 @@ class PinnedDataset:
         return {"snapshot": self.record, "info": asdict(self.info)}
 
 
-def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDataset | None:
+@dataclass(frozen=True)
+class PinnedSamples:
+    """The Dataset form's datasets, built once on the driver, and what the run directory keeps
+    of them (their lengths: ``samples.lengths_record``), which every attempt must find again."""
+
+    train: Any
+    validation: Any
+    record: dict[str, Any]
+    added: tuple[str, ...] = ()
+
+    def for_workers(self) -> dict[str, Any]:
+        return self.record
+
+
+def pin_samples(spec: RunSpec, stored: dict[str, Any] | None) -> PinnedSamples:
+    """Build the spec's Dataset(s) (SpecError naming a function that fails, or returns what is
+    no map-style Dataset); a later attempt (``stored``: the run's dataset.json) must find the
+    lengths the run began with (SpecError naming both)."""
+    assert spec.data is not None
+    data = spec.data
+    train = samples.build_dataset(data.dataset, data.kwargs, "data.dataset")
+    validation = (
+        samples.build_dataset(data.validation, data.validation_kwargs, "data.validation")
+        if data.validation
+        else None
+    )
+    if stored is not None:
+        samples.check_lengths(stored, train, validation)
+    return PinnedSamples(train, validation, stored or samples.lengths_record(train, validation))
+
+
+def pin_dataset(
+    spec: RunSpec, run_dir: RunDirectory | None = None
+) -> PinnedDataset | PinnedSamples | None:
     """The built-in loop's dataset as this attempt must read it. A later attempt of the run
     (``run_dir`` holds its snapshot) reads the snapshot first and the dataset only as far as
     the snapshot's files go: each checked against its pinned size and footer (SpecError naming
@@ -67,6 +100,8 @@ def pin_dataset(spec: RunSpec, run_dir: RunDirectory | None = None) -> PinnedDat
     assert spec.data is not None
     data = spec.data.resolved()
     stored = _snapshot_of_this_run(spec, run_dir) if run_dir is not None else None
+    if data.torch_dataset:
+        return pin_samples(spec, stored)
     source = dataset_snapshot.Source.of(data)
     layout, added = dataset_snapshot.pin(source, stored, lambda: footers.scan(data))
     record = dataset_snapshot.to_json(layout) if layout.files else None
@@ -134,7 +169,9 @@ def _snapshot_of_this_run(spec: RunSpec, run_dir: RunDirectory) -> dict[str, Any
     return stored
 
 
-def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int | None:
+def validate_workload(
+    spec: RunSpec, pinned: PinnedDataset | PinnedSamples | None = None
+) -> int | None:
     """Import what the spec names, read the dataset (footers; ``pinned``: already read) and
     build the model: SpecError before any worker starts. Returns the run's total optimizer
     steps (None for a Ray Train loop of the user's own, whose ``datasets`` are checked where
@@ -147,6 +184,11 @@ def validate_workload(spec: RunSpec, pinned: PinnedDataset | None = None) -> int
     data = spec.data.resolved()
     pinned = pinned or pin_dataset(spec)
     assert pinned is not None
+    if isinstance(pinned, PinnedSamples):
+        batches = sample_checks.check_dataset_form(spec, pinned.train, pinned.validation)
+        return data_mod.steps_per_epoch(batches, spec.optimizer.grad_accumulation) * (
+            spec.schedule.epochs
+        )
     layout = pinned.layout
     _check_reader_memory(data, layout)
     one = rank_stream.RankStream(layout, data, spec.run.seed, 1, 0)  # row ids only: no rows read
@@ -243,7 +285,7 @@ class Preflight:
 
     plan: Plan
     run_dir: RunDirectory
-    pinned: PinnedDataset | None
+    pinned: PinnedDataset | PinnedSamples | None
     total_steps: int | None
     tables: PinnedTables | None = None
 
@@ -259,7 +301,7 @@ class Preflight:
         if self.tables is not None:
             layouts, added = self.tables.layouts, self.tables.added
             return [(layouts[name].uri, files) for name, files in added.items() if files]
-        if self.pinned is not None and self.pinned.added:
+        if isinstance(self.pinned, PinnedDataset) and self.pinned.added:
             return [(self.pinned.layout.uri, self.pinned.added)]
         return []
 

@@ -106,6 +106,12 @@ class _Section(BaseModel):
         return value
 
 
+def is_dataset_function(value: str) -> bool:
+    """Whether ``data.dataset`` names a function (``package.module:function``) rather than a
+    Parquet path or URI (which has a ``/`` or a ``://``, or is a built-in's name)."""
+    return bool(IMPORT_PATH_PATTERN.fullmatch(value))
+
+
 def not_parquet_format(uri: str) -> str | None:
     """The tabular format a URI's suffix names when it is not Parquet (``.csv``: "CSV")."""
     suffix = posixpath.splitext(uri.split("?", 1)[0].rstrip("/"))[1].lower()
@@ -205,8 +211,21 @@ class SyntheticSection(_Section):
 
 
 class DataSection(_Section):
-    #: "digits", "synthetic", or a Parquet URI / path (file or directory).
+    #: "digits", "synthetic", a Parquet URI / path (file or directory), or the Dataset form:
+    #: the import path ``package.module:function`` of a function returning a map-style torch
+    #: ``Dataset`` (``__len__`` and ``__getitem__``; a HuggingFace ``datasets.Dataset`` too),
+    #: called as ``fn(**data.kwargs)``.
     dataset: str
+    #: The Dataset form: keyword arguments of ``data.dataset``'s function.
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    #: The Dataset form: the validation set, a function like ``data.dataset`` (called with
+    #: ``data.validation_kwargs``). None: ``data.validation_fraction`` of the training set's
+    #: indices, by hash, as the Parquet forms split their rows.
+    validation: str | None = None
+    validation_kwargs: dict[str, Any] = Field(default_factory=dict)
+    #: The Dataset form: torch ``DataLoader`` worker processes per training worker (0: in the
+    #: training process). Each sample is the same whatever this is.
+    loader_workers: NonNegativeInt = 2
     #: The tabular form: one list column (e.g. "pixels") or several scalar columns of numbers,
     #: and the label column.
     features: str | list[str] | None = None
@@ -261,6 +280,8 @@ class DataSection(_Section):
     @field_validator("dataset")
     @classmethod
     def _dataset(cls, value: str) -> str:
+        if is_dataset_function(value):
+            return value
         kind = not_parquet_format(value)
         if kind:
             raise ValueError(
@@ -276,8 +297,28 @@ class DataSection(_Section):
     def _import_paths(cls, value: str | None, info: Any) -> str | None:
         return import_path(value, f"data.{info.field_name}")
 
+    @field_validator("validation")
+    @classmethod
+    def _validation(cls, value: str | None) -> str | None:
+        return import_path(
+            value, "data.validation", "a function returning the validation set's torch Dataset"
+        )
+
     @model_validator(mode="after")
     def _builtin_defaults(self) -> DataSection:
+        if self.torch_dataset:
+            self._check_dataset_form()
+            return self
+        dataset_only = [
+            k for k in ("kwargs", "validation", "validation_kwargs") if getattr(self, k)
+        ]
+        if dataset_only:
+            raise SpecError(
+                f"data.{dataset_only[0]} belongs to the Dataset form, but data.dataset "
+                f"{self.dataset!r} is not a function: name one returning a torch Dataset "
+                "('package.module:function')",
+                field=f"data.{dataset_only[0]}",
+            )
         if self.columns is not None:
             self._check_columns_form()
             return self
@@ -327,14 +368,49 @@ class DataSection(_Section):
                 field="data.transform_batched",
             )
 
+    def _check_dataset_form(self) -> None:
+        """The Dataset form reads samples from the user's Dataset: none of the Parquet forms'
+        column keys or row transforms apply."""
+        other = [
+            k
+            for k in ("features", "label", "columns", "transform", "eval_transform")
+            if getattr(self, k) is not None
+        ]
+        if other:
+            raise SpecError(
+                f"data.{other[0]} reads Parquet columns, but data.dataset {self.dataset!r} is "
+                "a function returning a torch Dataset, whose __getitem__ makes each sample "
+                "(augmentation included): remove data." + other[0],
+                field=f"data.{other[0]}",
+            )
+        if self.validation is not None and "validation_fraction" in self.model_fields_set:
+            raise SpecError(
+                f"data.validation {self.validation!r} is the validation set: "
+                f"data.validation_fraction ({self.validation_fraction}) would split another "
+                "one off the training set. Remove one of them",
+                field="data.validation_fraction",
+            )
+        if self.validation_kwargs and self.validation is None:
+            raise SpecError(
+                "data.validation_kwargs is set but data.validation is not: name the function "
+                "that returns the validation set",
+                field="data.validation_kwargs",
+            )
+
+    @property
+    def torch_dataset(self) -> bool:
+        """The Dataset form: ``data.dataset`` names a function returning a torch Dataset."""
+        return is_dataset_function(self.dataset)
+
     @property
     def columns_form(self) -> bool:
-        """Whether rows are read as Arrow columns and made into batches by the transform."""
-        return self.columns is not None
+        """Whether a batch is a dict of tensors for any model (Arrow columns made into batches
+        by the transform, or a torch Dataset's samples collated)."""
+        return self.columns is not None or self.torch_dataset
 
     def resolved(self) -> DataSection:
         """This section with the built-in datasets' columns and task filled in."""
-        if self.columns is not None:
+        if self.columns_form:
             return self
         defaults: dict[str, Any] = {}
         if self.dataset == "digits":

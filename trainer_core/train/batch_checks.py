@@ -41,11 +41,24 @@ def check_batch_workload(spec: RunSpec, ids: np.ndarray, rows: TableRows, where:
                 f"{spec.data.eval_transform!r}: {e}",
                 field="data.eval_transform",
             ) from e
+    check_batch(spec, batch, workload, model, "data.transform")
+
+
+def check_batch(
+    spec: RunSpec,
+    batch: dict[str, Any],
+    workload: BatchWorkload,
+    model: torch.nn.Module,
+    maker: str,
+) -> None:
+    """The model, loss and metrics on one training ``batch`` (made by ``maker``, the spec
+    field named when the batch lacks the labels a built-in loss reads)."""
+    assert spec.data is not None
     if spec.data.task is not None and spec.loss is None and LABELS not in batch:
         raise SpecError(
             f"data.task {spec.data.task} reads the batch's {LABELS!r}, but the batch has only "
-            f"{sorted(batch)}: have data.transform return {LABELS!r}, or set loss",
-            field="data.transform",
+            f"{sorted(batch)}: have {maker} return {LABELS!r}, or set loss",
+            field=maker,
         )
     outputs = _forward(workload, model, batch, spec)
     _check_loss(workload, outputs, batch, spec)
@@ -112,7 +125,7 @@ def _batch(
         one = {name: values[k : k + 1] for name, values in columns.items()}
         first = _transform(spec, row_id, one, where, field)
         again = _transform(spec, row_id, one, where, field)
-        if not _equal(first, again):
+        if not equal(first, again):
             raise SpecError(
                 f"{field} {path!r} returned different values for row {row_id} of {where}, "
                 "called twice with the same rng: draw every random number from the rng it is "
@@ -138,7 +151,7 @@ def _batch(
         fix = "fix data.collate" if data.collate else "give data.collate to pad or stack them"
         raise SpecError(
             f"{field} {path!r} returned rows that cannot be batched "
-            f"({_describe(rows_out[0])}, ...): {type(e).__name__}: {e}. Return arrays of the "
+            f"({describe(rows_out[0])}, ...): {type(e).__name__}: {e}. Return arrays of the "
             f"same shape and type for every row, or {fix}",
             field="data.collate" if data.collate else field,
         ) from e
@@ -146,7 +159,7 @@ def _batch(
         isinstance(v, torch.Tensor) for v in batch.values()
     ):
         raise SpecError(
-            f"a batch of data.transform {data.transform!r}'s rows is {_describe(batch)}, not a "
+            f"a batch of data.transform {data.transform!r}'s rows is {describe(batch)}, not a "
             "dict of tensors: return a dict of arrays or tensors from the transform",
             field="data.collate" if data.collate else "data.transform",
         )
@@ -180,7 +193,7 @@ def _transform(
         ) from e
     if not data.transform_batched and not isinstance(out[0], Mapping):
         raise SpecError(
-            f"{field} {path!r} returned {_describe(out[0])} for row {row_id} of {where}: "
+            f"{field} {path!r} returned {describe(out[0])} for row {row_id} of {where}: "
             "return a dict of arrays or tensors (e.g. {'image': ..., 'labels': ...})",
             field=field,
         )
@@ -214,7 +227,7 @@ def _check_loss(workload: BatchWorkload, outputs: Any, batch: Any, spec: RunSpec
         except Exception as e:
             raise SpecError(
                 f"data.task {spec.data.task if spec.data else None}'s loss cannot use the "
-                f"model's outputs ({_describe(outputs)}) with the batch ({_shapes(batch)}): "
+                f"model's outputs ({describe(outputs)}) with the batch ({_shapes(batch)}): "
                 f"{type(e).__name__}: {e}. Return logits shaped for the task, or set loss",
                 field="data.task",
             ) from e
@@ -224,7 +237,7 @@ def _check_loss(workload: BatchWorkload, outputs: Any, batch: Any, spec: RunSpec
     except Exception as e:
         raise SpecError(
             f"loss {path!r} raised {type(e).__name__} on the model's outputs "
-            f"({_describe(outputs)}) and the batch ({_shapes(batch)}): {e}. It is called as "
+            f"({describe(outputs)}) and the batch ({_shapes(batch)}): {e}. It is called as "
             "fn(outputs, batch)",
             field="loss",
         ) from e
@@ -232,7 +245,7 @@ def _check_loss(workload: BatchWorkload, outputs: Any, batch: Any, spec: RunSpec
     total = value[0] if pair else value
     if not isinstance(total, torch.Tensor) or total.numel() != 1:
         raise SpecError(
-            f"loss {path!r} returned {_describe(value)}: return (the summed loss as a scalar "
+            f"loss {path!r} returned {describe(value)}: return (the summed loss as a scalar "
             "tensor, the count of items it covers), e.g. (losses.sum(), len(losses)), or the "
             "batch's mean as a scalar tensor",
             field="loss",
@@ -248,35 +261,36 @@ def _check_loss(workload: BatchWorkload, outputs: Any, batch: Any, spec: RunSpec
         number = float(count) if isinstance(count, int | float | torch.Tensor) else None
         if number is None or (isinstance(count, torch.Tensor) and count.numel() != 1):
             raise SpecError(
-                f"loss {path!r} returned a count {_describe(count)}: the second item is the "
+                f"loss {path!r} returned a count {describe(count)}: the second item is the "
                 "number of items the summed loss covers (samples, or labelled tokens)",
                 field="loss",
             )
 
 
-def _equal(a: Any, b: Any) -> bool:
+def equal(a: Any, b: Any) -> bool:
+    """Whether two samples (tensors, arrays, dicts and sequences of them) hold the same values."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and bool(torch.equal(a, b))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(np.asarray(a), np.asarray(b)))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
     if isinstance(a, Sequence) and isinstance(b, Sequence) and not isinstance(a, str | bytes):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 
 def _shapes(batch: Any) -> str:
     if isinstance(batch, Mapping):
-        return ", ".join(f"{k}: {_describe(v)}" for k, v in batch.items())
-    return _describe(batch)
+        return ", ".join(f"{k}: {describe(v)}" for k, v in batch.items())
+    return describe(batch)
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor | np.ndarray):
         return f"{type(value).__name__} {list(value.shape)} {value.dtype}"
     if isinstance(value, Mapping):
-        return "dict of " + ", ".join(f"{k}: {_describe(v)}" for k, v in value.items())
+        return "dict of " + ", ".join(f"{k}: {describe(v)}" for k, v in value.items())
     logits = logits_of_safe(value)
     if logits is not None:
         return f"{type(value).__name__} with logits {list(logits.shape)}"

@@ -5,7 +5,8 @@ metrics, after Composer's ``forward(batch)``/``loss(outputs, batch)`` and Huggin
 - **Model call.** ``model.forward: fn(model, batch)`` when the spec names one; else
   ``model.inputs``: one key, passed positionally, or keys passed as keyword arguments; by
   default every key but ``labels``, as keyword arguments (a HuggingFace model takes
-  ``input_ids`` and ``attention_mask`` so).
+  ``input_ids`` and ``attention_mask`` so); a torch Dataset's ``(input, target)`` samples make
+  ``{"input", "labels"}``, and the model is called as ``model(input)``.
 - **Outputs.** A tensor, or an object with ``logits`` (HuggingFace's ``ModelOutput``), or a
   tuple whose first item is the logits.
 - **Loss.** ``(summed loss, count of the items it covers)``: the loop adds both over the step's
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch.nn import functional
 
+from trainer_core.data.samples import INPUT
 from trainer_core.spec.imports import import_object
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.spec.sections import metric_name
@@ -144,6 +146,8 @@ class BatchWorkload:
             return self.forward_hook(model, batch)
         if isinstance(self.inputs, str):
             return model(batch[self.inputs])
+        if self.inputs is None and set(batch) == {INPUT, LABELS}:  # a Dataset's (input, target)
+            return model(batch[INPUT])
         keys = self.inputs if self.inputs is not None else [k for k in batch if k != LABELS]
         return model(**{k: batch[k] for k in keys})
 

@@ -1,5 +1,6 @@
-"""The built-in loop's entry point on each Ray Train worker: the tabular form's ``BuiltinLoop``
-or, for ``data.columns``, the columns form's ``ColumnsLoop``; an exception out of either
+"""The built-in loop's entry point on each Ray Train worker: the tabular form's ``BuiltinLoop``,
+for ``data.columns`` the columns form's ``ColumnsLoop``, for a torch Dataset ``DatasetLoop``; an
+exception out of either
 becomes relaytrain's error for the step it was at. A loop of the user's own on relaytrain's API
 (``train_loop_api: relaytrain``) runs here too (``own_loop``): it checkpoints alike."""
 
@@ -9,7 +10,9 @@ from typing import Any
 
 from trainer_core.errors import RelaytrainError
 from trainer_core.execution.worker_config import WorkerConfig
+from trainer_core.spec.sections import is_dataset_function
 from trainer_core.train.columns_loop import ColumnsLoop
+from trainer_core.train.dataset_loop import DatasetLoop
 from trainer_core.train.failure import wind_down, worker_error
 from trainer_core.train.loop import BuiltinLoop
 from trainer_core.train.own_loop import own_train_loop
@@ -23,8 +26,7 @@ def builtin_train_loop(config: dict[str, Any]) -> None:
         return
     loop = None
     try:
-        columns_form = (worker_config.spec.get("data") or {}).get("columns") is not None
-        loop = ColumnsLoop(worker_config) if columns_form else BuiltinLoop(worker_config)
+        loop = _loop_of(worker_config)
         loop.run()
     except Exception as e:
         error = e if isinstance(e, RelaytrainError) else _as_worker_error(e, loop)
@@ -36,6 +38,17 @@ def builtin_train_loop(config: dict[str, Any]) -> None:
     finally:
         if loop is not None:
             loop.close()
+
+
+def _loop_of(config: WorkerConfig) -> BuiltinLoop:
+    """The loop for the spec's form of data: a torch Dataset's, the columns form's, or the
+    tabular form's."""
+    data = config.spec.get("data") or {}
+    if is_dataset_function(str(data.get("dataset"))):
+        return DatasetLoop(config)
+    if data.get("columns") is not None:
+        return ColumnsLoop(config)
+    return BuiltinLoop(config)
 
 
 def _as_worker_error(error: BaseException, loop: BuiltinLoop | None) -> RelaytrainError:

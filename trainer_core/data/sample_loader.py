@@ -1,0 +1,161 @@
+"""What one rank reads of a Dataset-form run (``samples``): its slice of every global batch of
+each epoch, from the cursor, through torch's own ``DataLoader`` (loader processes,
+``data.collate``, pinned memory, prefetch) fed by a batch sampler that starts at the cursor;
+and its share of the validation samples.
+
+The interface is ``rank_stream.RankStream``'s, so the built-in loop runs on it unchanged:
+``epochs(...)`` gives ``(epoch, batches)`` with ``(global batch index, sample indices, batch)``
+items, ``batches_per_epoch`` and ``weight``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from trainer_core.data import sample_order
+from trainer_core.data.samples import (
+    VALIDATION,
+    Batch,
+    IndexOrder,
+    SeededSamples,
+    as_batch,
+    collate_function,
+    rank_part,
+)
+from trainer_core.spec.sections import DataSection
+
+
+class EpochBatches(Sampler[list[tuple[int, int]]]):
+    """The batch sampler: this rank's ``(epoch, index)`` keys of each global batch of the
+    epoch ``start`` set, from its first batch on. The loader's processes outlive an epoch, so
+    ``start`` is called before each epoch's iteration instead of a new loader made."""
+
+    def __init__(self, order: IndexOrder, world_size: int, rank: int):
+        self.order, self.world_size, self.rank = order, world_size, rank
+        self.epoch, self.first = 0, 0
+
+    def start(self, epoch: int, first: int) -> None:
+        self.epoch, self.first = epoch, first
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        batches = self.order.rank_batches(self.epoch, self.first, self.world_size, self.rank)
+        for _, ids in batches:
+            yield [(self.epoch, int(i)) for i in ids]
+
+    def __len__(self) -> int:
+        return max(self.order.batches_per_epoch - self.first, 0)
+
+
+class RankSamples:
+    """Rank ``rank`` of ``world_size``'s side of a Dataset-form run: ``train`` is the training
+    set, ``validation`` the validation set (None: ``data.validation_fraction`` of ``train``)."""
+
+    def __init__(
+        self,
+        train: Any,
+        validation: Any,
+        data: DataSection,
+        seed: int,
+        world_size: int,
+        rank: int,
+        pin_memory: bool = False,
+    ):
+        self.data, self.seed, self.world_size, self.rank = data, seed, world_size, rank
+        self.pin_memory = pin_memory
+        self.order = IndexOrder(len(train), data, seed, split=validation is None)
+        self.train = SeededSamples(train, seed)
+        #: The validation samples' Dataset and this rank's indices of it.
+        self.validation_set = self.train if validation is None else SeededSamples(validation, seed)
+        held = self.order.validation_ids if validation is None else np.arange(len(validation))
+        self.validation_ids = rank_part(held, world_size, rank)
+        self.batches_per_epoch = self.order.batches_per_epoch
+        self.slice = sample_order.rank_slice(data.batch_size, world_size, rank)
+        #: This rank's mean loss times this: DDP's average is then the global batch's mean.
+        self.weight = sample_order.rank_weight(data.batch_size, world_size, rank)
+        self.sampler = EpochBatches(self.order, world_size, rank)
+        self.collate = collate_function(data)
+        self.loader: DataLoader | None = None
+
+    def _loader(self) -> DataLoader:
+        if self.loader is None:
+            workers = self.data.loader_workers
+            self.loader = DataLoader(
+                self.train,
+                batch_sampler=self.sampler,
+                num_workers=workers,
+                collate_fn=self.collate,
+                pin_memory=self.pin_memory,
+                prefetch_factor=self.data.prefetch if workers else None,
+                persistent_workers=workers > 0,
+            )
+        return self.loader
+
+    def epoch(self, epoch: int, first: int = 0) -> Iterator[tuple[int, np.ndarray, Batch]]:
+        """``(global batch index, sample indices, batch)`` of ``epoch`` from batch ``first``."""
+        self.sampler.start(epoch, first)
+        batches = self.order.rank_batches(epoch, first, self.world_size, self.rank)
+        for (index, ids), collated in zip(batches, self._loader(), strict=True):
+            yield index, ids, as_batch(collated)
+
+    def epochs(
+        self, first_epoch: int, first: int, stop_epoch: int, make_batch: Any = None
+    ) -> SampleEpochs:
+        """Epochs ``first_epoch..stop_epoch - 1`` (from global batch ``first`` of the first)."""
+        return SampleEpochs(self, first_epoch, first, stop_epoch)
+
+    def validation(self) -> Iterator[Batch]:
+        """This rank's validation samples in batches of ``data.batch_size``, every epoch the
+        same draws; its loader processes end with the pass."""
+        keys = [(VALIDATION, int(i)) for i in self.validation_ids]
+        size = self.data.batch_size
+        workers = self.data.loader_workers if len(keys) > size else 0
+        loader = DataLoader(
+            _Keyed(self.validation_set, keys),
+            batch_size=size,
+            num_workers=workers,
+            collate_fn=self.collate,
+            pin_memory=self.pin_memory,
+        )
+        for collated in loader:
+            yield as_batch(collated, "data.validation")
+
+    def close(self) -> None:
+        """End the loader's processes."""
+        loader, self.loader = self.loader, None
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
+class _Keyed(torch.utils.data.Dataset):
+    """``keys`` of a ``SeededSamples`` as a plain sequence (the validation pass's loader)."""
+
+    def __init__(self, samples: SeededSamples, keys: list[tuple[int, int]]):
+        self.samples, self.keys = samples, keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, position: int) -> Any:
+        return self.samples[self.keys[position]]
+
+
+class SampleEpochs:
+    """Iterate for ``(epoch, its batches)``; ``close`` ends the loader's processes (also
+    mid-epoch: a loop that stops early)."""
+
+    def __init__(self, samples: RankSamples, first_epoch: int, first: int, stop_epoch: int):
+        self.samples, self.first_epoch, self.first = samples, first_epoch, first
+        self.stop_epoch = stop_epoch
+
+    def __iter__(self) -> Iterator[tuple[int, Iterator[tuple[int, np.ndarray, Batch]]]]:
+        for epoch in range(self.first_epoch, self.stop_epoch):
+            yield epoch, self.samples.epoch(epoch, self.first if epoch == self.first_epoch else 0)
+
+    def close(self) -> None:
+        self.samples.close()

@@ -1,0 +1,64 @@
+"""The built-in loop for the Dataset form (``data.dataset: package.module:function``): the
+columns form's loop (any model on dict batches, losses as sums and counts) reading a torch
+``Dataset`` the user already has through ``data.sample_loader.RankSamples`` instead of Parquet
+rows through a transform. Resume, checkpoints, faults, early stopping, drains and metrics are
+the loop's, unchanged: the cursor counts global samples, so a resume at any worker count
+continues the same epoch from the same sample."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer_core.data import arrays as data_mod
+from trainer_core.data import samples
+from trainer_core.data.sample_loader import RankSamples
+from trainer_core.train import validate
+from trainer_core.train.batch_workload import BatchWorkload
+from trainer_core.train.columns_loop import ColumnsLoop
+from trainer_core.train.loop import BuiltinLoop
+
+
+class DatasetLoop(ColumnsLoop):
+    """One worker's side of a run of the built-in loop on the Dataset form."""
+
+    def _build_data(self) -> data_mod.DatasetInfo:
+        data = self.data_spec
+        train = samples.build_dataset(data.dataset, data.kwargs, "data.dataset")
+        held = (
+            samples.build_dataset(data.validation, data.validation_kwargs, "data.validation")
+            if data.validation
+            else None
+        )
+        samples.check_lengths(self.config.dataset, train, held)
+        self.data: Any = RankSamples(
+            train,
+            held,
+            data,
+            self.spec.run.seed,
+            self.world_size,
+            self.rank,
+            pin_memory=self.device.type == "cuda",
+        )
+        return data_mod.DatasetInfo(num_rows=len(train), num_features=0, num_outputs=0)
+
+    def _build_validation(self, info: data_mod.DatasetInfo) -> None:
+        self.workload = BatchWorkload(self.spec)
+        self.batch_validation = validate.BatchValidation(
+            self.workload,
+            self.precision.autocast,
+            self._batch_to_device,
+            fsdp=self.fsdp,
+            world_size=self.world_size,
+        )
+        self.last_batch = None
+
+    def _epochs(self, first_epoch: int, first: int) -> Any:
+        assert self.spec.schedule is not None
+        return self.data.epochs(first_epoch, first, self.spec.schedule.epochs)
+
+    def _validate(self) -> dict[str, float]:
+        return self.batch_validation.run(self.model, self.data.validation(), dummy=self.last_batch)
+
+    def close(self) -> None:
+        BuiltinLoop.close(self)  # not the columns form's: no transform pool
+        self.data.close()
