@@ -182,7 +182,8 @@ ADVICE = {
     "data_wait": (
         0.10,
         "data wait is {share} of step time: raise `data.prefetch`, or `data.transform_workers` "
-        "(with `data.transform_pool: processes` for a transform that holds the GIL)",
+        "(with `data.transform_pool: processes` for a transform that holds the GIL; "
+        "`data.loader_workers` for a torch Dataset)",
     ),
     "checkpoint": (
         0.10,
