@@ -92,6 +92,7 @@ class RankSamples:
                 pin_memory=self.pin_memory,
                 prefetch_factor=self.data.prefetch if workers else None,
                 persistent_workers=workers > 0,
+                generator=_own_generator(self.seed),
             )
         return self.loader
 
@@ -120,6 +121,7 @@ class RankSamples:
             num_workers=workers,
             collate_fn=self.collate,
             pin_memory=self.pin_memory,
+            generator=_own_generator(self.seed),
         )
         for collated in loader:
             yield as_batch(collated, "data.validation")
@@ -130,6 +132,13 @@ class RankSamples:
         iterator = getattr(loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+
+
+def _own_generator(seed: int) -> torch.Generator:
+    """A generator for a loader's own draws (each iteration draws its processes' base seed):
+    without one it draws from torch's global generator, so a resumed epoch, which starts its
+    loader at another point of the training's draws, would change the dropout after it."""
+    return torch.Generator().manual_seed(seed)
 
 
 class _Keyed(torch.utils.data.Dataset):

@@ -260,7 +260,8 @@ class DataSection(_Section):
     #: a slice; slices differ by one sample when the workers do not divide it, their losses
     #: weighted so the gradient is the whole batch's mean). The same for every worker count.
     batch_size: PositiveInt = 32
-    #: Rows whose hash of (run.seed, row id) falls below this are validation rows.
+    #: Rows whose hash of (run.seed, row id) falls below this are validation rows (the Dataset
+    #: form: indices; not used when data.validation names the validation set).
     validation_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.2
     #: Rows shuffled together: each of the ``partitions`` parts of an epoch is shuffled within
     #: consecutive windows of this many samples. A worker holds about one window (plus a row
@@ -382,13 +383,6 @@ class DataSection(_Section):
                 "a function returning a torch Dataset, whose __getitem__ makes each sample "
                 "(augmentation included): remove data." + other[0],
                 field=f"data.{other[0]}",
-            )
-        if self.validation is not None and "validation_fraction" in self.model_fields_set:
-            raise SpecError(
-                f"data.validation {self.validation!r} is the validation set: "
-                f"data.validation_fraction ({self.validation_fraction}) would split another "
-                "one off the training set. Remove one of them",
-                field="data.validation_fraction",
             )
         if self.validation_kwargs and self.validation is None:
             raise SpecError(
