@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import REPO
-from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint import optimizers, schedules, training_state
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import footers, rank_stream, stream
 from trainer_core.spec.overrides import build_spec
@@ -110,10 +110,8 @@ class Workload:
         self.total_steps = self.num_batches * spec.schedule.epochs
         training_state.seed_everything(spec.run.seed)  # identical initial weights on every rank
         self.model = workloads.build_model(spec.model, info.num_features, info.num_outputs)
-        self.optimizer = training_state.make_optimizer(self.model.parameters(), spec.optimizer)
-        self.scheduler = training_state.make_scheduler(
-            self.optimizer, spec.schedule, self.total_steps
-        )
+        self.optimizer = optimizers.make_optimizer(self.model.parameters(), spec.optimizer)
+        self.scheduler = schedules.make_scheduler(self.optimizer, spec.schedule, self.total_steps)
         self.loss_fn = workloads.loss_function(self.data.task or "classification")
         #: relaytrain's ``precision`` as plain autocast (fp16 with a gradient scaler).
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)

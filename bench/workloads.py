@@ -46,7 +46,7 @@ from bench import common, harness
 from bench.common import REPO, Result, Sample, Target, Variant
 from bench.plain_ddp import join_group, spawn
 from bench.probe import StepProbe, done_event, read_probe, span
-from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint import optimizers, training_state
 from trainer_core.data import footers, rank_stream
 from trainer_core.data.transform import Batches
 from trainer_core.spec.imports import import_object
@@ -92,7 +92,7 @@ def lm_spec(root: Path, name: str, workers: int, epochs: int, quick: bool) -> Ru
                 "batch_size": 16 * workers,
                 "validation_fraction": 0.05,
             },
-            "optimizer": {"name": "adamw", "lr": 0.002},
+            "optimizer": {"name": "adamw", "lr": 0.002, "weight_decay": 0.0},
             "schedule": {"epochs": epochs},
             "scaling": {"num_workers": workers},
             "checkpoint": {"every": 50, "keep_last": 2, "best_metric": "val_perplexity"},
@@ -172,7 +172,7 @@ def _plain_train(spec: RunSpec, rank: int, world: int, out: Path, loader: bool) 
     training_state.seed_everything(spec.run.seed)
     model = workloads.build_model(spec.model, 0, 0, columns_form=True)
     ddp: torch.nn.Module = DistributedDataParallel(model) if world > 1 else model
-    optimizer = training_state.make_optimizer(model.parameters(), spec.optimizer)
+    optimizer = optimizers.make_optimizer(model.parameters(), spec.optimizer)
     workload = BatchWorkload(spec)
     stream = rank_stream.RankStream(footers.scan(data), data, spec.run.seed, world, rank)
     batches = Batches(data, spec.run.seed)

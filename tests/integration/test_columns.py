@@ -50,7 +50,7 @@ def lm_raw(root, dataset: str, name: str, **sections) -> dict:
             "shuffle_window": 64,
             "partitions": 2,
         },
-        "optimizer": {"name": "adamw", "lr": 0.01, "clip_grad_norm": 1.0},
+        "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0, "clip_grad_norm": 1.0},
         "schedule": {"epochs": 2, "lr_schedule": "cosine", "warmup_steps": 3},
         "scaling": {"num_workers": 2},
         "checkpoint": {
@@ -160,7 +160,7 @@ def test_hf_gpt2_under_fsdp_resumes_where_ddp_ends_and_reshards(
     raw["data"] |= {"transform": "examples.lm_gpt:masked", "eval_transform": None}
     raw["scaling"] |= {"strategy": "fsdp"}
     # Clipping would sum the gradients' squares over shards under FSDP, in another order.
-    raw["optimizer"] = {"name": "adamw", "lr": 0.01}
+    raw["optimizer"] = {"name": "adamw", "lr": 0.01, "weight_decay": 0.0}
     ddp = build_spec(
         {**raw, "run": {**raw["run"], "storage": str(tmp_path / "ddp")}}
         | {"scaling": {"num_workers": 2}}
@@ -201,7 +201,13 @@ def test_half_precision_accumulation_clipping_and_uneven_tokens_stop_early_and_r
             lm_dataset,
             name,
             precision="fp16",
-            optimizer={"name": "adamw", "lr": 0.01, "clip_grad_norm": 0.5, "grad_accumulation": 2},
+            optimizer={
+                "name": "adamw",
+                "lr": 0.01,
+                "weight_decay": 0.0,
+                "clip_grad_norm": 0.5,
+                "grad_accumulation": 2,
+            },
             schedule={
                 "epochs": 4,
                 "lr_schedule": "cosine",

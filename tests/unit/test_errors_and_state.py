@@ -10,7 +10,7 @@ import ray
 import torch
 from ray.train import ControllerError, WorkerGroupError
 
-from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint import schedules, training_state
 from trainer_core.errors import (
     ClusterCapacityError,
     IncompatibleRunError,
@@ -132,11 +132,11 @@ def test_rng_roundtrip_is_exact_and_safe_to_load():
 
 def test_lr_schedule_shapes():
     cosine = ScheduleSection(epochs=1, lr_schedule="cosine", warmup_steps=10)
-    assert training_state.lr_factor(0, cosine, 110) == pytest.approx(0.1)
-    assert training_state.lr_factor(10, cosine, 110) == pytest.approx(1.0)
-    assert training_state.lr_factor(110, cosine, 110) == pytest.approx(0.0)
+    assert schedules.lr_factor(0, cosine, 110) == pytest.approx(0.1)
+    assert schedules.lr_factor(10, cosine, 110) == pytest.approx(1.0)
+    assert schedules.lr_factor(110, cosine, 110) == pytest.approx(0.0)
     step = ScheduleSection(epochs=1, lr_schedule="step", step_size=5, gamma=0.5)
-    assert training_state.lr_factor(12, step, 100) == pytest.approx(0.25)
+    assert schedules.lr_factor(12, step, 100) == pytest.approx(0.25)
 
 
 def test_models_build_and_bad_ones_are_spec_errors():

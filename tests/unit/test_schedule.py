@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint import optimizers, schedules, training_state
 from trainer_core.spec.sections import OptimizerSection, ScheduleSection
 
 COSINE = ScheduleSection(epochs=2, lr_schedule="cosine", warmup_steps=5)
@@ -29,8 +29,8 @@ def train(
     ``total_steps``: the LR after each step, by step, and the checkpoint after the last one."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
-    optimizer = training_state.make_optimizer(model.parameters(), OptimizerSection(lr=lr))
-    scheduler = training_state.make_scheduler(optimizer, schedule, total_steps)
+    optimizer = optimizers.make_optimizer(model.parameters(), OptimizerSection(lr=lr))
+    scheduler = schedules.make_scheduler(optimizer, schedule, total_steps)
     first = 1
     lrs: dict[int, float] = {}
     if resume is not None:

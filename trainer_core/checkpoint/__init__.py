@@ -13,8 +13,11 @@ reads them outside training.
   (whole state dicts or DCP, read once per node).
 - ``staging``: stage state to memory, write it in the background.
 - ``dcp_storage``: torch.distributed.checkpoint through the run's own storage.
-- ``training_state``: what a checkpoint holds for resume to be exact; the optimizer and
-  schedule it restores.
+- ``training_state``: what a checkpoint holds for resume to be exact; early stopping's state.
+- ``optimizers``: the optimizer a spec names (a short name or an import path), built and
+  checked.
+- ``schedules``: the LR schedule: the built-in ``lr_schedule``, or a scheduler named by import
+  path, stepped per step or per epoch.
 - ``exports``: a model's whole weights from a checkpoint of any format.
 - ``registry``: the model registry on storage (champion pointers).
 

@@ -1,4 +1,4 @@
-"""What a checkpoint must hold for resume to be exact, as bytes; and the optimizer/schedule.
+"""What a checkpoint must hold for resume to be exact, as bytes; early stopping's state.
 
 Everything here is plain torch, loadable with ``torch.load(..., weights_only=True)``: storage is
 not trusted code, so no pickled Python objects beyond tensors and primitive containers.
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from trainer_core.errors import CheckpointCorruptError
-from trainer_core.spec.sections import EarlyStoppingSection, OptimizerSection, ScheduleSection
+from trainer_core.spec.sections import EarlyStoppingSection
 
 
 def save(value: Any, stream: Any) -> None:
@@ -113,101 +113,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def make_optimizer(params: Any, section: OptimizerSection) -> torch.optim.Optimizer:
-    if section.name == "sgd":
-        return torch.optim.SGD(
-            params, lr=section.lr, momentum=section.momentum, weight_decay=section.weight_decay
-        )
-    if section.name == "adamw":
-        return torch.optim.AdamW(params, lr=section.lr, weight_decay=section.weight_decay)
-    return torch.optim.Adam(params, lr=section.lr, weight_decay=section.weight_decay)
-
-
-def lr_factor(
-    step: int,
-    schedule: ScheduleSection,
-    total_steps: int,
-    start: int = 0,
-    start_factor: float | None = None,
-) -> float:
-    """Multiplier of the base learning rate after ``step`` optimizer steps. Pure.
-
-    A cosine schedule decays from 1 (after the warm-up) to 0 at ``total_steps``. From a
-    continuation on (``start_factor``: the factor the run had after ``start`` steps, when it went
-    on to another ``total_steps``) it decays from that factor to 0 at the new total instead."""
-    if schedule.warmup_steps and step < schedule.warmup_steps:
-        return (step + 1) / schedule.warmup_steps
-    if schedule.lr_schedule == "cosine":
-        begin, peak = schedule.warmup_steps, 1.0
-        if start_factor is not None and start >= schedule.warmup_steps:
-            begin, peak = start, start_factor
-        span = max(total_steps - begin, 1)
-        progress = min(max(step - begin, 0) / span, 1.0)
-        return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule.lr_schedule == "step":
-        return schedule.gamma ** (step // schedule.step_size)
-    return 1.0
-
-
-class Schedule(torch.optim.lr_scheduler.LambdaLR):
-    """The run's LR schedule: ``lr_factor`` to ``total_steps`` times the spec's base rate.
-
-    Its state (in every checkpoint) records the segment it is on: ``segment_start`` and
-    ``segment_factor`` (None: the schedule from step 0). Loading a checkpoint keeps the LR the
-    run had at the checkpoint's step: when this spec's schedule gives another factor there (more
-    epochs asked for, so another ``total_steps``), a new segment starts at that step and factor
-    and decays to the schedule's end at the new total. A changed base rate (``optimizer.lr``)
-    applies from the checkpoint's step on; the restored optimizer's rate does not override it.
-    """
-
-    def __init__(
-        self, optimizer: torch.optim.Optimizer, schedule: ScheduleSection, total_steps: int
-    ):
-        self.total_steps = total_steps
-        self.segment_start = 0
-        self.segment_factor: float | None = None
-        #: What the last ``load_state_dict`` changed, to log (None: nothing).
-        self.changed: str | None = None
-        super().__init__(optimizer, self._factor_of(schedule))
-
-    def _factor_of(self, schedule: ScheduleSection) -> Any:
-        # A plain function: LambdaLR's state_dict would save a callable object's attributes.
-        return lambda step: lr_factor(
-            step, schedule, self.total_steps, self.segment_start, self.segment_factor
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state.pop("changed", None)
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        total_steps, base_lrs = self.total_steps, list(self.base_lrs)
-        super().load_state_dict(state_dict)  # the checkpoint's step, rates and segment
-        self.total_steps = total_steps
-        step = self.last_epoch
-        base = float(self.base_lrs[0])
-        had = float(self._last_lr[0]) / base if base else 0.0
-        changes = []
-        if not math.isclose(self.lr_lambdas[0](step), had, rel_tol=1e-9, abs_tol=1e-15):
-            self.segment_start, self.segment_factor = step, had
-            changes.append(f"the schedule decays from factor {had:.6g} to {total_steps} steps")
-        if base_lrs != self.base_lrs:
-            changes.append(f"optimizer.lr {self.base_lrs[0]:g} -> {base_lrs[0]:g}")
-            self.base_lrs = base_lrs
-            for group, new in zip(self.optimizer.param_groups, base_lrs, strict=True):
-                group["initial_lr"] = new
-                group["lr"] = new * self.lr_lambdas[0](step)
-            self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
-        self.changed = f"from step {step}: {'; '.join(changes)}" if changes else None
-
-
-def make_scheduler(
-    optimizer: torch.optim.Optimizer, schedule: ScheduleSection, total_steps: int
-) -> Schedule:
-    return Schedule(optimizer, schedule, total_steps)
 
 
 @dataclass

@@ -40,9 +40,12 @@ def device() -> torch.device:
     return ray.train.torch.get_device()
 
 
-def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model on its device, wrapped for DDP when the group has more than one worker."""
-    return ray.train.torch.prepare_model(model)
+def prepare_model(
+    model: torch.nn.Module, ddp_kwargs: dict[str, Any] | None = None
+) -> torch.nn.Module:
+    """The model on its device, wrapped for DDP when the group has more than one worker;
+    ``ddp_kwargs`` go to ``DistributedDataParallel`` (``find_unused_parameters``, ...)."""
+    return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=dict(ddp_kwargs or {}))
 
 
 def shard_model(

@@ -6,9 +6,9 @@ attempt trains on.
   dataset only to count the files added since).
 - ``pin_ray_datasets``: the same for each of a Ray Train loop's ``datasets``; Ray Data is
   handed the pinned files.
-- ``validate_workload``: what the spec imports, the dataset, the model, the loss and the
-  metrics, tried on the driver (a SpecError before any worker starts), and the run's total
-  optimizer steps.
+- ``validate_workload``: what the spec imports, the optimizer and LR scheduler, the dataset,
+  the model, the loss and the metrics, tried on the driver (a SpecError before any worker
+  starts), and the run's total optimizer steps.
 - ``preflight``: both, with the plan (``trainer_core.run.plan``), in the order errors name
   themselves.
 """
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer_core.checkpoint import optimizers
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import dataset_snapshot, footers, rank_stream, row_slices, samples, stream
@@ -181,6 +182,8 @@ def validate_workload(
     if spec.ray_loop:
         return None
     assert spec.data is not None and spec.schedule is not None
+    if not spec.own_loop:  # a loop of the user's own builds its optimizer and scheduler itself
+        optimizers.check_optimizer_and_schedule(spec.optimizer, spec.schedule, total_steps=1)
     data = spec.data.resolved()
     pinned = pinned or pin_dataset(spec)
     assert pinned is not None

@@ -136,7 +136,7 @@ def _setup_lines(spec: RunSpec) -> list[str]:
         lines.append(
             f"- global batch {spec.data.batch_size}"
             + (f" x {accumulation} per optimizer step" if accumulation > 1 else "")
-            + f", {optimizer.name} lr {optimizer.lr}, schedule {spec.schedule.lr_schedule}"
+            + f", {optimizer.describe()}, schedule {spec.schedule.describe()}"
             + (
                 f", gradients clipped to norm {optimizer.clip_grad_norm}"
                 if optimizer.clip_grad_norm

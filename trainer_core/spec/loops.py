@@ -76,6 +76,14 @@ def _check_own_loop_sections(spec: Any) -> None:
             "(return from it) and records why in its reports; drop schedule.early_stopping",
             field="schedule.early_stopping",
         )
+    if spec.schedule.scheduler is not None:
+        raise SpecError(
+            f"schedule.scheduler {spec.schedule.scheduler!r} is the built-in loop's: your loop "
+            "builds its scheduler and steps it itself, and hands it to "
+            "session().setup(model, optimizer, scheduler), which checkpoints it; drop "
+            "schedule.scheduler",
+            field="schedule.scheduler",
+        )
     _say_ignored(
         spec,
         ("model",),

@@ -21,6 +21,35 @@ from trainer_core.spec.sections import (
 )
 
 
+class DDPSection(_Section):
+    """Options of torch's ``DistributedDataParallel`` wrapper (``scaling.strategy: ddp``),
+    passed to it as they are; each default is DDP's own."""
+
+    #: Copy rank 0's buffers (batch norm's running statistics) to every rank before each
+    #: forward. False for a model whose buffers differ by rank on purpose, or whose buffer
+    #: broadcast fails (a buffer updated in place during the forward).
+    broadcast_buffers: bool = True
+    #: Find, after each forward, the parameters it did not use (a branch taken by some
+    #: batches only), so their gradients do not hold up the all-reduce. Costs a graph walk.
+    find_unused_parameters: bool = False
+    #: The model's graph (which parameters are used, how often) is the same every step: DDP
+    #: may then handle unused parameters and reentrant checkpointing itself.
+    static_graph: bool = False
+
+    def kwargs(self) -> dict[str, bool]:
+        """What ``DistributedDataParallel`` is given."""
+        return {key: getattr(self, key) for key in type(self).model_fields}
+
+    def changed(self) -> list[str]:
+        """The options that differ from DDP's defaults, as ``scaling.ddp.<key>``."""
+        default = DDPSection()
+        return [
+            f"scaling.ddp.{key}"
+            for key in type(self).model_fields
+            if getattr(self, key) != getattr(default, key)
+        ]
+
+
 class ScalingSection(_Section):
     #: Workers in the group: a count, or ``[MIN, MAX]`` for elastic capacity (Ray Train's
     #: elastic scaling). An elastic run starts on as many workers as the cluster holds (at least
@@ -53,6 +82,10 @@ class ScalingSection(_Section):
     #: your way (``fully_shard(block, mesh=mesh)`` per block). Unset: every layer holding
     #: parameters is a unit.
     shard_fn: str | None = None
+    #: With "ddp": options of torch's ``DistributedDataParallel`` (``broadcast_buffers``,
+    #: ``find_unused_parameters``, ``static_graph``), for the built-in loop and a loop on
+    #: relaytrain's API (its ``setup(..., ddp=...)`` may add to them).
+    ddp: DDPSection = Field(default_factory=DDPSection)
 
     @field_validator("num_workers")
     @classmethod

@@ -206,6 +206,7 @@ class RunSpec(_Section):
                 f"> 0, val_accuracy needs data.task classification): use one of {metrics}",
                 field="checkpoint.best_metric",
             )
+        self._check_optimizer()
         stopping = self.schedule.early_stopping
         if stopping is not None and stopping.metric not in metrics[1:]:
             raise SpecError(
@@ -275,6 +276,7 @@ class RunSpec(_Section):
 
     def _check_strategy(self) -> None:
         scaling = self.scaling
+        self._check_ddp_options()
         if scaling.shard_fn is not None and scaling.strategy != "fsdp":
             raise SpecError(
                 f"scaling.shard_fn={scaling.shard_fn!r} shards the model, but scaling.strategy "
@@ -301,6 +303,56 @@ class RunSpec(_Section):
                 "precision=fp16 needs a gradient scaler that agrees across shards, which "
                 "scaling.strategy=fsdp does not have: use precision bf16 (or fp32)",
                 field="precision",
+            )
+
+    def _check_ddp_options(self) -> None:
+        """``scaling.ddp`` configures the DDP wrapper of the built-in loop and of a loop on
+        relaytrain's API: refused with FSDP, and said to do nothing where no wrapper is made."""
+        changed = self.scaling.ddp.changed()
+        if not changed:
+            return
+        if self.scaling.strategy == "fsdp":
+            raise SpecError(
+                f"{changed[0]} configures DistributedDataParallel, but scaling.strategy is fsdp "
+                "(no DDP wrapper): drop scaling.ddp, or use scaling.strategy ddp",
+                field="scaling.ddp",
+            )
+        if self.ray_loop:
+            warnings.warn(
+                f"{changed} do nothing for a Ray Train loop of your own, which wraps its model "
+                "itself: pass them to ray.train.torch.prepare_model(model, "
+                "parallel_strategy_kwargs={...}) in your loop",
+                UserWarning,
+                stacklevel=4,
+            )
+        elif self.scaling.max_workers == 1:
+            warnings.warn(
+                f"{changed} do nothing with scaling.num_workers 1: a single worker's model is "
+                "not wrapped in DistributedDataParallel",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _check_optimizer(self) -> None:
+        """What the built-in loop's optimizer and scheduler need of the rest of the spec
+        (an imported optimizer's arguments are checked where it is built: setup imports it)."""
+        assert self.schedule is not None
+        optimizer = self.optimizer
+        if optimizer.momentum is not None and optimizer.name in ("adam", "adamw"):
+            raise SpecError(
+                f"optimizer.momentum={optimizer.momentum} does nothing for {optimizer.name}, "
+                "which has no momentum: its betas play that part (optimizer.kwargs.betas, "
+                "default [0.9, 0.999]). Drop optimizer.momentum, or use optimizer.name sgd",
+                field="optimizer.momentum",
+            )
+        metric = self.schedule.scheduler_metric
+        validation = self.builtin_metrics()[1:]
+        if metric is not None and metric not in validation:
+            raise SpecError(
+                f"schedule.scheduler_metric {metric!r} is not a validation metric of this spec "
+                f"(the scheduler is stepped on the metrics measured at the end of every epoch; "
+                f"val_* need data.validation_fraction > 0): use one of {validation}",
+                field="schedule.scheduler_metric",
             )
 
     def identity(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer_core.checkpoint import training_state
+from trainer_core.checkpoint import optimizers, schedules, training_state
 from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
@@ -124,10 +124,8 @@ class BuiltinLoop:
                 self.model,
                 import_object(shard_fn, "scaling.shard_fn") if shard_fn else None,
             )
-        self.optimizer = training_state.make_optimizer(self.model.parameters(), spec.optimizer)
-        self.scheduler = training_state.make_scheduler(
-            self.optimizer, spec.schedule, self.total_steps
-        )
+        self.optimizer = optimizers.make_optimizer(self.model.parameters(), spec.optimizer)
+        self.scheduler = schedules.make_scheduler(self.optimizer, spec.schedule, self.total_steps)
         self.stopping = training_state.EarlyStopping()
         self.precision = Precision(spec.precision, self.device)
         self._build_validation(info)
@@ -203,7 +201,11 @@ class BuiltinLoop:
         # On the device before restoring: the optimizer casts loaded state to its parameters'.
         self.model.to(self.device)
         self.restore()
-        ddp_model = self.model if self.fsdp else worker_api.prepare_model(self.model)
+        ddp_model = (
+            self.model
+            if self.fsdp
+            else worker_api.prepare_model(self.model, self.spec.scaling.ddp.kwargs())
+        )
         self.rows.watch_stragglers(gather_nodes(self.world_size))
         self.clock = StepClock(self.device, self.timings, self.spec.report.step_time)
         self.clock.watch_allreduce(ddp_model)
@@ -287,6 +289,7 @@ class BuiltinLoop:
             with self.clock.part("validation"):
                 extra = self._validate()
                 stop = self._should_stop(epoch, extra)
+            self.scheduler.at_epoch_end(extra)  # before the epoch's checkpoint records it
             ddp_model.train()
         # A validation is followed by a checkpoint of the weights it measured: only those
         # checkpoints carry val_* metrics, so only they are ranked (keep_best, best exports).
@@ -339,7 +342,7 @@ class BuiltinLoop:
                 self.spec.optimizer.clip_grad_norm,
                 self.precision.scaler,
             )
-            self.scheduler.step()
+            self.scheduler.after_optimizer_step()
         self.precision.check_loss(value, step, self.rank)
         return value, grad_norm
 
