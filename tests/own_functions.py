@@ -106,3 +106,37 @@ def accumulates(config: dict[str, Any]) -> None:
             optimizer.zero_grad()
             run.report({"loss": step_loss, **kept_apart})
             step_loss, kept_apart = 0.0, {}
+
+
+class WithUnusedLayer(torch.nn.Module):
+    """A model with a layer its forward never uses (a head kept for later): DDP's all-reduce
+    waits for that layer's gradients unless told ``find_unused_parameters``."""
+
+    def __init__(self, num_inputs: int, num_outputs: int):
+        super().__init__()
+        self.used = torch.nn.Linear(num_inputs, num_outputs)
+        self.unused = torch.nn.Linear(num_inputs, num_outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def with_unused_layer(num_inputs: int, num_outputs: int) -> torch.nn.Module:
+    """``model.name`` builder of ``WithUnusedLayer``."""
+    return WithUnusedLayer(num_inputs, num_outputs)
+
+
+def unused_layer_loop(config: dict[str, Any]) -> None:
+    """An own loop training ``WithUnusedLayer``, whose ``setup`` is given ``config['ddp']``."""
+    from trainer_core.train import own_loop
+
+    run = own_loop.session()
+    model = WithUnusedLayer(6, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = run.setup(model, optimizer, ddp=config.get("ddp"))
+    for batch in run.batches():
+        loss = functional.mse_loss(model(batch["features"]).squeeze(1), batch["labels"])
+        optimizer.zero_grad()
+        (loss * run.loss_weight).backward()
+        optimizer.step()
+        run.report({"loss": loss.item()})

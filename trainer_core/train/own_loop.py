@@ -5,7 +5,7 @@ its own: ``session()`` hands it this worker's side of the run.
 
 - ``setup(model, optimizer, scheduler)`` restores the newest committed checkpoint every rank
   can verify (model, optimizer, scheduler, every rank's RNG, the data cursor) and returns the
-  model wrapped for DDP;
+  model wrapped for DDP (with ``scaling.ddp``'s options, and ``ddp=``'s over them);
 - ``batches()`` is the run's data stream from its cursor: this rank's slice of each global
   batch, the same rows in the same order for any worker count, through ``data.transform``;
 - ``report(metrics)`` ends the optimizer step of the batches just handed out: the row goes to
@@ -150,12 +150,16 @@ class OwnLoop:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
+        ddp: dict[str, Any] | None = None,
     ) -> torch.nn.Module:
         """Move ``model`` to this worker's device, restore the newest committed checkpoint
         (model, optimizer, ``scheduler``, every rank's RNG, the cursor) and return the model
-        wrapped for DDP. Build the optimizer on the unwrapped model's parameters first."""
+        wrapped for DDP. Build the optimizer on the unwrapped model's parameters first.
+        ``ddp``: keyword arguments of ``DistributedDataParallel`` (``find_unused_parameters``,
+        ``broadcast_buffers``, ``static_graph``, ...), over the spec's ``scaling.ddp``."""
         if self.checkpoints is not None:
             raise _misuse("setup() was called twice: call it once, before batches()")
+        ddp_kwargs = ddp_options(self.spec.scaling.ddp.kwargs(), ddp)
         model.to(self.device)
         training_state.seed_everything(self.spec.run.seed * 1009 + self.rank + 1)  # per rank
         self.checkpoints = CheckpointManager(
@@ -177,7 +181,7 @@ class OwnLoop:
             checkpoints, self.config, self.relay, self.run_dir, self.world_size
         )
         self.faults.group = self.group
-        self._model = worker_api.prepare_model(model)
+        self._model = worker_api.prepare_model(model, ddp_kwargs)
         # The checkpoint thread copies the parameters while the next forward and backward run:
         # the optimizer waits for it before it changes them. The first window starts here.
         self.windows.start(
@@ -328,6 +332,25 @@ class OwnLoop:
         if self.checkpoints is not None:
             self.checkpoints.close()
         self.data.close()
+
+
+#: What relaytrain gives ``DistributedDataParallel`` itself: not a loop's to set.
+_DDP_OWN_ARGUMENTS = ("module", "process_group", "device_ids", "output_device")
+
+
+def ddp_options(spec_options: dict[str, Any], own: dict[str, Any] | None) -> dict[str, Any]:
+    """The keyword arguments of ``DistributedDataParallel``: the spec's ``scaling.ddp``, with
+    a loop's ``setup(..., ddp=...)`` over them. Pure."""
+    own = dict(own or {})
+    if not all(isinstance(key, str) for key in own):
+        raise _misuse(f"setup(ddp={own!r}): ddp is a dict of DistributedDataParallel keywords")
+    taken = [key for key in _DDP_OWN_ARGUMENTS if key in own]
+    if taken:
+        raise _misuse(
+            f"setup(ddp=...) sets {taken}, which relaytrain sets for the worker's device and "
+            "group: drop them (the others, such as find_unused_parameters, are yours)"
+        )
+    return {**spec_options, **own}
 
 
 def own_train_loop(config: dict[str, Any]) -> None:
