@@ -14,7 +14,8 @@ from torch import nn
 
 from trainer_core.checkpoint.exports import read_model_weights
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import footers, rank_stream, stream
+from trainer_core.data import footers, rank_stream, samples, stream
+from trainer_core.data.sample_loader import RankSamples
 from trainer_core.data.transform import Batches
 from trainer_core.errors import SpecError
 from trainer_core.spec.run_spec import RunSpec
@@ -26,7 +27,7 @@ def check_holdout(spec: RunSpec) -> None:
     """SpecError unless the spec holds rows out for validation: a comparison of models needs
     rows that none of them trained on."""
     assert spec.data is not None
-    if spec.data.validation_fraction == 0:
+    if spec.data.validation_fraction == 0 and spec.data.validation is None:
         raise SpecError(
             "data.validation_fraction is 0: the loop holds out no rows, and comparing a "
             "challenger with the champion needs rows neither trained on. Set "
@@ -43,6 +44,8 @@ def holdout(spec: RunSpec) -> Any:
     assert spec.data is not None
     check_holdout(spec)
     data = spec.data.resolved()
+    if data.torch_dataset:
+        return _held_samples(spec)
     layout = footers.scan(data)
     stream_ = rank_stream.RankStream(layout, data, spec.run.seed, 1, 0)
     parts: list[Any]
@@ -68,8 +71,33 @@ def holdout(spec: RunSpec) -> Any:
     )
 
 
+def _held_samples(spec: RunSpec) -> list[Any]:
+    """The Dataset form's validation batches, as the loop reads them (one rank, in this
+    process): the validation set, or the indices data.validation_fraction holds out."""
+    assert spec.data is not None
+    data = spec.data.model_copy(update={"loader_workers": 0})
+    train = samples.build_dataset(data.dataset, data.kwargs, "data.dataset")
+    held = (
+        samples.build_dataset(data.validation, data.validation_kwargs, "data.validation")
+        if data.validation
+        else None
+    )
+    found = list(RankSamples(train, held, data, spec.run.seed, 1, 0).validation())
+    if not found:
+        raise SpecError(
+            f"data.validation_fraction {data.validation_fraction} holds out none of the "
+            f"{len(train)} samples of data.dataset {data.dataset!r}, and comparing a "
+            "challenger with the champion needs samples neither trained on: raise "
+            "data.validation_fraction, or name a validation set (data.validation)",
+            field="data.validation_fraction",
+        )
+    return found
+
+
 def describe(spec: RunSpec) -> data_mod.DatasetInfo:
     assert spec.data is not None
+    if spec.data.torch_dataset:  # a model of the Dataset form is built from its kwargs alone
+        return data_mod.DatasetInfo(num_rows=0, num_features=0, num_outputs=0)
     return stream.describe(footers.scan(spec.data), spec.data)
 
 

@@ -1,0 +1,107 @@
+"""The Dataset form on the shared local Ray cluster: a map-style torch Dataset whose augmentation
+draws from torch's, numpy's and Python's global generators, read through torch's DataLoader in
+loader processes of each worker, an MLP with dropout, gloo DDP.
+
+- 2 workers -> fault -> 1 worker -> fault -> 2 workers: every global batch the run kept holds
+  the samples, each with the augmentation draw, that one process with no loader process reads.
+- A Prefect retry (a code fault) and an in-place restart (a worker SIGKILLed) in one run end
+  bit-identical to the uninterrupted run: weights, optimizer and every step's loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.training import training
+from tests.conftest import reference_of
+from tests.recovery import assert_same_tensors, final_state, losses, recorded_batches, run_dir_of
+from tests.torch_datasets import Augmented, digest
+from trainer_core.data.sample_loader import RankSamples
+from trainer_core.errors import TrainingCodeError
+from trainer_core.run.engine import run_attempt
+from trainer_core.spec.overrides import build_spec
+
+pytestmark = pytest.mark.integration
+
+#: 96 samples, about a fifth held out by hash: 7 global batches of 10 an epoch.
+LENGTH = 96
+
+
+def raw(root, name: str, **sections) -> dict:
+    spec = {
+        "run": {"name": name, "storage": str(root), "seed": 7},
+        "model": {"name": "tests.torch_datasets:recording_mlp"},
+        "data": {
+            "dataset": "tests.torch_datasets:augmented",
+            "kwargs": {"length": LENGTH},
+            "task": "classification",
+            "batch_size": 10,
+            "loader_workers": 1,
+        },
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "schedule": {"epochs": 3},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"every": 3, "keep_last": None},
+        "report": {"every": 3},
+        "retries": {"infrastructure": 1, "code": 1, "delay_s": 0, "jitter": 0},
+    }
+    spec.update(sections)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def reference(relaytrain_ray, tmp_path_factory):
+    return reference_of(build_spec(raw(tmp_path_factory.mktemp("samples-ref"), "reference")))
+
+
+def test_a_retry_and_an_in_place_restart_end_bit_identical(reference, relaytrain_prefect, tmp_path):
+    """Attempt 1 raises at step 5 (Prefect retries; it resumes from step 3); attempt 2's rank 1
+    is SIGKILLed at step 14 (Ray restarts the group in place; it resumes from step 12)."""
+    faults = [
+        {"kind": "raise", "at_step": 5, "attempt": 1},
+        {"kind": "kill", "at_step": 14, "attempt": 2, "rank": 1},
+    ]
+    spec = build_spec(raw(tmp_path, "faulted", faults=faults))
+    state = training(spec, return_state=True)
+    assert state.is_completed(), state
+    run_dir = run_dir_of(spec)
+    attempts = run_dir.read_attempts()
+    assert [a.get("resumed_from_step") for a in attempts] == [0, 3]
+    assert [r["resumed_from_step"] for r in attempts[1]["restarts"]] == [12]
+    assert reference["result"].steps_completed == 21
+    assert_same_tensors(final_state(run_dir), reference["state"])
+    assert losses(run_dir) == reference["losses"]
+
+
+def test_samples_and_their_draws_survive_two_workers_then_one_then_two(relaytrain_ray, tmp_path):
+    """2 workers fail at step 5 (resume from 3), 1 worker fails at step 11 (resume from 9), 2
+    workers finish: every kept global batch is what one process reads for it (the oracle: the
+    Dataset through RankSamples in this process, 1 rank, no loader process)."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    plan = [(2, 5), (1, 11), (2, None)]
+    faults = [
+        {"kind": "raise", "at_step": at, "attempt": n + 1} for n, (_, at) in enumerate(plan) if at
+    ]
+    model = {"name": "tests.torch_datasets:recording_mlp", "kwargs": {"log_dir": str(logs)}}
+    kept: list[list[str]] = []
+    resumed = 0
+    for workers, fails_at in plan:
+        spec = build_spec(
+            raw(tmp_path, "elastic", model=model, faults=faults),
+            [f"scaling.num_workers={workers}"],
+        )
+        if fails_at is not None:
+            with pytest.raises(TrainingCodeError):
+                run_attempt(spec)
+        else:
+            assert run_attempt(spec).status == "completed"
+        kept = kept[:resumed] + recorded_batches(logs, "samples")
+        resumed = run_dir_of(spec).scan().newest.step
+    attempts = run_dir_of(spec).read_attempts()
+    assert [a["world_size"] for a in attempts] == [2, 1, 2]
+    assert [a.get("resumed_from_step") for a in attempts] == [0, 3, 9]
+    data = spec.data.model_copy(update={"loader_workers": 0})
+    one = RankSamples(Augmented(LENGTH), None, data, spec.run.seed, 1, 0)
+    expected = [[digest(x) for x in b["input"]] for e in range(3) for _, _, b in one.epoch(e)]
+    assert len(expected) == 21 and kept == expected
