@@ -142,3 +142,21 @@ class RecordingMLP(nn.Module):
 
 def recording_mlp(**kwargs: Any) -> nn.Module:
     return RecordingMLP(**kwargs)
+
+
+def own_loop(config: dict[str, Any]) -> None:
+    """A loop of the user's own on relaytrain's API over a torch Dataset: ``batches()`` hands out
+    each rank's slice as ``{"input", "labels"}``; ``RecordingMLP`` records the samples it sees
+    (``config["log_dir"]``)."""
+    from trainer_core.train import own_loop as api
+
+    run = api.session()
+    model = RecordingMLP(config["log_dir"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model = run.setup(model, optimizer)
+    for batch in run.batches():
+        loss = nn.functional.cross_entropy(model(batch["input"]), batch["labels"])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        run.report({"loss": loss.item()})

@@ -105,3 +105,35 @@ def test_samples_and_their_draws_survive_two_workers_then_one_then_two(relaytrai
     one = RankSamples(Augmented(LENGTH), None, data, spec.run.seed, 1, 0)
     expected = [[digest(x) for x in b["input"]] for e in range(3) for _, _, b in one.epoch(e)]
     assert len(expected) == 21 and kept == expected
+
+
+def test_an_own_loop_reads_a_torch_dataset_and_resumes_on_the_same_samples(
+    relaytrain_ray, tmp_path
+):
+    """tests.torch_datasets:own_loop on the Dataset, 2 workers: a fault at step 6 and a resume
+    from step 4 train the global batches (each sample and its draw) one process reads."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    spec = build_spec(
+        {
+            "run": {"name": "own-samples", "storage": str(tmp_path), "seed": 4},
+            "train_loop": "tests.torch_datasets:own_loop",
+            "train_loop_api": "relaytrain",
+            "train_loop_config": {"log_dir": str(logs)},
+            "data": {"dataset": "tests.torch_datasets:augmented", "batch_size": 10},
+            "schedule": {"epochs": 1},
+            "scaling": {"num_workers": 2},
+            "checkpoint": {"every": 4, "best_metric": "loss"},
+            "retries": {"delay_s": 0, "jitter": 0},
+            "faults": [{"kind": "raise", "at_step": 6, "attempt": 1}],
+        }
+    )
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    kept = recorded_batches(logs, "samples")[:4]
+    assert run_attempt(spec).resumed_from_step == 4
+    kept += recorded_batches(logs, "samples")
+    data = spec.data.model_copy(update={"loader_workers": 0})
+    one = RankSamples(Augmented(LENGTH), None, data, spec.run.seed, 1, 0)
+    expected = [[digest(x) for x in b["input"]] for _, _, b in one.epoch(0)]
+    assert len(expected) == 7 and kept == expected

@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import samples
-from trainer_core.data.sample_loader import RankSamples
 from trainer_core.train import validate
 from trainer_core.train.batch_workload import BatchWorkload
 from trainer_core.train.columns_loop import ColumnsLoop
+from trainer_core.train.group_start import rank_samples
 from trainer_core.train.loop import BuiltinLoop
 
 
@@ -22,24 +21,15 @@ class DatasetLoop(ColumnsLoop):
     """One worker's side of a run of the built-in loop on the Dataset form."""
 
     def _build_data(self) -> data_mod.DatasetInfo:
-        data = self.data_spec
-        train = samples.build_dataset(data.dataset, data.kwargs, "data.dataset")
-        held = (
-            samples.build_dataset(data.validation, data.validation_kwargs, "data.validation")
-            if data.validation
-            else None
-        )
-        samples.check_lengths(self.config.dataset, train, held)
-        self.data: Any = RankSamples(
-            train,
-            held,
-            data,
+        self.data: Any = rank_samples(
+            self.config,
+            self.data_spec,
             self.spec.run.seed,
             self.world_size,
             self.rank,
             pin_memory=self.device.type == "cuda",
         )
-        return data_mod.DatasetInfo(num_rows=len(train), num_features=0, num_outputs=0)
+        return data_mod.DatasetInfo(num_rows=len(self.data.train), num_features=0, num_outputs=0)
 
     def _build_validation(self, info: data_mod.DatasetInfo) -> None:
         self.workload = BatchWorkload(self.spec)

@@ -1,5 +1,6 @@
 """Where a worker group starts: which group of the attempt it is, the checkpoints to resume
-from, where its training stands, and this rank's stream of the run's pinned dataset."""
+from, where its training stands, and this rank's stream of the run's pinned dataset (or of its
+torch Dataset: ``rank_samples``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch.distributed as dist
 
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import dataset_snapshot, footers, rank_stream, stream
+from trainer_core.data import dataset_snapshot, footers, rank_stream, samples, stream
+from trainer_core.data.sample_loader import RankSamples
 from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.execution.worker_group import Relay, all_reduce
 
@@ -51,3 +53,18 @@ def rank_data(
         layout = footers.scan(data_spec)
         info = stream.describe(layout, data_spec)
     return rank_stream.RankStream(layout, data_spec, seed, world_size, rank), info
+
+
+def rank_samples(
+    config: WorkerConfig, data_spec: Any, seed: int, world_size: int, rank: int, pin_memory: bool
+) -> RankSamples:
+    """This rank's side of a Dataset-form run: the spec's datasets built in this worker, their
+    lengths checked against what the driver pinned (SpecError naming both)."""
+    train = samples.build_dataset(data_spec.dataset, data_spec.kwargs, "data.dataset")
+    held = (
+        samples.build_dataset(data_spec.validation, data_spec.validation_kwargs, "data.validation")
+        if data_spec.validation
+        else None
+    )
+    samples.check_lengths(config.dataset, train, held)
+    return RankSamples(train, held, data_spec, seed, world_size, rank, pin_memory=pin_memory)

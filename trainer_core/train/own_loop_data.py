@@ -2,7 +2,8 @@
 of the run's global batches from a cursor, each batch's place in its optimizer step (with
 ``optimizer.grad_accumulation``, a step takes that many global batches, as in the built-in
 loop's ``steps.optimizer_steps``), the validation rows, and the transform workers of the
-columns form."""
+columns form; for a torch Dataset (``data.dataset: package.module:function``) its samples
+through torch's DataLoader (``data.sample_loader``)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from typing import Any
 import torch
 
 from trainer_core.data import arrays as data_mod
+from trainer_core.data.sample_loader import RankSamples
 from trainer_core.data.transform import Batches, TransformPool
 from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.execution.worker_group import Timings
 from trainer_core.spec.run_spec import RunSpec
-from trainer_core.train.group_start import rank_data
+from trainer_core.train.group_start import rank_data, rank_samples
 from trainer_core.train.steps import batch_to_device
 
 
@@ -78,9 +80,15 @@ class SessionData:
         self.accumulation = spec.optimizer.grad_accumulation
         self.epochs = spec.schedule.epochs
         #: The transform workers, started while the stream and the user's model are built.
-        self.pool = TransformPool(data_spec).warm() if data_spec.columns_form else None
+        columns = data_spec.columns is not None
+        self.pool = TransformPool(data_spec).warm() if columns else None
         seed = spec.run.seed
-        self.stream, _ = rank_data(config, data_spec, seed, world_size, rank)
+        self.stream: Any
+        if data_spec.torch_dataset:  # a torch Dataset's samples, collated by the loader
+            cuda = device.type == "cuda"
+            self.stream = rank_samples(config, data_spec, seed, world_size, rank, cuda)
+        else:
+            self.stream, _ = rank_data(config, data_spec, seed, world_size, rank)
         self.train_batches = self.eval_batches = None
         if self.pool is not None:
             self.train_batches = Batches(data_spec, seed, pool=self.pool)
@@ -106,7 +114,7 @@ class SessionData:
 
     def validation(self) -> Iterator[dict[str, Any]]:
         """This rank's share of the validation rows, in batches on the device."""
-        if self.eval_batches is None:
+        if self.eval_batches is None:  # the tabular form's rows, or a Dataset's batches
             for rows in self.stream.validation():
                 yield self.on_device(rows)
             return
@@ -127,3 +135,5 @@ class SessionData:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        if isinstance(self.stream, RankSamples):  # its loader processes
+            self.stream.close()

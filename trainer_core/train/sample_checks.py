@@ -20,9 +20,10 @@ TRIED = 4
 
 
 def check_dataset_form(spec: RunSpec, train: Any, validation: Any) -> int:
-    """Try the spec's datasets, collate, model, loss and metrics as the loop will use them;
-    returns the global batches of an epoch."""
-    assert spec.data is not None and spec.model is not None
+    """Try the spec's datasets, collate, model, loss and metrics as the loop will use them (a
+    loop of the user's own: the datasets and the collate); returns the global batches of an
+    epoch."""
+    assert spec.data is not None
     data = spec.data
     order = samples.IndexOrder(len(train), data, spec.run.seed, split=validation is None)
     if order.batches_per_epoch == 0:
@@ -33,16 +34,18 @@ def check_dataset_form(spec: RunSpec, train: Any, validation: Any) -> int:
             "data.batch_size, or give a larger dataset",
             field="data.batch_size",
         )
-    batch = _batch(spec, train, order.epoch(0)[:TRIED], 0, "data.dataset")
-    model = workloads.build_model(spec.model, 0, 0, columns_form=True)
-    workload = BatchWorkload(spec)
-    check_batch(spec, batch, workload, model, "data.dataset")
+    batches = [(_batch(spec, train, order.epoch(0)[:TRIED], 0, "data.dataset"), "data.dataset")]
     held = order.validation_ids if validation is None else range(len(validation))
     if len(held):
         source = train if validation is None else validation
         field = "data.dataset" if validation is None else "data.validation"
         evaluated = _batch(spec, source, list(held)[:TRIED], samples.VALIDATION, field)
-        check_batch(spec, evaluated, workload, model, field)
+        batches.append((evaluated, field))
+    if spec.model is not None and not spec.own_loop:  # an own loop calls its model itself
+        model = workloads.build_model(spec.model, 0, 0, columns_form=True)
+        workload = BatchWorkload(spec)
+        for batch, field in batches:
+            check_batch(spec, batch, workload, model, field)
     return order.batches_per_epoch
 
 
