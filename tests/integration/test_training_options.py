@@ -1,7 +1,8 @@
-"""The training options a spec turns on resume exactly, on the local Ray cluster: mixed precision
-and early stopping on one worker (nothing they check depends on the ranks: fp16's scaler across
-DDP ranks is test_fp16_overflow's and test_columns' half-precision test's), gradient
-accumulation with clipping and the user's own loss and metrics on 2 gloo DDP workers."""
+"""The training options a spec turns on resume exactly, on the local Ray cluster: mixed precision,
+early stopping, and an imported optimizer with ReduceLROnPlateau on one worker (nothing they
+check depends on the ranks: fp16's scaler across DDP ranks is test_fp16_overflow's and
+test_columns' half-precision test's), gradient accumulation with clipping and the user's own
+loss and metrics on 2 gloo DDP workers."""
 
 from __future__ import annotations
 
@@ -148,3 +149,46 @@ def test_early_stopping_keeps_its_patience_across_a_retry(uninterrupted_one_work
     third = run_attempt(spec, on_event=events.append)
     assert third.steps_completed == 26
     assert [e["step"] for e in events if e["kind"] == "already_complete"] == [26]
+
+
+def test_an_imported_optimizer_and_reduce_on_plateau_resume_exactly(tmp_path):
+    """torch's RMSprop with momentum, by import path, and ReduceLROnPlateau stepped on val_loss
+    at each epoch's end. Its threshold (1e6, absolute) makes every epoch after the first a
+    plateau and patience is 0, so the rate halves after epoch 2 (step 26), whatever the
+    losses. The run fails at step 17 and resumes from epoch 1's checkpoint (step 13), which
+    must carry the scheduler's best so far: a fresh scheduler would take epoch 2's loss as a
+    new best, not halve the rate, and train on at 0.01."""
+    sections = {
+        "optimizer": {"name": "torch.optim:RMSprop", "lr": 0.01, "momentum": 0.5},
+        "schedule": {
+            "lr_schedule": "constant",
+            "warmup_steps": 0,
+            "scheduler": "torch.optim.lr_scheduler:ReduceLROnPlateau",
+            "scheduler_kwargs": {
+                "factor": 0.5,
+                "patience": 0,
+                "threshold": 1e6,
+                "threshold_mode": "abs",
+            },
+            "scheduler_metric": "val_loss",
+        },
+        "scaling": ONE_WORKER,
+    }
+    whole_spec = build_spec(tiny_raw(tmp_path, "plateau-whole", **sections))
+    assert run_attempt(whole_spec).steps_completed == 39
+    spec = build_spec(
+        tiny_raw(tmp_path, "plateau-resumed", faults=[{"kind": "raise", "at_step": 17}], **sections)
+    )
+    with pytest.raises(TrainingCodeError):
+        run_attempt(spec)
+    assert run_attempt(spec).resumed_from_step == 13
+    whole_dir, resumed_dir = run_dir_of(whole_spec), run_dir_of(spec)
+    expected_lr = {step: 0.01 if step <= 26 else 0.005 for step in range(1, 40)}
+    for run_dir in (whole_dir, resumed_dir):
+        lrs = {row["step"]: row["lr"] for row in read_metrics_history(run_dir)}
+        assert lrs == pytest.approx(expected_lr, rel=1e-12)
+    final = final_state(resumed_dir)
+    assert_same_tensors(final, final_state(whole_dir))
+    assert losses(resumed_dir) == losses(whole_dir)
+    # RMSprop's own state, with its momentum buffer: the optimizer the spec named
+    assert {"square_avg", "momentum_buffer"} <= set(final["optimizer"]["state"][0])

@@ -114,6 +114,15 @@ def test_a_scheduler_with_what_it_cannot_go_with_is_refused(tmp_path, schedule, 
     assert spec_error(tmp_path, schedule=schedule).field == field
 
 
+def test_a_spec_with_a_scheduler_validates_again_as_the_workers_read_it(tmp_path):
+    """A worker validates the spec's dump, where every key is set (to its default)."""
+    schedule = {"lr_schedule": "constant", "warmup_steps": 0, "scheduler": PLATEAU}
+    spec = build_spec(
+        tiny_raw(tmp_path, "x", schedule={**schedule, "scheduler_metric": "val_loss"})
+    )
+    assert type(spec).model_validate(spec.model_dump(mode="json")) == spec
+
+
 # -- an imported scheduler across a checkpoint ----------------------------------------------
 
 STEPS_PER_EPOCH, EPOCHS = 4, 4

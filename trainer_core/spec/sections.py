@@ -504,6 +504,10 @@ class EarlyStoppingSection(_Section):
     min_delta: Annotated[float, Field(ge=0)] = 0.0
 
 
+def _default(section: type[_Section], key: str) -> Any:
+    return section.model_fields[key].default
+
+
 class ScheduleSection(_Section):
     epochs: PositiveInt
     lr_schedule: Literal["constant", "cosine", "step"] = "constant"
@@ -560,8 +564,9 @@ class ScheduleSection(_Section):
             for key, value in (
                 ("lr_schedule", self.lr_schedule != "constant"),
                 ("warmup_steps", self.warmup_steps > 0),
-                ("step_size", "step_size" in self.model_fields_set),
-                ("gamma", "gamma" in self.model_fields_set),
+                # not model_fields_set: a worker validates the spec's dump, every key set
+                ("step_size", self.step_size != _default(ScheduleSection, "step_size")),
+                ("gamma", self.gamma != _default(ScheduleSection, "gamma")),
             )
             if value
         ]
