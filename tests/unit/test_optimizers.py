@@ -123,6 +123,25 @@ def test_a_spec_with_a_scheduler_validates_again_as_the_workers_read_it(tmp_path
     assert type(spec).model_validate(spec.model_dump(mode="json")) == spec
 
 
+def test_step_size_without_the_step_schedule_says_it_does_nothing(tmp_path):
+    with pytest.warns(UserWarning, match="schedule.step_size does nothing"):
+        build_spec(tiny_raw(tmp_path, "x", schedule={"lr_schedule": "cosine", "step_size": 7}))
+
+
+def test_an_own_loop_is_told_the_scheduler_is_its_own(tmp_path):
+    raw = tiny_raw(
+        tmp_path,
+        "x",
+        train_loop="tests.own_functions:unused_layer_loop",
+        train_loop_api="relaytrain",
+        schedule={"lr_schedule": "constant", "warmup_steps": 0, "scheduler": PLATEAU},
+    )
+    del raw["model"], raw["optimizer"]
+    with pytest.raises(SpecError, match=r"setup\(model, optimizer, scheduler\)") as error:
+        build_spec(raw)
+    assert error.value.field == "schedule.scheduler"
+
+
 # -- an imported scheduler across a checkpoint ----------------------------------------------
 
 STEPS_PER_EPOCH, EPOCHS = 4, 4

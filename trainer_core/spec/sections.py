@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import posixpath
 import re
+import warnings
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -546,6 +547,7 @@ class ScheduleSection(_Section):
     @model_validator(mode="after")
     def _one_schedule(self) -> ScheduleSection:
         if self.scheduler is None:
+            self._say_if_step_keys_do_nothing()
             alone = [
                 key
                 for key in ("scheduler_kwargs", "scheduler_interval", "scheduler_metric")
@@ -588,6 +590,22 @@ class ScheduleSection(_Section):
                 field="schedule.scheduler_interval",
             )
         return self
+
+    def _say_if_step_keys_do_nothing(self) -> None:
+        """``step_size`` and ``gamma`` are lr_schedule step's: with another, a warning."""
+        changed = [
+            key
+            for key in ("step_size", "gamma")
+            if getattr(self, key) != _default(ScheduleSection, key)
+        ]
+        if changed and self.lr_schedule != "step":
+            warnings.warn(
+                f"schedule.{changed[0]} does nothing with lr_schedule {self.lr_schedule!r}: it "
+                "is lr_schedule step's (the rate times gamma every step_size optimizer steps). "
+                "Set lr_schedule step, or drop it",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @property
     def stepped_per(self) -> Literal["step", "epoch"]:
