@@ -20,7 +20,8 @@ from trainer_core.errors import (
     TrainingCodeError,
 )
 from trainer_core.execution.classify import classify
-from trainer_core.spec.sections import ModelSection, ScheduleSection
+from trainer_core.spec.optimization import ScheduleSection
+from trainer_core.spec.sections import ModelSection
 from trainer_core.train import workloads
 
 
@@ -301,7 +302,7 @@ def test_restart_limits_follow_the_spec(tmp_path):
 
 def test_early_stopping_counts_epochs_without_improvement_and_survives_json():
     from trainer_core.checkpoint.training_state import EarlyStopping
-    from trainer_core.spec.sections import EarlyStoppingSection
+    from trainer_core.spec.optimization import EarlyStoppingSection
 
     section = EarlyStoppingSection(metric="val_loss", mode="min", patience=2, min_delta=0.1)
     state = EarlyStopping()

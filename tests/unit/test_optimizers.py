@@ -14,8 +14,8 @@ import torch
 from tests.conftest import tiny_raw
 from trainer_core.checkpoint import optimizers, schedules, training_state
 from trainer_core.errors import SpecError
+from trainer_core.spec.optimization import OptimizerSection, ScheduleSection
 from trainer_core.spec.overrides import build_spec
-from trainer_core.spec.sections import OptimizerSection, ScheduleSection
 
 
 def params() -> list[torch.nn.Parameter]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trainer_core.checkpoint import optimizers, schedules, training_state
-from trainer_core.spec.sections import OptimizerSection, ScheduleSection
+from trainer_core.spec.optimization import OptimizerSection, ScheduleSection
 
 COSINE = ScheduleSection(epochs=2, lr_schedule="cosine", warmup_steps=5)
 

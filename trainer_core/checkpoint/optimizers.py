@@ -15,7 +15,7 @@ import torch
 from trainer_core.checkpoint import training_state
 from trainer_core.errors import SpecError
 from trainer_core.spec.imports import import_object
-from trainer_core.spec.sections import OptimizerSection, ScheduleSection
+from trainer_core.spec.optimization import OptimizerSection, ScheduleSection
 
 
 def make_optimizer(params: Any, section: OptimizerSection) -> torch.optim.Optimizer:

@@ -16,7 +16,7 @@ import torch
 
 from trainer_core.errors import SpecError
 from trainer_core.spec.imports import import_object
-from trainer_core.spec.sections import ScheduleSection
+from trainer_core.spec.optimization import ScheduleSection
 
 
 def lr_factor(

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from trainer_core.errors import CheckpointCorruptError
-from trainer_core.spec.sections import EarlyStoppingSection
+from trainer_core.spec.optimization import EarlyStoppingSection
 
 
 def save(value: Any, stream: Any) -> None:

@@ -2,8 +2,8 @@
 
 - ``run_spec``: ``RunSpec``, the whole spec, its rules across sections, and the identity
   that decides whether a run directory can be resumed.
-- ``sections``: what a run trains (run, model, data, optimizer, schedule) and the rules every
-  section shares.
+- ``sections``: what a run trains (run, model, data) and the rules every section shares.
+- ``optimization``: how it is optimized (the optimizer, the LR schedule, early stopping).
 - ``operations``: how it is carried out (scaling, checkpoint, report, tracking, retries,
   faults).
 - ``loops``: which loop a spec runs (built-in, a Ray Train loop of the user's own, one on

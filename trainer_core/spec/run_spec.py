@@ -31,15 +31,14 @@ from trainer_core.spec.operations import (
     ScalingSection,
     TrackingSection,
 )
+from trainer_core.spec.optimization import OptimizerSection, ScheduleSection
 from trainer_core.spec.sections import (
     BUILTIN_DATASETS,
     BUILTIN_VALIDATION_METRICS,
     IMPORT_PATH_PATTERN,
     DataSection,
     ModelSection,
-    OptimizerSection,
     RunSection,
-    ScheduleSection,
     _Section,
     import_path,
     metric_name,
