@@ -264,3 +264,15 @@ def test_a_scheduler_whose_state_a_checkpoint_cannot_load_back_is_refused_at_set
         epochs=1, scheduler="torch.optim.lr_scheduler:StepLR", scheduler_kwargs={"step_size": 2}
     )
     optimizers.check_optimizer_and_schedule(OptimizerSection(), plain, total_steps=4)
+
+
+def test_a_resume_says_which_optimizer_settings_the_checkpoint_kept():
+    """torch's load_state_dict restores each group's settings: a changed momentum does not
+    apply to a resumed run, and the loop says so (the rate is the schedule's)."""
+    checkpoint = optimizers.make_optimizer(params(), OptimizerSection(name="sgd", momentum=0.9))
+    resumed = optimizers.make_optimizer(params(), OptimizerSection(name="sgd", lr=0.5))
+    built = optimizers.hyperparameters(resumed)
+    assert optimizers.kept_by_checkpoint(built, resumed) is None
+    resumed.load_state_dict(checkpoint.state_dict())
+    kept = optimizers.kept_by_checkpoint(built, resumed)
+    assert kept is not None and "momentum 0.9 (the spec's 0)" in kept and "lr" not in kept

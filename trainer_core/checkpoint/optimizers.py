@@ -41,6 +41,34 @@ def make_optimizer(params: Any, section: OptimizerSection) -> torch.optim.Optimi
     return optimizer
 
 
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (all but its parameters), as built."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def kept_by_checkpoint(built: list[dict[str, Any]], optimizer: torch.optim.Optimizer) -> str | None:
+    """What a restored ``optimizer`` kept of its checkpoint over the settings it was ``built``
+    with (torch's ``load_state_dict`` restores every group's settings): None when nothing
+    differs. The rate is the schedule's (``Schedule`` applies a changed ``optimizer.lr``)."""
+    kept = sorted(
+        {
+            f"{key} {group[key]!r} (the spec's {before[key]!r})"
+            for before, group in zip(built, optimizer.param_groups, strict=False)
+            for key in before
+            if key not in ("lr", "initial_lr")
+            and key in group
+            and not isinstance(before[key], torch.Tensor)  # a tensor rate follows the schedule
+            and group[key] != before[key]
+        }
+    )
+    if not kept:
+        return None
+    return (
+        f"the checkpoint's optimizer keeps {', '.join(kept)}: optimizer.momentum, "
+        ".weight_decay and .kwargs apply to a new run"
+    )
+
+
 def _parameters(function: Any) -> dict[str, inspect.Parameter] | None:
     """``function``'s named parameters, or None when it takes any keyword (``**kwargs``) or
     its signature cannot be read."""

@@ -125,6 +125,7 @@ class BuiltinLoop:
                 import_object(shard_fn, "scaling.shard_fn") if shard_fn else None,
             )
         self.optimizer = optimizers.make_optimizer(self.model.parameters(), spec.optimizer)
+        self.built_hyperparameters = optimizers.hyperparameters(self.optimizer)
         self.scheduler = schedules.make_scheduler(self.optimizer, spec.schedule, self.total_steps)
         self.stopping = training_state.EarlyStopping()
         self.precision = Precision(spec.precision, self.device)
@@ -161,8 +162,10 @@ class BuiltinLoop:
         if checkpoint is not None:
             manifest = checkpoint.manifest
             self.stopping = training_state.EarlyStopping.from_json(manifest.get("early_stopping"))
-            if self.rank == 0 and self.scheduler.changed:
-                logger.warning("resumed under another spec, %s", self.scheduler.changed)
+            kept = optimizers.kept_by_checkpoint(self.built_hyperparameters, self.optimizer)
+            for changed in (self.scheduler.changed, kept):
+                if self.rank == 0 and changed:
+                    logger.warning("resumed under another spec, %s", changed)
             self.progress = Progress(
                 step=checkpoint.step,
                 cursor=data_mod.Cursor.from_json(manifest["cursor"]),
