@@ -145,18 +145,24 @@ def recording_mlp(**kwargs: Any) -> nn.Module:
 
 
 def own_loop(config: dict[str, Any]) -> None:
-    """A loop of the user's own on relaytrain's API over a torch Dataset: ``batches()`` hands out
-    each rank's slice as ``{"input", "labels"}``; ``RecordingMLP`` records the samples it sees
-    (``config["log_dir"]``)."""
+    """A script's per-epoch loop on relaytrain's API over a torch Dataset of its own making:
+    ``run.dataloader(...)`` in place of ``DataLoader(...)``; each rank's slice comes as
+    ``{"input", "labels"}``; ``RecordingMLP`` records the samples it sees (in
+    ``config["log_dir"]``)."""
+    from torch.utils.data import default_collate
+
     from trainer_core.train import own_loop as api
 
     run = api.session()
     model = RecordingMLP(config["log_dir"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model = run.setup(model, optimizer)
-    for batch in run.batches():
-        loss = nn.functional.cross_entropy(model(batch["input"]), batch["labels"])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        run.report({"loss": loss.item()})
+    dataset = Augmented(config["length"])
+    for _epoch in run.epochs():
+        loader = run.dataloader(dataset, batch_size=10, num_workers=2, collate_fn=default_collate)
+        for batch in loader:
+            loss = nn.functional.cross_entropy(model(batch["input"]), batch["labels"])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            run.report({"loss": loss.item()})

@@ -107,11 +107,13 @@ def test_samples_and_their_draws_survive_two_workers_then_one_then_two(relaytrai
     assert len(expected) == 21 and kept == expected
 
 
-def test_an_own_loop_reads_a_torch_dataset_and_resumes_on_the_same_samples(
+def test_an_own_loop_per_epoch_on_its_own_dataset_resumes_on_the_same_samples(
     relaytrain_ray, tmp_path
 ):
-    """tests.torch_datasets:own_loop on the Dataset, 2 workers: a fault at step 6 and a resume
-    from step 4 train the global batches (each sample and its draw) one process reads."""
+    """tests.torch_datasets:own_loop (``for epoch in run.epochs(): for batch in
+    run.dataloader(dataset, ...)``, its own Dataset object, 2 loader processes), 2 workers, 2
+    epochs of 7 batches: a fault at step 13 and a resume from step 12 (epoch 1, batch 5) train
+    the global batches (each sample and its draw) one process reads."""
     logs = tmp_path / "logs"
     logs.mkdir()
     spec = build_spec(
@@ -119,21 +121,21 @@ def test_an_own_loop_reads_a_torch_dataset_and_resumes_on_the_same_samples(
             "run": {"name": "own-samples", "storage": str(tmp_path), "seed": 4},
             "train_loop": "tests.torch_datasets:own_loop",
             "train_loop_api": "relaytrain",
-            "train_loop_config": {"log_dir": str(logs)},
+            "train_loop_config": {"log_dir": str(logs), "length": LENGTH},
             "data": {"dataset": "tests.torch_datasets:augmented", "batch_size": 10},
-            "schedule": {"epochs": 1},
+            "schedule": {"epochs": 2},
             "scaling": {"num_workers": 2},
             "checkpoint": {"every": 4, "best_metric": "loss"},
             "retries": {"delay_s": 0, "jitter": 0},
-            "faults": [{"kind": "raise", "at_step": 6, "attempt": 1}],
+            "faults": [{"kind": "raise", "at_step": 13, "attempt": 1}],
         }
     )
     with pytest.raises(TrainingCodeError):
         run_attempt(spec)
-    kept = recorded_batches(logs, "samples")[:4]
-    assert run_attempt(spec).resumed_from_step == 4
+    kept = recorded_batches(logs, "samples")[:12]
+    assert run_attempt(spec).resumed_from_step == 12
     kept += recorded_batches(logs, "samples")
     data = spec.data.model_copy(update={"loader_workers": 0})
     one = RankSamples(Augmented(LENGTH), None, data, spec.run.seed, 1, 0)
-    expected = [[digest(x) for x in b["input"]] for _, _, b in one.epoch(0)]
-    assert len(expected) == 7 and kept == expected
+    expected = [[digest(x) for x in b["input"]] for e in range(2) for _, _, b in one.epoch(e)]
+    assert len(expected) == 14 and kept == expected

@@ -27,6 +27,7 @@ from trainer_core.data.samples import (
     collate_function,
     rank_part,
 )
+from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
 
 
@@ -80,6 +81,27 @@ class RankSamples:
         self.sampler = EpochBatches(self.order, world_size, rank)
         self.collate = collate_function(data)
         self.loader: DataLoader | None = None
+
+    def use(self, dataset: Any, loader_workers: int | None, collate: Any) -> None:
+        """Read ``dataset`` (the loop's own object, of the training set's length: SpecError
+        naming both otherwise) with ``loader_workers`` processes and ``collate`` (each None:
+        as they were), from the next epoch's loader on."""
+        if dataset is not None and dataset is not self.train.dataset:
+            if len(dataset) != len(self.train):
+                raise SpecError(
+                    f"dataloader()'s dataset has {len(dataset)} samples, but data.dataset "
+                    f"{self.data.dataset!r} has {len(self.train)}, the length this run's order "
+                    "is made of: pass the same dataset (data.kwargs say how it is built)",
+                    field="data.dataset",
+                )
+            self.train = SeededSamples(dataset, self.seed)
+            self.close()
+        if loader_workers is not None and loader_workers != self.data.loader_workers:
+            self.data = self.data.model_copy(update={"loader_workers": loader_workers})
+            self.close()
+        if collate is not None and collate is not self.collate:
+            self.collate = collate
+            self.close()
 
     def _loader(self) -> DataLoader:
         if self.loader is None:

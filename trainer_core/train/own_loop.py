@@ -94,14 +94,19 @@ class OwnLoop:
         #: Global batches per optimizer step (``optimizer.grad_accumulation``).
         self.accumulation = self.data.accumulation
         #: Epochs of the run, global batches per epoch, optimizer steps per epoch and in all.
-        self.epochs = self.data.epochs
+        self.num_epochs = self.data.epochs
         self.batches_per_epoch = self.data.batches_per_epoch
         self.steps_per_epoch = self.data.steps_per_epoch
-        self.total_steps = self.epochs * self.steps_per_epoch
+        self.total_steps = self.num_epochs * self.steps_per_epoch
         self.ledger = StepLedger(self.spec, config.attempt, self.batch_size)
         self.checkpoints: CheckpointManager | None = None
         self._model: torch.nn.Module | None = None
         self._batches_called = False
+        #: The run's stream, once a pass opened it; ``epochs()``'s epoch and whether its
+        #: ``dataloader()`` was called.
+        self._stream: Iterator[tuple[BatchPlace, Any]] | None = None
+        self._epoch: int | None = None
+        self._served = False
         self.group = 0
         #: The batch handed out last, and whether the step it is part of is still open.
         self.place = BatchPlace(
@@ -198,35 +203,98 @@ class OwnLoop:
     def batches(self) -> Iterator[Any]:
         """This rank's slice of each global batch from the cursor to the end of the run's last
         epoch, on this worker's device: the columns form's dict of tensors (through
-        ``data.transform`` and ``data.collate``), or ``{"features", "labels"}`` for the tabular
-        form. ``epoch``, ``end_of_epoch`` and ``ends_step`` say where the batch lies;
-        ``report`` ends its step (a step not reported is ended, with no metrics, when the next
-        batch is asked for; one not reported when the loop returns is not counted)."""
+        ``data.transform`` and ``data.collate``), a torch Dataset's collated samples
+        (``{"input", "labels"}`` for ``(input, target)`` pairs), or ``{"features", "labels"}``
+        for the tabular form. ``epoch``, ``end_of_epoch`` and ``ends_step`` say where the batch
+        lies; ``report`` ends its step (a step not reported is ended, with no metrics, when the
+        next batch is asked for; one not reported when the loop returns is not counted)."""
+        self._start_pass("batches()")
+        yield from self._hand_out(lambda place: True)
+
+    def epochs(self) -> Iterator[int]:
+        """The run's epochs from the cursor's, for a loop that keeps a script's per-epoch
+        structure: ``for epoch in run.epochs(): for batch in run.dataloader(...)``."""
+        self._start_pass("epochs()")
+        for epoch in range(self.ledger.cursor.epoch, self.num_epochs):
+            self._epoch, self._served = epoch, False
+            yield epoch
+            if not self._served:
+                raise _misuse(
+                    f"epoch {epoch} of epochs() ended without dataloader(): call it once in "
+                    "every epoch, for that epoch's batches"
+                )
+        self._end_step()
+
+    def dataloader(
+        self,
+        dataset: Any = None,
+        *,
+        batch_size: int | None = None,
+        num_workers: int | None = None,
+        collate_fn: Any = None,
+    ) -> Iterator[Any]:
+        """This epoch's batches from the cursor (inside ``epochs()``): the one-line replacement
+        for a script's ``DataLoader(dataset, batch_size=..., num_workers=..., collate_fn=...)``.
+        ``dataset``: the loop's own Dataset object, of the length the run pinned (None: the
+        one ``data.dataset`` returns); ``batch_size``: the global batch, which is
+        ``data.batch_size`` (the cursor and the checkpoints count it); ``num_workers`` and
+        ``collate_fn`` replace ``data.loader_workers`` and ``data.collate``."""
+        if self._epoch is None:
+            raise _misuse(
+                "dataloader() outside epochs(): iterate `for epoch in run.epochs():` and call "
+                "dataloader() in it (or iterate over batches() for the whole run)"
+            )
+        if self._served:
+            raise _misuse(
+                f"dataloader() was called a second time in epoch {self._epoch}: the first "
+                "already hands out every batch of the epoch"
+            )
+        self._served = True
+        if batch_size is not None and batch_size != self.batch_size:
+            raise _misuse(
+                f"dataloader(batch_size={batch_size}): the global batch is data.batch_size "
+                f"({self.batch_size}), summed over every worker; the cursor and the checkpoints "
+                f"count it. Set data.batch_size: {batch_size} in the spec, or pass none"
+            )
+        self.data.use(dataset, num_workers, collate_fn)
+        epoch = self._epoch
+        return self._hand_out(lambda place: place.epoch == epoch, epoch)
+
+    def _start_pass(self, what: str) -> None:
         if self.checkpoints is None:
             raise _misuse(
-                "batches() before setup(): call setup(model, optimizer, scheduler) first: it "
+                f"{what} before setup(): call setup(model, optimizer, scheduler) first: it "
                 "restores the newest checkpoint and the cursor the batches start from"
             )
         if self._batches_called:
             raise _misuse(
-                "batches() was called a second time: it already hands out every batch from the "
-                "cursor to the end of the run's last epoch, so a second pass would train the "
-                "run again. Iterate over one batches() for the whole run (epoch and "
+                f"{what} after batches() or epochs(): one of them already hands out every batch "
+                "from the cursor to the end of the run's last epoch, so a second pass would "
+                "train the run again. Iterate over one of them for the whole run (epoch and "
                 "end_of_epoch say where each batch lies)"
             )
         self._batches_called = True
-        stream = self.data.training(self.ledger.cursor)
-        try:
-            for place, rows in stream:
-                self._end_step()
-                if not self._open:  # the step's first batch
-                    self._open, self._metrics = True, {}
-                self.place = place
-                with self.windows.clock.part("h2d"):
-                    batch = self.data.on_device(rows)
-                yield batch
-        finally:
-            stream.close()
+
+    def _hand_out(self, wanted: Any, epoch: int | None = None) -> Iterator[Any]:
+        """The run's stream (opened on the first call) on this worker's device, for as long
+        as ``wanted(place)``: the whole run, or ``epoch``'s batches, ending at its last."""
+        if self._stream is None:
+            self._stream = self.data.training(self.ledger.cursor)
+        for place, rows in self._stream:
+            if not wanted(place):
+                raise _misuse(
+                    f"dataloader() in epoch {epoch} got a batch of epoch {place.epoch}: "
+                    "iterate over each epoch's dataloader() to its end"
+                )
+            self._end_step()
+            if not self._open:  # the step's first batch
+                self._open, self._metrics = True, {}
+            self.place = place
+            with self.windows.clock.part("h2d"):
+                batch = self.data.on_device(rows)
+            yield batch
+            if epoch is not None and place.end_of_epoch:
+                return
         self._end_step()
 
     def validation(self) -> Iterator[Any]:
@@ -331,6 +399,8 @@ class OwnLoop:
     def close(self) -> None:
         if self.checkpoints is not None:
             self.checkpoints.close()
+        if self._stream is not None:
+            self._stream.close()  # type: ignore[attr-defined]  # a generator
         self.data.close()
 
 

@@ -16,6 +16,7 @@ import torch
 from trainer_core.data import arrays as data_mod
 from trainer_core.data.sample_loader import RankSamples
 from trainer_core.data.transform import Batches, TransformPool
+from trainer_core.errors import SpecError
 from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.execution.worker_group import Timings
 from trainer_core.spec.run_spec import RunSpec
@@ -76,6 +77,7 @@ class SessionData:
         assert spec.data is not None and spec.schedule is not None
         data_spec = spec.data.resolved()
         self.device, self.timings = device, timings
+        self.data_spec = data_spec
         self.batch_size = data_spec.batch_size
         self.accumulation = spec.optimizer.grad_accumulation
         self.epochs = spec.schedule.epochs
@@ -121,6 +123,22 @@ class SessionData:
         parts = self.stream.validation_with_ids()
         for batch in self.eval_batches.each(0, parts, ahead=self.stream.data.prefetch):
             yield self.on_device(batch)
+
+    def use(self, dataset: Any, loader_workers: int | None, collate: Any) -> None:
+        """A loop's ``dataloader()`` options, before the stream opens: its own Dataset object
+        in place of ``data.dataset``'s (of the length the run pinned), loader processes and
+        collate function."""
+        if dataset is None and loader_workers is None and collate is None:
+            return
+        if not isinstance(self.stream, RankSamples):
+            raise SpecError(
+                "relaytrain's own-loop API: dataloader() with a dataset, num_workers or "
+                f"collate_fn reads a torch Dataset, but data.dataset {self.data_spec.dataset!r} "
+                "is not one: name the function returning it in data.dataset "
+                "('package.module:function')",
+                field="train_loop",
+            )
+        self.stream.use(dataset, loader_workers, collate)
 
     def on_device(self, rows: Any) -> dict[str, Any]:
         """A batch as the loop gets it: the columns form's dict of tensors, or the tabular
