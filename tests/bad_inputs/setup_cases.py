@@ -37,6 +37,26 @@ SETUP_CASES = [
         broken(scaling={"resources_per_worker": {"CPU": 1, "tpu_v9": 1}}),
     ),
     Case(
+        "optimizer-argument-unknown",
+        "optimizer.kwargs",
+        "drop it",
+        "setup",
+        broken(optimizer={"name": "torch.optim:Adam", "kwargs": {"rhoo": 0.9}}),
+    ),
+    Case(
+        "plateau-scheduler-without-metric",
+        "schedule.scheduler_metric",
+        "set schedule.scheduler_metric",
+        "setup",
+        broken(
+            schedule={
+                "lr_schedule": "constant",
+                "warmup_steps": 0,
+                "scheduler": "torch.optim.lr_scheduler:ReduceLROnPlateau",
+            }
+        ),
+    ),
+    Case(
         "model-module-missing",
         "model.name",
         "check the spelling",

@@ -55,6 +55,27 @@ SPEC_CASES = [
         broken(optimizer={"name": "sgdd"}),
     ),
     Case(
+        "momentum-for-adam",
+        "optimizer.momentum",
+        "drop optimizer.momentum",
+        "spec",
+        broken(optimizer={"name": "adam", "momentum": 0.9}),
+    ),
+    Case(
+        "scheduler-and-lr-schedule",
+        "schedule.lr_schedule",
+        "drop schedule.lr_schedule",
+        "spec",
+        broken(schedule={"scheduler": "torch.optim.lr_scheduler:StepLR"}),
+    ),
+    Case(
+        "ddp-options-with-fsdp",
+        "scaling.ddp",
+        "use scaling.strategy ddp",
+        "spec",
+        broken(scaling={"strategy": "fsdp", "ddp": {"broadcast_buffers": False}}),
+    ),
+    Case(
         "checkpoint-every-zero",
         "checkpoint.every",
         GREATER,
