@@ -5,17 +5,23 @@ loader processes of each worker, an MLP with dropout, gloo DDP.
 - 2 workers -> fault -> 1 worker -> fault -> 2 workers: every global batch the run kept holds
   the samples, each with the augmentation draw, that one process with no loader process reads.
 - A Prefect retry (a code fault) and an in-place restart (a worker SIGKILLed) in one run end
-  bit-identical to the uninterrupted run: weights, optimizer and every step's loss.
+  bit-identical to the uninterrupted run: weights, optimizer and every step's loss; the test
+  set is evaluated once, on the best checkpoint.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
+from torch import nn
+from torch.utils.data import default_collate
 
 from flows.training import training
 from tests.conftest import reference_of
 from tests.recovery import assert_same_tensors, final_state, losses, recorded_batches, run_dir_of
-from tests.torch_datasets import Augmented, digest
+from tests.torch_datasets import Augmented, RecordingMLP, digest
 from trainer_core.data.sample_loader import RankSamples
 from trainer_core.errors import TrainingCodeError
 from trainer_core.run.engine import run_attempt
@@ -37,6 +43,8 @@ def raw(root, name: str, **sections) -> dict:
             "task": "classification",
             "batch_size": 10,
             "loader_workers": 1,
+            "test": "tests.torch_datasets:augmented",
+            "test_kwargs": {"length": 30, "augment": False},
         },
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
         "schedule": {"epochs": 3},
@@ -71,6 +79,19 @@ def test_a_retry_and_an_in_place_restart_end_bit_identical(reference, relaytrain
     assert reference["result"].steps_completed == 21
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]
+    # The test set, evaluated once on the best checkpoint: what its weights score on the 30
+    # test samples, computed here with plain torch.
+    result = state.result()
+    model = RecordingMLP()
+    model.load_state_dict(torch.load(result.best_model_uri, weights_only=True))
+    model.eval()
+    features, labels = default_collate([Augmented(30, augment=False)[i] for i in range(30)])
+    with torch.no_grad():
+        logits = model(features)
+    expected_loss = nn.functional.cross_entropy(logits, labels).item()
+    accuracy = (logits.argmax(dim=1) == labels).sum().item() / len(labels)
+    assert math.isclose(result.test_metrics["test_loss"], expected_loss, rel_tol=1e-5)
+    assert math.isclose(result.test_metrics["test_accuracy"], accuracy, rel_tol=1e-9)
 
 
 def test_samples_and_their_draws_survive_two_workers_then_one_then_two(relaytrain_ray, tmp_path):

@@ -134,19 +134,9 @@ class RankSamples:
     def validation(self) -> Iterator[Batch]:
         """This rank's validation samples in batches of ``data.batch_size``, every epoch the
         same draws; its loader processes end with the pass."""
-        keys = [(VALIDATION, int(i)) for i in self.validation_ids]
-        size = self.data.batch_size
-        workers = self.data.loader_workers if len(keys) > size else 0
-        loader = DataLoader(
-            _Keyed(self.validation_set, keys),
-            batch_size=size,
-            num_workers=workers,
-            collate_fn=self.collate,
-            pin_memory=self.pin_memory,
-            generator=_own_generator(self.seed),
+        return held_batches(
+            self.validation_set, self.validation_ids, self.data, self.collate, self.pin_memory
         )
-        for collated in loader:
-            yield as_batch(collated, "data.validation")
 
     def close(self) -> None:
         """End the loader's processes."""
@@ -154,6 +144,32 @@ class RankSamples:
         iterator = getattr(loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+
+
+def held_batches(
+    samples: SeededSamples,
+    ids: np.ndarray,
+    data: DataSection,
+    collate: Any,
+    pin_memory: bool = False,
+    field: str = "data.validation",
+) -> Iterator[Batch]:
+    """Samples ``ids`` of a held-out set (validation, test) in order, in batches of
+    ``data.batch_size``, each drawn as validation samples are (keyed by (run.seed, index)
+    alone); loader processes for the pass only."""
+    keys = [(VALIDATION, int(i)) for i in ids]
+    size = data.batch_size
+    workers = data.loader_workers if len(keys) > size else 0
+    loader = DataLoader(
+        _Keyed(samples, keys),
+        batch_size=size,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=pin_memory,
+        generator=_own_generator(samples.seed),
+    )
+    for collated in loader:
+        yield as_batch(collated, field)
 
 
 def _own_generator(seed: int) -> torch.Generator:

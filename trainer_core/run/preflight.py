@@ -64,6 +64,7 @@ class PinnedSamples:
     train: Any
     validation: Any
     record: dict[str, Any]
+    test: Any = None
     added: tuple[str, ...] = ()
 
     def for_workers(self) -> dict[str, Any]:
@@ -82,9 +83,11 @@ def pin_samples(spec: RunSpec, stored: dict[str, Any] | None) -> PinnedSamples:
         if data.validation
         else None
     )
+    test = samples.build_dataset(data.test, data.test_kwargs, "data.test") if data.test else None
     if stored is not None:
         samples.check_lengths(stored, train, validation)
-    return PinnedSamples(train, validation, stored or samples.lengths_record(train, validation))
+    record = stored or samples.lengths_record(train, validation)
+    return PinnedSamples(train, validation, record, test)
 
 
 def pin_dataset(
@@ -188,7 +191,9 @@ def validate_workload(
     pinned = pinned or pin_dataset(spec)
     assert pinned is not None
     if isinstance(pinned, PinnedSamples):
-        batches = sample_checks.check_dataset_form(spec, pinned.train, pinned.validation)
+        batches = sample_checks.check_dataset_form(
+            spec, pinned.train, pinned.validation, pinned.test
+        )
         return data_mod.steps_per_epoch(batches, spec.optimizer.grad_accumulation) * (
             spec.schedule.epochs
         )

@@ -27,6 +27,7 @@ from trainer_core.run.time_account import TimeAccount, time_account
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.storage.locations import walk_files
 from trainer_core.tracking import mlflow_log, mlflow_state, tensorboard_log
+from trainer_core.train import evaluate
 
 logger = logging.getLogger("relaytrain.summary")
 
@@ -112,6 +113,9 @@ class TrainingResult(_Frozen):
     time: TimeAccount | None = None
     #: Where the run is in MLflow and whether everything reached it (None: no MLflow).
     mlflow: mlflow_state.MlflowState | None = None
+    #: ``data.test``'s figures on the best checkpoint (``test_loss``, ...), measured once when
+    #: the run completed; None without a test set.
+    test_metrics: dict[str, float] | None = None
     #: A user's own loop's ``train_loop_config`` as the run had it: a finished run is finished
     #: for this config (``tasks.setup.is_finished``). None for the built-in loop.
     train_loop_config: dict[str, Any] | None = None
@@ -314,12 +318,24 @@ def finalize_run(
     chosen = {c.step: c for c in (best, committed[-1] if committed else None) if c is not None}
     model_uris = {step: _model_uri(run_dir, c) for step, c in chosen.items()}
     result = build_result(spec, run_dir, storage_uri, status, model_uris, history)
+    if status == "completed" and best is not None and spec.data and spec.data.test:
+        result = result.model_copy(update={"test_metrics": _tested(spec, best)})
     tracker = mlflow_log.for_run(spec, run_dir)
     if tracker is not None:
         tracker.finish(result, history)
         result = result.model_copy(update={"mlflow": tracker.state})
     write_summary(run_dir, result)
     return result
+
+
+def _tested(spec: RunSpec, best: CheckpointInfo) -> dict[str, float] | None:
+    """``data.test``'s figures on the best checkpoint; None (and a warning naming the error)
+    when the test set cannot be evaluated: the run's training stands."""
+    try:
+        return evaluate.test_metrics(spec, best.uri)
+    except Exception as e:
+        logger.warning("data.test could not be evaluated on %s: %s", best.uri, e)
+        return None
 
 
 def write_summary(run_dir: RunDirectory, result: TrainingResult) -> None:

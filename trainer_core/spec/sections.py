@@ -223,6 +223,11 @@ class DataSection(_Section):
     #: indices, by hash, as the Parquet forms split their rows.
     validation: str | None = None
     validation_kwargs: dict[str, Any] = Field(default_factory=dict)
+    #: The Dataset form: the test set, a function like ``data.dataset`` (called with
+    #: ``data.test_kwargs``), evaluated once, when the run completes, on the best checkpoint:
+    #: its figures are the result's ``test_metrics`` (``test_loss``, ...).
+    test: str | None = None
+    test_kwargs: dict[str, Any] = Field(default_factory=dict)
     #: The Dataset form: torch ``DataLoader`` worker processes per training worker (0: in the
     #: training process). Each sample is the same whatever this is.
     loader_workers: NonNegativeInt = 2
@@ -298,11 +303,13 @@ class DataSection(_Section):
     def _import_paths(cls, value: str | None, info: Any) -> str | None:
         return import_path(value, f"data.{info.field_name}")
 
-    @field_validator("validation")
+    @field_validator("validation", "test")
     @classmethod
-    def _validation(cls, value: str | None) -> str | None:
+    def _held_sets(cls, value: str | None, info: Any) -> str | None:
         return import_path(
-            value, "data.validation", "a function returning the validation set's torch Dataset"
+            value,
+            f"data.{info.field_name}",
+            f"a function returning the {info.field_name} set's torch Dataset",
         )
 
     @model_validator(mode="after")
@@ -311,7 +318,9 @@ class DataSection(_Section):
             self._check_dataset_form()
             return self
         dataset_only = [
-            k for k in ("kwargs", "validation", "validation_kwargs") if getattr(self, k)
+            k
+            for k in ("kwargs", "validation", "validation_kwargs", "test", "test_kwargs")
+            if getattr(self, k)
         ]
         if dataset_only:
             raise SpecError(
@@ -384,12 +393,13 @@ class DataSection(_Section):
                 "(augmentation included): remove data." + other[0],
                 field=f"data.{other[0]}",
             )
-        if self.validation_kwargs and self.validation is None:
-            raise SpecError(
-                "data.validation_kwargs is set but data.validation is not: name the function "
-                "that returns the validation set",
-                field="data.validation_kwargs",
-            )
+        for held in ("validation", "test"):
+            if getattr(self, f"{held}_kwargs") and getattr(self, held) is None:
+                raise SpecError(
+                    f"data.{held}_kwargs is set but data.{held} is not: name the function "
+                    f"that returns the {held} set",
+                    field=f"data.{held}_kwargs",
+                )
 
     @property
     def torch_dataset(self) -> bool:

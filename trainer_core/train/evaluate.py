@@ -15,7 +15,7 @@ from torch import nn
 from trainer_core.checkpoint.exports import read_model_weights
 from trainer_core.data import arrays as data_mod
 from trainer_core.data import footers, rank_stream, samples, stream
-from trainer_core.data.sample_loader import RankSamples
+from trainer_core.data.sample_loader import RankSamples, held_batches
 from trainer_core.data.transform import Batches
 from trainer_core.errors import SpecError
 from trainer_core.spec.run_spec import RunSpec
@@ -92,6 +92,24 @@ def _held_samples(spec: RunSpec) -> list[Any]:
             field="data.validation_fraction",
         )
     return found
+
+
+def test_metrics(spec: RunSpec, checkpoint_uri: str) -> dict[str, float]:
+    """``data.test``'s figures for a checkpoint (the best, once the run completes): what
+    validation measures (``test_loss``, ``test_accuracy``, the spec's metrics as
+    ``test_<name>``), over every test sample, in this process."""
+    assert spec.data is not None and spec.data.test is not None
+    data = spec.data.model_copy(update={"loader_workers": 0})
+    dataset = samples.build_dataset(spec.data.test, data.test_kwargs, "data.test")
+    batches = held_batches(
+        samples.SeededSamples(dataset, spec.run.seed),
+        np.arange(len(dataset)),
+        data,
+        samples.collate_function(data),
+        field="data.test",
+    )
+    measured = evaluate(spec, checkpoint_uri, batches)
+    return {"test_" + name.removeprefix("val_"): value for name, value in measured.items()}
 
 
 def describe(spec: RunSpec) -> data_mod.DatasetInfo:

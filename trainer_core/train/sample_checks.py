@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch.utils.data import DataLoader, Dataset
+
 from trainer_core.data import samples
 from trainer_core.errors import SpecError
 from trainer_core.spec.run_spec import RunSpec
@@ -19,7 +22,7 @@ from trainer_core.train.batch_workload import BatchWorkload
 TRIED = 4
 
 
-def check_dataset_form(spec: RunSpec, train: Any, validation: Any) -> int:
+def check_dataset_form(spec: RunSpec, train: Any, validation: Any, test: Any = None) -> int:
     """Try the spec's datasets, collate, model, loss and metrics as the loop will use them (a
     loop of the user's own: the datasets and the collate); returns the global batches of an
     epoch."""
@@ -41,6 +44,9 @@ def check_dataset_form(spec: RunSpec, train: Any, validation: Any) -> int:
         field = "data.dataset" if validation is None else "data.validation"
         evaluated = _batch(spec, source, list(held)[:TRIED], samples.VALIDATION, field)
         batches.append((evaluated, field))
+    if test is not None and len(test):
+        tried = range(min(len(test), TRIED))
+        batches.append((_batch(spec, test, tried, samples.VALIDATION, "data.test"), "data.test"))
     if spec.model is not None and not spec.own_loop:  # an own loop calls its model itself
         model = workloads.build_model(spec.model, 0, 0, columns_form=True)
         workload = BatchWorkload(spec)
@@ -50,14 +56,25 @@ def check_dataset_form(spec: RunSpec, train: Any, validation: Any) -> int:
 
 
 def _batch(spec: RunSpec, dataset: Any, ids: Any, epoch: int, field: str) -> dict[str, Any]:
-    """The batch the loaders make of samples ``ids`` of ``epoch``, each drawn twice."""
+    """The batch the loaders make of samples ``ids`` of ``epoch``, each drawn twice in a loader
+    process, as the loop's are (this process's other threads may draw from the global
+    generators at any moment: Prefect's and Ray's do)."""
     assert spec.data is not None
     seeded = samples.SeededSamples(dataset, spec.run.seed)
     path = getattr(spec.data, field.removeprefix("data."))
-    drawn = []
+    keys = [(epoch, int(index)) for index in ids for _ in range(2)]
+    loader = DataLoader(
+        _Keys(seeded, keys),
+        batch_size=None,
+        num_workers=1,
+        collate_fn=_as_drawn,
+        generator=torch.Generator().manual_seed(0),
+    )
+    drawn: list[Any] = []
+    found = iter(loader)
     for index in ids:
-        first = _sample(seeded, epoch, int(index), field, path)
-        again = _sample(seeded, epoch, int(index), field, path)
+        first = _sample(found, int(index), field, path)
+        again = _sample(found, int(index), field, path)
         if not equal(first, again):
             raise SpecError(
                 f"{field} {path!r}: sample {int(index)} came out different when drawn twice "
@@ -82,9 +99,26 @@ def _batch(spec: RunSpec, dataset: Any, ids: Any, epoch: int, field: str) -> dic
     return samples.as_batch(collated, field)
 
 
-def _sample(seeded: samples.SeededSamples, epoch: int, index: int, field: str, path: str) -> Any:
+class _Keys(Dataset):
+    """``keys`` of a ``SeededSamples``, in order."""
+
+    def __init__(self, seeded: samples.SeededSamples, keys: list[tuple[int, int]]):
+        self.seeded, self.keys = seeded, keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, position: int) -> Any:
+        return self.seeded[self.keys[position]]
+
+
+def _as_drawn(sample: Any) -> Any:
+    return sample
+
+
+def _sample(found: Any, index: int, field: str, path: str) -> Any:
     try:
-        return seeded[(epoch, index)]
+        return next(found)
     except SpecError:
         raise
     except Exception as e:
