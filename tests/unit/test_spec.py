@@ -83,6 +83,29 @@ def test_builtin_loop_needs_its_sections(tmp_path):
 def test_parquet_dataset_needs_columns_and_task(tmp_path):
     with pytest.raises(SpecError, match=r"data\.features"):
         build_spec(tiny_raw(tmp_path, "x", data={"dataset": "s3://b/d.parquet"}))
+    data = {"dataset": "s3://b/d.parquet", "features": "x", "label": "y"}
+    with pytest.raises(SpecError, match=r"data\.task is required for the built-in loop"):
+        build_spec(tiny_raw(tmp_path, "x", data=data))
+
+
+def test_an_own_loop_computing_its_loss_is_not_asked_for_data_task(tmp_path):
+    """Its loss is its own: the integer labels of a Parquet file stay integers."""
+    import numpy as np
+    import pyarrow as pa
+
+    from trainer_core.data.arrays import table_arrays
+
+    raw = tiny_raw(
+        tmp_path, "x", data={"dataset": "s3://b/d.parquet", "features": "x", "label": "y"}
+    )
+    raw |= {"train_loop": "examples.own_loop:train", "train_loop_api": "relaytrain"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = build_spec(raw)
+    assert spec.data.task is None
+    table = pa.table({"x": pa.array([[1.0, 2.0], [3.0, 4.0]]), "y": pa.array([2, 0])})
+    labels = table_arrays(table, spec.data).labels
+    assert labels.dtype == np.int64 and labels.tolist() == [2, 0]
 
 
 def test_train_loop_ignores_builtin_sections_with_a_warning(tmp_path):

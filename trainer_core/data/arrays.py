@@ -264,6 +264,8 @@ def table_arrays(table: pa.Table, data: DataSection) -> Arrays:
                 field="data.label",
             )
         labels = labels.astype(np.int64)
+    elif data.task is None and np.issubdtype(labels.dtype, np.integer):
+        labels = labels.astype(np.int64)  # a loop of the user's own: integers stay integers
     else:
         if not np.issubdtype(labels.dtype, np.number):
             raise SpecError(

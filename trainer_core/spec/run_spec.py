@@ -189,6 +189,12 @@ class RunSpec(_Section):
         """The built-in loop's batch against the workers, and the metrics it will record."""
         assert self.data is not None and self.schedule is not None
         loops.check_batch_size(self)
+        if not self.data.columns_form and self.data.resolved().task is None:
+            raise SpecError(
+                "data.task is required for the built-in loop on a Parquet dataset: "
+                "'classification' or 'regression' (its loss and metrics follow it)",
+                field="data.task",
+            )
         if self.data.columns_form and self.data.task is None and self.loss is None:
             raise SpecError(
                 "data.columns without data.task needs a loss: set loss to "

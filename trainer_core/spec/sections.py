@@ -351,10 +351,6 @@ class DataSection(_Section):
                 "data.features (one list column or a list of scalar columns) and data.label, "
                 "or with data.columns (any columns, handed to data.transform)"
             )
-        if self.dataset not in BUILTIN_DATASETS and self.task is None:
-            raise ValueError(
-                "data.task is required for a Parquet dataset: 'classification' or 'regression'"
-            )
         return self
 
     def _check_columns_form(self) -> None:
