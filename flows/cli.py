@@ -30,7 +30,7 @@ from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import stored_spec
 from trainer_core.errors import RelaytrainError, SpecError
 from trainer_core.run import catalog
-from trainer_core.run.report import epoch_table
+from trainer_core.run.report import attempt_rows, epoch_table
 from trainer_core.run.time_account import time_account
 
 
@@ -170,18 +170,7 @@ def _show(args: argparse.Namespace) -> int:
     if result.best_model_uri:
         print(f"  best model: {result.best_model_uri}")
     print("\nattempts")
-    attempts = [
-        {
-            "#": a.attempt,
-            "status": a.status,
-            "resumed from": _dash(a.resumed_from_step),
-            "last step": _dash(a.last_step),
-            "steps lost": _dash(a.steps_lost),
-            "seconds": "-" if a.duration_s is None else f"{a.duration_s:.1f}",
-            "reason": _reason(a),
-        }
-        for a in result.attempts
-    ]
+    attempts = attempt_rows(result)  # each restart in place a row of its own
     print(_table(attempts) if attempts else "  none yet")
     print("\ncheckpoints")
     found = catalog.committed(run_dir)
@@ -319,15 +308,6 @@ def _epochs(v: catalog.RunView) -> str:
     return f"{v.result.epochs_completed}/{target}" if target else str(v.result.epochs_completed)
 
 
-def _reason(a: Any) -> str:
-    if not a.error_class:
-        return ""
-    text = f"{a.error_class}: {' '.join((a.error_message or '').split())}"
-    text = text if len(text) <= 80 else text[:77] + "..."
-    decision = " ".join((a.retry_decision or "").split())
-    return f"{text} -> {decision[:60]}" if decision else text
-
-
 def _number(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -341,10 +321,6 @@ def _size(n: int | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000  # type: ignore[assignment]
     return f"{n} B"
-
-
-def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
 
 
 if __name__ == "__main__":

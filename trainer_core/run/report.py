@@ -173,8 +173,14 @@ def _progress_lines(spec: RunSpec, result: TrainingResult, plan_reason: str | No
     return lines
 
 
-def _attempt_rows(result: TrainingResult) -> list[str]:
-    """A table row per attempt, and one per restart in place or resize within it."""
+#: The columns of ``attempt_rows``, in order.
+ATTEMPT_COLUMNS = ("#", "status", "resumed from", "last step", "steps lost", "seconds", "reason")
+
+
+def attempt_rows(result: TrainingResult) -> list[dict[str, str]]:
+    """A row per attempt, and under it one per restart in place or resize within it
+    (``1.1``, ``1.2``, ...: what Ray Train restarted without a new attempt), with its error and
+    the steps it lost: what the summary's table and ``relaytrain show`` list."""
     rows = []
     for a in result.attempts:
         error = ""
@@ -182,24 +188,43 @@ def _attempt_rows(result: TrainingResult) -> list[str]:
             error = f"{a.error_class}: {_one_line(a.error_message, 70)}"
             if a.retry_decision:
                 error += f": {_one_line(a.retry_decision, 60)}"
-        seconds = "" if a.duration_s is None else f"{a.duration_s:.1f}"
         rows.append(
-            f"| {a.attempt} | {a.status} | {_dash(a.resumed_from_step)} | {_dash(a.last_step)} | "
-            f"{_dash(a.steps_lost)} | {seconds} | {error} |"
+            _attempt_row(
+                str(a.attempt),
+                a.status,
+                a,
+                "" if a.duration_s is None else f"{a.duration_s:.1f}",
+                error,
+            )
         )
         for number, r in enumerate(a.restarts, 1):
             back = "" if r.recovery_s is None else f"{r.recovery_s:.1f} s to resume"
             what = "restarted in place"
-            if r.world_size_before and r.world_size_after:
-                what = f"{r.world_size_before} → {r.world_size_after} workers"
+            before, after = r.world_size_before, r.world_size_after
+            if before and after and before != after:  # a resize, not the same group again
+                what = f"{before} → {after} workers"
             why = f"{r.error_class}: {_one_line(r.error_message, 70)}" if r.error_class else ""
             if r.reason:
                 why = f"{r.reason}: {why}" if why else r.reason
-            rows.append(
-                f"| {a.attempt}.{number} | {what} | {_dash(r.resumed_from_step)} | "
-                f"{_dash(r.last_step)} | {_dash(r.steps_lost)} | {back} | {why} |"
-            )
+            rows.append(_attempt_row(f"{a.attempt}.{number}", what, r, back, why))
     return rows
+
+
+def _attempt_row(number: str, status: str, figures: Any, seconds: str, why: str) -> dict[str, str]:
+    cells = (
+        number,
+        status,
+        _dash(figures.resumed_from_step),
+        _dash(figures.last_step),
+        _dash(figures.steps_lost),
+        seconds,
+        why,
+    )
+    return dict(zip(ATTEMPT_COLUMNS, cells, strict=True))
+
+
+def _attempt_rows(result: TrainingResult) -> list[str]:
+    return ["| " + " | ".join(row.values()) + " |" for row in attempt_rows(result)]
 
 
 def _workers(spec: RunSpec) -> str:
