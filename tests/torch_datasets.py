@@ -64,6 +64,26 @@ def dict_samples(length: int = 40) -> DictSamples:
     return DictSamples(length)
 
 
+def hf_samples(length: int = 60) -> Any:
+    """A HuggingFace ``datasets.Dataset`` of ``{"features", "labels"}`` rows, augmented on the
+    fly (``with_transform``: noise from torch's global generator), as HF's docs do it."""
+    import datasets
+
+    rows = [Augmented(length, augment=False)[i] for i in range(length)]
+    table = datasets.Dataset.from_dict(
+        {"features": [r[0].tolist() for r in rows], "labels": [r[1] for r in rows]}
+    )
+
+    def augment(batch: dict[str, list[Any]]) -> dict[str, Any]:
+        features = torch.tensor(batch["features"])
+        return {
+            "features": features + 0.05 * torch.randn(features.shape),
+            "labels": torch.tensor(batch["labels"]),
+        }
+
+    return table.with_transform(augment)
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         yield from (Augmented()[i] for i in range(4))

@@ -140,3 +140,29 @@ def test_the_parquet_forms_keys_are_refused_with_a_dataset_function(tmp_path):
         build_spec(
             raw_spec(tmp_path, dataset="digits", validation="tests.torch_datasets:augmented")
         )
+
+
+def test_a_huggingface_dataset_with_an_on_the_fly_transform_is_read_the_same_way(tmp_path):
+    """datasets.Dataset.with_transform (noise from torch's generator): setup accepts it (the
+    model called on its "features"), and 2 ranks with a loader process each read the global
+    batches one process reads, each sample with its draw."""
+    raw = raw_spec(tmp_path, dataset="tests.torch_datasets:hf_samples", kwargs={"length": 60})
+    raw["model"]["inputs"] = "features"
+    spec = build_spec(raw)
+    assert preflight.validate_workload(spec) == 2 * (
+        len(samples.IndexOrder(60, spec.data, 3, True).train_ids) // 10
+    )
+    dataset = samples.build_dataset(spec.data.dataset, spec.data.kwargs, "data.dataset")
+
+    def digests(world_size: int, workers: int) -> list[list[str]]:
+        data = spec.data.model_copy(update={"loader_workers": workers})
+        ranks = [RankSamples(dataset, None, data, 3, world_size, r) for r in range(world_size)]
+        try:
+            read = [[[digest(x) for x in b["features"]] for _, _, b in r.epoch(0)] for r in ranks]
+        finally:
+            for rank in ranks:
+                rank.close()
+        return [[d for r in read for d in r[n]] for n in range(len(read[0]))]
+
+    one = digests(1, 0)
+    assert len(one) == 4 and digests(2, 1) == one
