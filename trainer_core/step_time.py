@@ -209,10 +209,12 @@ def advice(
     stragglers: list[dict[str, Any]],
     restarts_share: float = 0.0,
     restarts: dict[str, float] | None = None,
+    new_groups: dict[str, float] | None = None,
 ) -> list[str]:
     """One line per rule a run's figures break (the README lists the rules); ``shares``: each
     part's share of the step time; ``restarts``: the seconds restarts cost by part
-    (``detection_s``, ``new_group_s``, ``recompute_s``)."""
+    (``detection_s``, ``new_group_s``, ``recompute_s``); ``new_groups``: the new worker groups'
+    seconds by what they answered (``NEW_GROUP_ADVICE``'s keys)."""
     lines = [
         f"rank {s['rank']} on node {s['node']} is {s['ratio']:.1f}x slower than its peers "
         f"(attempt {s['attempt']}, {s['windows']} report windows from step {s['from_step']}): "
@@ -230,8 +232,7 @@ def advice(
         most = max(costs, key=costs.__getitem__) if costs else "recompute_s"
         fix = {
             "recompute_s": "most of it steps run again: checkpoint more often (`checkpoint.every`)",
-            "new_group_s": "most of it starting new worker groups: let Ray Train restart "
-            "the group in place (`retries.in_place`) rather than a Prefect retry",
+            "new_group_s": _new_group_advice(new_groups or {}),
             "detection_s": "most of it noticing the failure: a lower "
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S notices a lost worker sooner",
         }[most]
@@ -240,3 +241,22 @@ def advice(
             "what failed"
         )
     return lines
+
+
+#: What most of the seconds of new worker groups answered, and the advice: an in-place
+#: restart only for a lost worker that a Prefect retry answered (one in place already is not
+#: helped by another, nor an error in the training code, which fails again however restarted).
+NEW_GROUP_ADVICE = {
+    "retry": "most of it starting new worker groups: let Ray Train restart the group in place "
+    "(`retries.in_place`) rather than a Prefect retry",
+    "in_place": "most of it starting worker groups again, in place already (each restart starts "
+    "its workers and restores the newest checkpoint)",
+    "code": "most of it retries after errors in the training code, which no restart mends: fix "
+    "the error",
+    "other": "most of it starting new worker groups",
+}
+
+
+def _new_group_advice(new_groups: dict[str, float]) -> str:
+    most = max(new_groups, key=new_groups.__getitem__) if any(new_groups.values()) else "other"
+    return NEW_GROUP_ADVICE[most]

@@ -66,7 +66,8 @@ def test_advice_names_each_rule_broken_and_only_those():
     assert lines[0].startswith("data wait is 38% of step time: raise `data.prefetch`")
     assert "validation is 30%" in lines[1] and "restarts cost 25%" in lines[2]
     slow_start = {"detection_s": 1.0, "new_group_s": 9.0, "recompute_s": 2.0}
-    (line,) = advice({}, [], restarts_share=0.3, restarts=slow_start)
+    retried = {"retry": 9.0, "in_place": 0.0, "code": 0.0, "other": 0.0}
+    (line,) = advice({}, [], restarts_share=0.3, restarts=slow_start, new_groups=retried)
     assert "starting new worker groups" in line and "`retries.in_place`" in line
     straggler = {"rank": 3, "node": "10.0.0.7", "ratio": 1.6, "attempt": 1, "windows": 4}
     lines = advice({"allreduce_wait": 0.5}, [{**straggler, "from_step": 30}])

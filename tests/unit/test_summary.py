@@ -11,6 +11,7 @@ back."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -19,12 +20,13 @@ from flows.pytest_plugin import tiny_spec_dict
 from trainer_core import storage
 from trainer_core.checkpoint.history import write_metrics_segment
 from trainer_core.checkpoint.run_directory import RunDirectory
-from trainer_core.errors import InjectedFault
+from trainer_core.errors import InfrastructureError, InjectedFault
 from trainer_core.run import attempts
 from trainer_core.run.attempts import AttemptRecord
 from trainer_core.run.live_state import LiveState
 from trainer_core.run.report import epoch_table, render_markdown
 from trainer_core.run.summary import attempt_summaries, build_result, steps_computed
+from trainer_core.run.time_account import time_account
 from trainer_core.spec.overrides import build_spec
 from trainer_core.train.failure import worker_error
 
@@ -285,3 +287,66 @@ def test_epoch_table_and_markdown(tmp_path):
     assert "gradients clipped to norm 1.0, bf16" in text
     assert "metrics ['tests.own_functions:mean_abs_error']" in text
     assert "- stopped early: early stopping after epoch 2: why" in text
+
+
+def restart_advice(attempts_: list[AttemptRecord], wall_s: float) -> list[str]:
+    """The advice lines on restarts of a run of 40 measured steps of ``STEP_S`` each."""
+    account = time_account(rows(1, 40), attempt_summaries(attempts_), wall_s)
+    assert account is not None
+    return [line for line in account.advice if line.startswith("restarts cost")]
+
+
+def retried_after(error: BaseException) -> list[AttemptRecord]:
+    """Attempt 1 fails as step 17 begins (rows up to 15, its last completed step 16) at t=20;
+    attempt 2 resumes from 13 at t=60 (40 s starting a new worker group) and completes at 40."""
+    live = relayed(
+        LiveState(step=0, resumed_from=0),
+        [
+            {"kind": "fresh_start", "time": 1.0, "group": 0, "world_size": 2},
+            *metrics(group=0, first=1, last=15, report_every=5),
+            {"kind": "last_step", "group": 0, "last_step": 16},
+        ],
+    )
+    first = AttemptRecord.opened(1, "fresh start", 0).failed(error, live.outcome(), live.step)
+    first = dataclasses.replace(first, started_at=0.0, ended_at=20.0)
+    live = relayed(
+        LiveState(step=13, resumed_from=13),
+        [{"kind": "resumed", "time": 60.0, "step": 13, "group": 0, "world_size": 2}],
+    )
+    second = AttemptRecord.opened(2, "resume from checkpoint 13", 13).completed(live.outcome(), 40)
+    return [first, dataclasses.replace(second, started_at=50.0, ended_at=100.0)]
+
+
+def test_advice_names_an_in_place_restart_only_where_it_would_help():
+    """40 s of a 100 s run went to starting a new worker group. After a lost worker retried
+    as a new attempt (``retries.in_place`` 0), restarting in place is the advice; not when the
+    group was restarted in place already, nor after an error in the training code (which
+    Ray Train does not restart in place: it would fail the same way)."""
+    lost = InfrastructureError("rank 1 lost a peer during a collective at step 17", step=17)
+    (line,) = restart_advice(retried_after(lost), wall_s=100.0)
+    assert "restart the group in place (`retries.in_place`)" in line
+
+    code = worker_error(ValueError("bad shape"), where="at step 17", step=17, rank=0)
+    (line,) = restart_advice(retried_after(code), wall_s=100.0)
+    assert "retries.in_place" not in line and "training code" in line, line
+
+    live = relayed(
+        LiveState(step=0, resumed_from=0),
+        [
+            {"kind": "fresh_start", "time": 1.0, "group": 0, "world_size": 2},
+            *metrics(group=0, first=1, last=20, report_every=10),
+            {"kind": "last_step", "group": 0, "last_step": 22},
+            {
+                "kind": "restarting",
+                "time": 20.0,
+                "error_budget": "infrastructure",
+                "error_class": "InfrastructureError",
+                "error_message": "rank 1 died",
+            },
+            {"kind": "resumed", "time": 60.0, "step": 20, "group": 1, "world_size": 2},
+            *metrics(group=1, first=21, last=40, report_every=10),
+        ],
+    )
+    in_place = AttemptRecord.opened(1, "fresh start", 0).completed(live.outcome(), 40)
+    (line,) = restart_advice([in_place], wall_s=100.0)
+    assert "retries.in_place" not in line and "in place already" in line, line

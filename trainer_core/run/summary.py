@@ -60,6 +60,8 @@ class AttemptSummary(_Frozen):
     attempt: int
     status: str
     error_class: str | None = None
+    #: The retry budget its failure drew on: "infrastructure", "preemption", "code", ...
+    error_budget: str | None = None
     error_message: str | None = None
     error_step: int | None = None
     resumed_from_step: int | None = None
@@ -139,6 +141,7 @@ def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
                 attempt=record.attempt,
                 status=record.status,
                 error_class=record.error_class,
+                error_budget=record.error_budget if record.status == "failed" else None,
                 error_message=record.error_message,
                 error_step=record.error_step,
                 resumed_from_step=record.resumed_from_step,

@@ -23,11 +23,15 @@ class Cost(Protocol):
 
 
 class Attempt(Cost, Protocol):
-    """An attempt as ``summary.AttemptSummary`` records it: its cost when it failed, and its
-    in-place restarts'."""
+    """An attempt as ``summary.AttemptSummary`` records it: its cost when it failed, what
+    failed it, and its in-place restarts'."""
 
     @property
     def status(self) -> str: ...
+    @property
+    def error_class(self) -> str | None: ...
+    @property
+    def error_budget(self) -> str | None: ...
     @property
     def restarts(self) -> Sequence[Cost]: ...
 
@@ -94,6 +98,12 @@ def time_account(
     restarts: list[Cost] = [r for a in attempts for r in a.restarts]
     failed = [a for a in attempts if a.status == "failed"]
     lost = sum(a.steps_lost or 0 for a in failed) + sum(r.steps_lost or 0 for r in restarts)
+    new_groups = {
+        "in_place": sum(r.recovery_s or 0.0 for r in restarts),
+        **{source: 0.0 for source in ("retry", "code", "other")},
+    }
+    for a in failed:
+        new_groups[_retried_after(a)] += a.recovery_s or 0.0
     cost = RestartCost(
         detection_s=round(
             sum(a.detection_s or 0.0 for a in failed) + sum(r.detection_s or 0.0 for r in restarts),
@@ -128,5 +138,19 @@ def time_account(
             stragglers,
             cost.total_s / wall_s if wall_s > 0 else 0.0,
             {k: v for k, v in cost.model_dump().items() if k.endswith("_s")},
+            new_groups,
         ),
     )
+
+
+def _retried_after(attempt: Attempt) -> str:
+    """What a failed attempt's retry answered, for the advice on its new worker group: "retry"
+    a lost worker or node that Ray Train could have restarted in place, "code" an error in the
+    training code (no restart mends it), "other" the rest (the driver or cluster lost)."""
+    if attempt.error_budget == "code":
+        return "code"
+    if attempt.error_budget in ("infrastructure", "preemption") and (
+        attempt.error_class != "DriverLost"
+    ):
+        return "retry"
+    return "other"
