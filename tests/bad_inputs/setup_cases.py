@@ -239,6 +239,14 @@ SETUP_CASES = [
         lambda w: ray_data_loop(w, str(empty_directory(w))),
         flow=True,
     ),
+    Case(  # the session cluster's 4 CPUs, all the workers': Ray Data's reads would never start
+        "datasets-workers-take-every-cpu",
+        "scaling.resources_per_worker",
+        "at least 1 CPU free for Ray Data",
+        "setup",
+        lambda w: ray_data_loop(w, str(w.table), "every-cpu", scaling={"num_workers": 4}),
+        flow=True,
+    ),
     Case(
         "datasets-not-parquet-inside",
         "datasets.train",

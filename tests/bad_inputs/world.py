@@ -93,9 +93,14 @@ def own_loop(path: str) -> Callable[[World], dict[str, Any]]:
     return make
 
 
-def ray_data_loop(w: World, train: str) -> dict[str, Any]:
-    """The Ray Data example loop, its train dataset at ``train``."""
-    return {**own_loop("examples.ray_data_loop:train_func")(w), "datasets": {"train": train}}
+def ray_data_loop(w: World, train: str, name: str = EXISTING, **sections: Any) -> dict[str, Any]:
+    """The Ray Data example loop, its train dataset at ``train``: the run ``name``, the tiny
+    spec's other sections replaced or extended by ``sections``."""
+    raw = {**own_loop("examples.ray_data_loop:train_func")(w), "datasets": {"train": train}}
+    raw["run"] = {**raw["run"], "name": name}
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return raw
 
 
 def empty_directory(w: World) -> Path:

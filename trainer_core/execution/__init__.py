@@ -1,6 +1,8 @@
 """The Ray seam: every Ray import of relaytrain's core lives in this package.
 
 - ``cluster``: start or connect to Ray; capacity; lost, reclaimed and draining nodes.
+- ``capacity``, ``data_capacity``: whether the worker group fits the cluster, and whether
+  Ray Data's reads of a Ray loop's ``datasets`` get a CPU beside it (pure decisions).
 - ``trainer``: the TorchTrainer of one attempt and ``fit``, which relays the workers' events.
 - ``ray_trainer``: Ray Train's TorchTrainer as relaytrain runs it (its controller's handle
   kept, no helper actors it has no use for).

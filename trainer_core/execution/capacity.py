@@ -94,14 +94,15 @@ def decide(
                 return NeverFits(
                     f"scaling.num_workers={num_workers} workers of {asked} need more nodes than "
                     f"the Ray cluster can have: its nodes, as many as it can have of each "
-                    f"type, hold {_count(most, strategy)} such workers (strategy {strategy}). "
+                    f"type, hold {workers_placed(most, strategy)} such workers "
+                    f"(strategy {strategy}). "
                     "Lower scaling.num_workers or scaling.resources_per_worker, or let the "
                     "cluster have more nodes",
                     field="scaling.num_workers",
                 )
     return WaitForNodes(
         f"{num_workers} workers of {asked} need more nodes: the {len(live_nodes)} live "
-        f"node(s) hold {_count(live, strategy)} (strategy {strategy})"
+        f"node(s) hold {workers_placed(live, strategy)} (strategy {strategy})"
     )
 
 
@@ -118,10 +119,10 @@ def holds(node: dict[str, float], per_worker: dict[str, float]) -> int:
 def placeable(slots: list[int], num_workers: int, strategy: str) -> bool:
     """Whether nodes holding ``slots`` workers each can place ``num_workers`` under
     ``strategy``."""
-    return _count(slots, strategy) >= num_workers
+    return workers_placed(slots, strategy) >= num_workers
 
 
-def _count(slots: list[int], strategy: str) -> int:
+def workers_placed(slots: list[int], strategy: str) -> int:
     """How many workers nodes holding ``slots`` each can place together under ``strategy``."""
     if strategy == "STRICT_SPREAD":
         return sum(1 for s in slots if s > 0)

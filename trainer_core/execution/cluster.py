@@ -15,9 +15,10 @@ from typing import Any
 import ray
 
 from trainer_core.errors import ClusterCapacityError
-from trainer_core.execution import ray_head
+from trainer_core.execution import data_capacity, ray_head
 from trainer_core.execution.capacity import (
     CapacityDecision,
+    Fits,
     NeverFits,
     NodeType,
     WaitForNodes,
@@ -142,10 +143,30 @@ def check_capacity(spec: RunSpec, first_attempt: bool = True) -> CapacityDecisio
     setup (``first_attempt``) a group no node the cluster can have could ever hold: a
     ``ClusterCapacityError`` that names the request, the largest node type and the knob. A
     group more nodes could hold is no error here: the attempt waits for them (``trainer.fit``).
+    With ``datasets``, the same for the CPU Ray Data's reads need beside the group
+    (``data_capacity``): refused where the cluster can never leave one, warned where its live
+    nodes leave none now.
     """
     decision = capacity(spec)
     if isinstance(decision, NeverFits) and first_attempt:
         raise ClusterCapacityError(decision.reason, field=decision.field)
+    if spec.datasets:
+        reads = data_capacity.decide(
+            worker_needs(spec),
+            (spec.scaling.min_workers, spec.scaling.max_workers),
+            _live_nodes(),
+            most_nodes(),
+            spec.scaling.placement_strategy,
+        )
+        if isinstance(reads, NeverFits) and first_attempt:
+            raise ClusterCapacityError(reads.reason, field=reads.field)
+        if isinstance(reads, WaitForNodes) and isinstance(decision, Fits):
+            logger.warning(
+                "%s: they start when the cluster adds a node (a cluster that adds none never "
+                "runs them: leave a CPU free with fewer scaling.num_workers or a smaller "
+                "scaling.resources_per_worker CPU)",
+                reads.reason,
+            )
     return decision
 
 
@@ -157,8 +178,12 @@ def capacity(spec: RunSpec) -> CapacityDecision:
 
 def decide_now(per_worker: dict[str, float], num_workers: int, strategy: str) -> CapacityDecision:
     """``capacity.decide`` on the cluster as it is now: its live nodes and ``node_types()``."""
-    live = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
-    return decide(per_worker, num_workers, live, node_types(), strategy)
+    return decide(per_worker, num_workers, _live_nodes(), node_types(), strategy)
+
+
+def _live_nodes() -> list[dict[str, float]]:
+    """The resources of each live node."""
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
 
 
 def short_of_nodes(per_worker: dict[str, float], num_workers: int, strategy: str) -> str | None:
@@ -206,6 +231,19 @@ def node_types() -> list[NodeType] | None:
     if _has_autoscaler() is not False:
         return None
     return [NodeType(n["NodeID"], dict(n.get("Resources", {}))) for n in ray.nodes()]
+
+
+def most_nodes() -> list[dict[str, float]] | None:
+    """The resources of every node of the largest cluster it can be, for
+    ``data_capacity.decide``: a cluster this process started, its live nodes; one whose
+    autoscaler bounds every node type, as many of each as it allows, and the live nodes on top
+    (a type it starts none of, a head's, may be live: counting more can only refuse less);
+    None where more nodes can always come or it is unknown (``node_types``)."""
+    types = node_types()
+    if types is None or any(t.max_count is None for t in types):
+        return None
+    bounded = [t.resources for t in types for _ in range(t.max_count or 0)]
+    return bounded if _started_here else bounded + _live_nodes()
 
 
 def _autoscaler_config() -> Any:
