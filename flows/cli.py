@@ -29,7 +29,7 @@ from trainer_core import step_time, storage
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import stored_spec
 from trainer_core.errors import RelaytrainError, SpecError
-from trainer_core.run import catalog
+from trainer_core.run import catalog, epochs
 from trainer_core.run.report import attempt_rows, epoch_table
 from trainer_core.run.time_account import time_account
 
@@ -173,13 +173,17 @@ def _show(args: argparse.Namespace) -> int:
     attempts = attempt_rows(result)  # each restart in place a row of its own
     print(_table(attempts) if attempts else "  none yet")
     print("\ncheckpoints")
+    history = read_metrics_history(run_dir)
+    ray_loop = bool(v.spec and v.spec.ray_loop)
     found = catalog.committed(run_dir)
     best_name = (result.best_checkpoint_uri or "").rstrip("/").rsplit("/", 1)[-1]
     shown = {k for c in found for k in c.metrics if k.startswith("val_") or k == v.best_metric}
     checkpoints = [
         {
             "step": c.step,
-            "epoch": c.manifest.get("epoch", "-"),
+            "epochs done": epochs.epochs_done(c.metrics, history)
+            if ray_loop
+            else c.manifest.get("epoch", "-"),
             **{k: _number(c.metrics.get(k)) for k in sorted(shown)},
             "files": len(c.files),
             "size": _size(sum(int(e.get("size", 0)) for e in c.files.values())),
@@ -189,7 +193,7 @@ def _show(args: argparse.Namespace) -> int:
     ]
     print(_table(checkpoints) if checkpoints else "  none committed")
     print("\nmetrics per epoch")
-    table = epoch_table(read_metrics_history(run_dir))
+    table = epoch_table(history, ray_loop)
     print(_table([{k: _number(val) for k, val in row.items()} for row in table]) or "  none")
     return 0
 

@@ -68,7 +68,7 @@ def publish(
     """The UI's view of the run. The curve is a PNG saved beside the run and embedded as a
     data: URL, which the UI's <img> renders without any file server."""
     name = prepared.run_name
-    table = epoch_table(history)
+    table = epoch_table(history, spec.ray_loop)
     bars = plots.run_step_time_png(history, f"{name}: where each step's time went")
     if bars is not None:
         run_dir.step_time_file.write_bytes(bars)

@@ -16,9 +16,10 @@ from tasks.naming import artifact_key
 from tasks.progress import ProgressArtifact
 from tasks.setup import Prepared
 from trainer_core import step_time
+from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import LeaseLostError, RelaytrainError
-from trainer_core.run import attempts, engine, jobs, lease
+from trainer_core.run import attempts, engine, epochs, jobs, lease
 from trainer_core.run.retry import RetryDecision, decide_retry
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.tracking import mlflow_log, tensorboard_log
@@ -108,6 +109,13 @@ class ProgressRelay:
         self.tracker = tracker
         self.total_steps = prepared.total_steps
         self.epochs = spec.schedule.epochs if spec.schedule else None
+        #: A loop on Ray's API's ``epoch`` values (``run.epochs``): in the numbering it reports,
+        #: which its first report shows (the history's, for a resumed attempt).
+        self.ray_loop = spec.ray_loop
+        self.reported_epochs: set[Any] = set()
+        if spec.ray_loop:
+            run_dir = RunDirectory.of(prepared.storage_uri, prepared.run_name)
+            self.reported_epochs = {row.get("epoch") for row in read_metrics_history(run_dir)}
         self.last_update = 0.0
         self.step = prepared.resume_step or 0
         self.artifact = ProgressArtifact(
@@ -145,6 +153,7 @@ class ProgressRelay:
         elif kind == "metrics":
             for row in event["rows"]:
                 self.step = max(self.step, row["step"])
+                self.reported_epochs.add(row.get("epoch"))
                 if any(k.startswith("val_") for k in row):
                     self._log_epoch(row)
         elif kind == "finished":
@@ -175,7 +184,10 @@ class ProgressRelay:
             f"{k} {row[k]:.4f}" for k in sorted(row) if k == "loss" or k.startswith("val_")
         )
         of = f"/{self.epochs}" if self.epochs else ""
-        self.logger.info("epoch %s%s (step %s): %s", row["epoch"] + 1, of, row["step"], shown)
+        first = epochs.first_reported(self.reported_epochs) if self.ray_loop else 0
+        epoch = row.get("epoch")
+        number = epochs.number(epoch, first) if isinstance(epoch, int) else epoch
+        self.logger.info("epoch %s%s (step %s): %s", number, of, row["step"], shown)
 
 
 def _decide(

@@ -84,7 +84,7 @@ def test_happy_path_tasks_artifacts_and_result(happy):
         "flow-happy-progress",
     } <= set(found)
     table = json.loads(found["flow-happy-metrics"].data)
-    assert [row["epoch"] for row in table] == [0, 1, 2] and "val_loss" in table[-1]
+    assert [row["epoch"] for row in table] == [1, 2, 3] and "val_loss" in table[-1]  # from 1
     assert found["flow-happy-progress"].data == 100
     assert found["flow-happy-loss-curve"].data.startswith("data:image/png;base64,")
     assert "Attempts" in found["flow-happy-summary"].data

@@ -19,6 +19,8 @@ from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.run import attempts
 from trainer_core.run.attempts import AttemptRecord
 from trainer_core.run.live_state import LiveState
+from trainer_core.run.report import epoch_table
+from trainer_core.run.summary import user_loop_progress
 from trainer_core.spec.overrides import build_spec
 
 #: The tiny spec's global batch of 32 over 560 samples: 17 full batches and a short one.
@@ -108,3 +110,36 @@ def test_show_lists_each_restart_in_place_with_its_error_and_steps_lost(tmp_path
     assert "infrastructure" in restart[-1] and "WorkerGroupError: rank 1 died" in restart[-1]
     # 1-22 then 21-54: 56 steps run for the 54 kept
     assert "goodput:    0.964 (54 steps kept of 56 computed)" in output
+
+
+def section(output: str, title: str) -> str:
+    """The lines of ``output`` under ``title``, to the next blank line."""
+    return output.split(f"\n{title}\n", 1)[1].split("\n\n", 1)[0]
+
+
+def test_show_numbers_epochs_from_1_as_the_logs_do(tmp_path, capsys):
+    """The run's 54 steps are 3 epochs of 18: the train task logs "epoch 1/3 (step 18)" ..
+    "epoch 3/3 (step 54)", and show's tables number them the same; a checkpoint says how many
+    epochs were done when it was taken (step 20: one, step 54: three)."""
+    output = show(capsys, restarted_in_place(tmp_path))
+    epochs = section(output, "metrics per epoch")
+    assert [row(epochs, n)[:2] for n in ("1", "2", "3")] == [["1", "18"], ["2", "36"], ["3", "54"]]
+    assert "\n  0 " not in epochs, epochs
+    checkpoints = section(output, "checkpoints")
+    assert re.split(r"\s{2,}", checkpoints.splitlines()[0].strip())[:2] == ["step", "epochs done"]
+    assert row(checkpoints, "20")[:2] == ["20", "1"] and row(checkpoints, "54")[:2] == ["54", "3"]
+    assert "epochs 3/3" in output
+
+
+def test_a_ray_loop_is_read_in_the_epoch_numbering_it_reports(tmp_path):
+    """Two loops on Ray's API train 3 epochs, reporting once an epoch: one reports its
+    ``for epoch in range(3)`` index, the other ``epoch + 1``. Each completed 3 epochs, and
+    its table numbers them 1, 2, 3, as the built-in loop's does."""
+    for first in (0, 1):
+        history = [
+            {"step": n, "epoch": n - 1 + first, "loss": 1.0 / n, "val_loss": 0.5} for n in (1, 2, 3)
+        ]
+        done, epochs, _ = user_loop_progress("completed", None, history)
+        assert (done, epochs) == (3, 3), first
+        table = epoch_table(history, ray_loop=True)
+        assert [(r["epoch"], r["last_step"]) for r in table] == [(1, 1), (2, 2), (3, 3)], first

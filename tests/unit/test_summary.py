@@ -236,9 +236,9 @@ def test_epoch_table_and_markdown(tmp_path):
     history[3].update(val_loss=0.25, val_accuracy=0.9)
     table = epoch_table(history)
     assert table == [  # the mean of each epoch's losses: (1 + 2) / 2, (3 + 4) / 2
-        {"epoch": 0, "last_step": 2, "train_loss": 1.5, "val_loss": 0.5, "lr": 0.1},
+        {"epoch": 1, "last_step": 2, "train_loss": 1.5, "val_loss": 0.5, "lr": 0.1},
         {
-            "epoch": 1,
+            "epoch": 2,
             "last_step": 4,
             "train_loss": 3.5,
             "val_loss": 0.25,

@@ -15,6 +15,7 @@ retry decision, the result, and what a storage holds.
 - ``summary``: the typed result, finalize.
 - ``time_account``: where the run's time went (goodput, restarts, stragglers, advice).
 - ``report``: what a person reads: the per-epoch table and the markdown summary.
+- ``epochs``: how epochs are numbered to a person (from 1), whatever the stored indexing.
 - ``catalog``: the runs a storage holds, read from their directories alone.
 
 May import: every other package of ``trainer_core``.

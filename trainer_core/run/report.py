@@ -8,21 +8,25 @@ from typing import Any
 
 from trainer_core import step_time
 from trainer_core.numbers import is_finite_number
+from trainer_core.run import epochs
 from trainer_core.run.summary import TrainingResult
 from trainer_core.spec.run_spec import RunSpec
 
 
-def epoch_table(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per epoch: mean training loss, the epoch-end validation metrics, last lr."""
-    epochs: dict[int, list[dict[str, Any]]] = {}
+def epoch_table(history: Sequence[dict[str, Any]], ray_loop: bool = False) -> list[dict[str, Any]]:
+    """One row per epoch, numbered from 1 (``run.epochs``; ``ray_loop``: the history is a loop
+    on Ray's API's, in its own numbering): mean training loss, the epoch-end validation
+    metrics, last lr."""
+    first = epochs.first_epoch(history, ray_loop)
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
     for row in history:
-        epochs.setdefault(int(row.get("epoch", 0)), []).append(row)
+        by_epoch.setdefault(int(row.get("epoch", first)), []).append(row)
     table = []
-    for epoch in sorted(epochs):
-        rows = epochs[epoch]
+    for epoch in sorted(by_epoch):
+        rows = by_epoch[epoch]
         losses = [r["loss"] for r in rows if is_finite_number(r.get("loss"))]
         entry: dict[str, Any] = {
-            "epoch": epoch,
+            "epoch": epochs.number(epoch, first),
             "last_step": rows[-1]["step"],
             "train_loss": round(sum(losses) / len(losses), 6) if losses else None,
         }

@@ -21,6 +21,7 @@ from trainer_core.checkpoint.retention import rank_by_metric
 from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory
 from trainer_core.errors import CheckpointCorruptError, SpecError
 from trainer_core.numbers import is_finite_number
+from trainer_core.run import epochs
 from trainer_core.run.attempts import AttemptRecord
 from trainer_core.run.attempts import read as read_attempts
 from trainer_core.run.time_account import TimeAccount, time_account
@@ -232,16 +233,14 @@ def user_loop_progress(
     """Where a user's own loop got: steps (its reports, or its ``step`` metric), epochs and
     final metrics. A completed run counts to its last report, checkpointed or not; an unfinished
     one to its newest checkpoint (a resume runs again what came after). Epochs from the loop's
-    own ``epoch`` metric (an index: + 1), 0 without one."""
+    own ``epoch`` metric, in the numbering it reports (``run.epochs``), 0 without one."""
     if status == "completed" and history:
         final = dict(history[-1])
     else:
         final = newest.metrics if newest else {}
     step = final.get("step")
-    epoch = final.get("epoch")
     done = int(step) if isinstance(step, int | float) and is_finite_number(step) else 0
-    epochs = int(epoch) + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
-    return done, epochs, final
+    return done, epochs.epochs_done(final, history), final
 
 
 def build_result(
