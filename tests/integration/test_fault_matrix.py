@@ -13,6 +13,7 @@ test_engine.py.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import psutil
 import pytest
 import yaml
 
+from flows import cli
 from flows.pytest_plugin import with_fault
 from flows.training import training
 from tests.conftest import ONE_WORKER, tiny_raw
@@ -40,25 +42,26 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(
-    ("case", "strategy", "in_place"),
+    ("case", "strategy", "in_place", "rank"),
     [
-        ("2 worker process SIGKILL (restarted in place, the default)", "ddp", None),
-        ("2p worker process SIGKILL, retries.in_place 0 (Prefect retry)", "ddp", 0),
+        # rank 0, the rank that relays the metrics: only its peer can say where it got
+        ("2 worker process SIGKILL (restarted in place, the default)", "ddp", None, 0),
+        ("2p worker process SIGKILL, retries.in_place 0 (Prefect retry)", "ddp", 0, 1),
         # FSDP on 2 gloo ranks ends bit-identical to the DDP reference (test_fsdp.py).
-        ("2f worker process SIGKILL, scaling.strategy fsdp", "fsdp", None),
+        ("2f worker process SIGKILL, scaling.strategy fsdp", "fsdp", None, 1),
     ],
 )
 def test_killed_worker_is_restarted_or_retried_and_exact(
-    relaytrain_prefect, uninterrupted, tmp_path, case, strategy, in_place
+    relaytrain_prefect, uninterrupted, tmp_path, capsys, case, strategy, in_place, rank
 ):
-    """Rank 1's process SIGKILLed at step 23."""
+    """The process of ``rank`` SIGKILLed as step 23 begins."""
     at_step = 23
     raw = tiny_raw(tmp_path, f"matrix-kill-{strategy}-{in_place}", scaling={"strategy": strategy})
     if in_place is not None:
         raw["retries"]["in_place"] = in_place
     if strategy == "fsdp":  # every commit marker kept, to read when each was written
         raw["checkpoint"]["keep_last"] = None
-    spec = with_fault(build_spec(raw), "kill", at_step, rank=1)
+    spec = with_fault(build_spec(raw), "kill", at_step, rank=rank)
     state = training(spec, return_state=True)
     assert state.is_completed(), state
     run_dir = run_dir_of(spec)
@@ -84,6 +87,17 @@ def test_killed_worker_is_restarted_or_retried_and_exact(
         assert restart["reason"] == "infrastructure", restart
         assert restart["resumed_from_step"] == committed and restart["last_step"] >= committed
         assert restart["world_size_before"] == restart["world_size_after"] == 2
+        # `relaytrain show` lists the restart under its attempt, with what it lost: the steps
+        # before the fault's that ran after the checkpoint resumed from
+        assert cli.main(["show", run_dir.uri]) == 0
+        shown = capsys.readouterr().out
+        lost = at_step - 1 - committed
+        assert re.search(
+            rf"^\s+1\.1\s+restarted in place\s+{committed}\s+{at_step - 1}\s+{lost}\s.*"
+            r"infrastructure: InfrastructureError: a training worker died",
+            shown,
+            re.MULTILINE,
+        ), shown
     else:
         assert [a["status"] for a in attempts] == ["failed", "completed"] and runs == 2
         assert attempts[0]["error_budget"] == "infrastructure"

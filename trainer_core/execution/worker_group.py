@@ -26,7 +26,7 @@ class Relay:
     group ended may reach the driver after the restart that ended it.
     """
 
-    #: Rank 0's relay in this worker process, for what ends its group from outside the
+    #: This worker process's relay (every rank's), for what ends its group from outside the
     #: training thread (``flush_before_shutdown``).
     of_this_process: Relay | None = None
 
@@ -37,13 +37,13 @@ class Relay:
         self.interval_s = interval_s
         self.rows: list[dict[str, Any]] = []
         self.last_push = 0.0
+        #: The worker group of the attempt this rank is in (``joined``).
         self.group = 0
         #: The last step this rank completed (the loop sets it): what it tells the driver when
         #: its group ends from outside (``flush_before_shutdown``).
         self.completed_step = 0
         self.lock = threading.Lock()  # the checkpoint thread sends too
-        if self.handle is not None:
-            Relay.of_this_process = self
+        Relay.of_this_process = self
 
     def send(self, kind: str, **payload: Any) -> None:
         if self.handle is None:
@@ -65,6 +65,11 @@ class Relay:
             return 0
         self.group = int(worker_api.ask(self.handle.begin_group))
         return self.group
+
+    def joined(self, group: int) -> None:
+        """The group number every rank agreed on (``begin_group``'s, shared): what this rank's
+        word of its last step names."""
+        self.group = group
 
     def tell_last_step(self, last_step: int, group: int) -> Any:
         """A failure ends this rank's group: tell the driver the last step it completed. Rank
@@ -92,7 +97,9 @@ class Relay:
     @classmethod
     def flush_before_shutdown(cls, wait_s: float = 2.0) -> None:
         """Ray ends this worker's group (another rank died, or the run is stopped) while the
-        training thread may still be computing: push the rows rank 0 holds, and wait up to
+        training thread may still be computing: push the rows rank 0 holds and, from every
+        rank, the last step it completed (when rank 0 is the one that died, its rows stop at its
+        last pushed window and only its peers know how far the group got), and wait up to
         ``wait_s`` for the driver's relay to have them, before Ray kills the process."""
         relay = cls.of_this_process
         if relay is None:

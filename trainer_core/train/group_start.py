@@ -25,6 +25,7 @@ def resume_candidates(
     group; after an in-place restart (the same attempt, no new plan) rank 0 scans again, for
     what the lost group committed, and tells the others."""
     group = int(all_reduce([float(relay.begin_group())])[0])
+    relay.joined(group)
     if group == 0:
         return group, list(config.candidates)
     found = [[c.step for c in reversed(run_dir.scan().committed)]]
