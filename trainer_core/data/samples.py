@@ -81,13 +81,24 @@ def build_dataset(path: str, kwargs: Mapping[str, Any], field: str) -> Any:
     return dataset
 
 
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The seed of sample ``index`` in ``epoch``: a 63-bit hash of the three (splitmix64)."""
-    mix = sample_order.splitmix64
-    value = np.array([seed], dtype=np.uint64)
+    """The seed of sample ``index`` in ``epoch``: a 63-bit hash of the three (splitmix64,
+    ``sample_order.splitmix64``'s, on Python ints: it runs before every sample, and numpy's
+    one-element arrays took 30 times as long)."""
+    value = seed
     for part in (epoch, index):
-        value = mix(value ^ mix(np.array([part], dtype=np.uint64)))
-    return int(value[0]) >> 1
+        value = _splitmix64(value ^ _splitmix64(part))
+    return value >> 1
+
+
+def _splitmix64(value: int) -> int:
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def seed_globals(value: int) -> None:
