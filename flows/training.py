@@ -7,11 +7,14 @@
 
 Runs under Prefect's embedded API, or against PREFECT_API_URL when set. Re-running with the
 same run name resumes from the newest committed checkpoint; a finished run returns its result.
+Ctrl-C stops the run, its Ray workers, the Ray cluster and the embedded server it started, and
+says what was kept and the command that resumes it (exit code 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from datetime import datetime
@@ -20,11 +23,14 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
+from flows.embedded_server import ServerStartError, embedded_server
 from tasks import Prepared, credentials, finalize, setup, train
 from tasks.setup import holding
+from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import SpecError
 from trainer_core.run import jobs
-from trainer_core.run.summary import TrainingResult
+from trainer_core.run.plan import canonical_storage_uri
+from trainer_core.run.summary import TrainingResult, committed_checkpoints
 from trainer_core.spec.overrides import load_spec
 from trainer_core.spec.run_spec import RunSpec
 
@@ -98,7 +104,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.training") 
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    state = training(spec, return_state=True)
+    try:
+        with embedded_server():
+            state = training(spec, return_state=True)
+    except ServerStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        given = list(sys.argv[1:] if argv is None else argv)
+        resume = [*prog.split(), *given, *([] if args.run_name else ["--run-name", name])]
+        print(interrupted(spec, shlex.join(resume)), file=sys.stderr)
+        return 130
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
         kind = type(error).__name__ if isinstance(error, BaseException) else state.type.value
@@ -110,6 +126,25 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.training") 
             f.write(result.model_dump_json(indent=2))
     print_summary(result)
     return 0
+
+
+def interrupted(spec: RunSpec, resume: str) -> str:
+    """The line a Ctrl-C'd run ends with: its run directory, the newest committed checkpoint
+    there (what the same command resumes from), and that command."""
+    name = spec.run.name or ""
+    run_dir = RunDirectory.of(canonical_storage_uri(spec.run.storage), name)
+    try:
+        found = committed_checkpoints(spec, run_dir) if run_dir.location.exists() else []
+    except Exception as e:  # storage unreachable: the command to resume is still the one
+        kept = f"its run directory {run_dir.location.uri} could not be read ({e})"
+    else:
+        kept = (
+            f"kept {run_dir.location.uri}, its newest committed checkpoint at step "
+            f"{found[-1].step} ({found[-1].uri})"
+            if found
+            else f"no checkpoint committed yet in {run_dir.location.uri}"
+        )
+    return f"interrupted: run {name}: {kept}; resume it with: {resume}"
 
 
 def print_summary(result: TrainingResult) -> None:
