@@ -156,6 +156,8 @@ class ProgressRelay:
                 self.reported_epochs.add(row.get("epoch"))
                 if any(k.startswith("val_") for k in row):
                     self._log_epoch(row)
+        elif kind == "resume_rng" and not event["exact"]:
+            self.logger.warning("resume not exact: %s", event.get("note"))
         elif kind == "finished":
             self.step = self.total_steps or self.step
             if event.get("stopped"):

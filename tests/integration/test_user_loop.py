@@ -72,7 +72,8 @@ def counting_loop(config: dict[str, Any]) -> None:
                 time.sleep(1)  # until Ray ends the group: rank 1 died meanwhile
         dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank 1 that died
         optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
+        # Dropout draws from torch's global RNG, which the loop's checkpoint does not save
+        loss = nn.functional.mse_loss(model(nn.functional.dropout(x, 0.5)), y)
         loss.backward()
         optimizer.step()
         metrics: dict[str, Any] = {
@@ -86,7 +87,9 @@ def counting_loop(config: dict[str, Any]) -> None:
         saved = rank == 0 and (epoch + 1) % config["checkpoint_every"] == 0
         if rank == 0:
             with open(config["log"], "a") as log:
+                weights = {k: v.tolist() for k, v in model.state_dict().items()}
                 line = {"epoch": epoch, "checkpoint": saved, "pid": os.getpid(), **metrics}
+                line["weights"] = weights  # after the epoch's step (floats round-trip JSON)
                 log.write(json.dumps(line) + "\n")
         with tempfile.TemporaryDirectory() as tmp:
             if saved:
@@ -258,6 +261,42 @@ def test_show_and_export_read_the_ray_checkpoints(faulted, tmp_path, capsys):
     assert_same_weights(torch.load(out, weights_only=True), saved)
 
 
+def twice_run_epochs(log: list[dict[str, Any]]) -> dict[int, tuple[dict, dict]]:
+    """The epochs the loop trained twice: the first time (uninterrupted since the start) and
+    the last (after a resume from an earlier checkpoint), by epoch."""
+    runs: dict[int, list[dict[str, Any]]] = {}
+    for line in log:
+        runs.setdefault(line["epoch"], []).append(line)
+    return {epoch: (lines[0], lines[-1]) for epoch, lines in runs.items() if len(lines) > 1}
+
+
+def assert_trained_alike(first: dict[str, Any], again: dict[str, Any]) -> None:
+    """The weights an epoch left, the first time and again, are the same tensors bit for bit."""
+    assert sorted(first["weights"]) == sorted(again["weights"])
+    for name, values in first["weights"].items():
+        same = torch.equal(torch.tensor(values), torch.tensor(again["weights"][name]))
+        assert same, f"epoch {first['epoch']}: {name} differs after the resume"
+    assert first["loss"] == again["loss"]
+
+
+def test_a_resumed_loop_with_dropout_trains_as_if_never_interrupted(faulted):
+    """The loop saves model, optimizer and epoch with its checkpoint, not its RNG (as Ray's
+    guide does), and its dropout draws from torch's RNG. The first attempt trained epochs 2 and
+    3 uninterrupted; the second trained them again from epoch 1's checkpoint: the same weights
+    each time, because relaytrain saved the RNG with the checkpoint and restored it."""
+    from trainer_core.checkpoint.run_directory import RunDirectory
+    from trainer_core.storage.uris import resolve
+
+    _, log, run_path = faulted
+    again = twice_run_epochs(log)
+    assert sorted(again) == [2, 3]
+    for first, second in again.values():
+        assert first["pid"] != second["pid"]  # two attempts' workers
+        assert_trained_alike(first, second)
+    attempts = RunDirectory(resolve(str(run_path))).read_attempts()
+    assert [a.get("resume_exact") for a in attempts] == [None, True]
+
+
 # -- finished, and continued ----------------------------------------------------------------------
 
 
@@ -328,6 +367,10 @@ def test_a_lost_peer_is_an_infrastructure_failure_and_the_work_it_cost_is_counte
     kept = final_timeline(log)
     assert [line["epoch"] for line in log] == [0, 1, 2, 2, 3, 4, 4, 5]  # epochs 3, 5: no work
     assert result.steps_completed == len(kept) and result.steps_computed == len(log)
+    # Epoch 2 trained again after the first restart, as the first group had trained it: rank
+    # 1's dropout reaches rank 0's weights through DDP's gradients, so both ranks' RNG resumed.
+    (first, second) = twice_run_epochs(log)[2]
+    assert_trained_alike(first, second)
 
 
 # -- the example ----------------------------------------------------------------------------------

@@ -15,6 +15,9 @@ from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, 
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 #: What relaytrain adds to each Ray checkpoint of a user's loop (``report_record``).
 REPORT_FILE = "relaytrain.json"
+#: ... and every rank's RNG states at that report (``train.loop_rng``): a resume restores
+#: them, so dropout and shuffling go on as if the run had not stopped.
+RNG_FILE = "relaytrain_rng.pt"
 #: The ``format`` of a user loop's Ray checkpoint as ``RunDirectory.ray_checkpoints`` describes
 #: it: the loop's own files, whatever they are.
 RAY_FORMAT = "ray.train/1"
@@ -67,7 +70,7 @@ def read_ray_checkpoint(run_dir: RunDirectory, name: str) -> CheckpointInfo | No
     files = {
         info.path[len(prefix) :]: {"size": info.size}
         for info in storage.walk_files(location)
-        if info.path.startswith(prefix) and info.base_name != REPORT_FILE
+        if info.path.startswith(prefix) and info.base_name not in (REPORT_FILE, RNG_FILE)
     }
     metrics = dict(record.get("metrics") or {})
     manifest: dict[str, Any] = {

@@ -141,10 +141,33 @@ def reports_through(make_hook: Callable[[Callable[..., Any]], Callable[..., Any]
     """``ray.train.report`` replaced, while the block runs, by ``make_hook(original)``; yields
     the hook. A user's loop imported inside the block gets it with ``from ray.train import
     report`` too."""
-    original = ray.train.report
+    with _replaced("report", make_hook) as hook:
+        yield hook
+
+
+@contextlib.contextmanager
+def checkpoint_reads_through(read: Callable[[Any], None]) -> Iterator[None]:
+    """``ray.train.get_checkpoint`` calling ``read(checkpoint)`` on what it returns, while the
+    block runs (as ``from ray.train import get_checkpoint`` inside it too)."""
+
+    def make_hook(original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            checkpoint = original(*args, **kwargs)
+            read(checkpoint)
+            return checkpoint
+
+        return get_checkpoint
+
+    with _replaced("get_checkpoint", make_hook):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(name: str, make_hook: Callable[[Callable[..., Any]], Any]) -> Iterator[Any]:
+    original = getattr(ray.train, name)
     hook = make_hook(original)
-    ray.train.report = hook
+    setattr(ray.train, name, hook)
     try:
         yield hook
     finally:
-        ray.train.report = original
+        setattr(ray.train, name, original)

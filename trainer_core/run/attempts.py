@@ -39,6 +39,10 @@ class AttemptRecord:
     #: What loading it cost: ``bytes_read`` from storage by the whole group, and the slowest
     #: rank's ``restore_s``.
     restore: dict[str, Any] | None = None
+    #: A user's Ray loop: whether each resume restored every rank's RNG as its checkpoint saved
+    #: it, so it trains on as the uninterrupted run would (None: no such resume), and why not.
+    resume_exact: bool | None = None
+    resume_note: str | None = None
     last_step: int | None = None
     #: When the workers last relayed progress (a metric row): a failure is noticed after it.
     last_progress_at: float | None = None

@@ -38,6 +38,10 @@ class LiveState:
     #: by count.
     began: int | None = None
     ended_by: dict[int, int] = field(default_factory=dict)
+    #: Whether a user Ray loop's resumes restored every rank's RNG as the checkpoint saved
+    #: it (None: no resume of such a loop, or it did not say), and why not (the first why).
+    resume_exact: bool | None = None
+    resume_note: str | None = None
 
     def outcome(self) -> dict[str, Any]:
         """What an ended attempt's record says of its workers, failed or completed."""
@@ -49,6 +53,8 @@ class LiveState:
             "restarts": self.restarts,
             "world_size": self.world_size,
             "peak_worker_rss_mb": self.peak_worker_rss_mb,
+            "resume_exact": self.resume_exact,
+            "resume_note": self.resume_note,
         }
 
     def apply(self, event: dict[str, Any]) -> bool:
@@ -105,8 +111,18 @@ class LiveState:
             self.resumed_at = event.get("time")
         elif kind == "checkpoint":
             self.checkpoint_uri = event.get("checkpoint_uri")
+        elif kind == "resume_rng":
+            self._resume_rng(event)
         elif kind == "finished":
             self.timings = dict(event.get("timings") or {})
+
+    def _resume_rng(self, event: dict[str, Any]) -> None:
+        """A resumed worker group's word on its RNG (a user's Ray loop): exact or why not."""
+        exact = bool(event["exact"])
+        self.resume_exact = exact if self.resume_exact is None else self.resume_exact and exact
+        self.resume_note = self.resume_note or event.get("note")
+        if event.get("group") and self.restarts:
+            self.restarts[-1]["resume_exact"] = exact
 
     def _restarting(self, event: dict[str, Any]) -> None:
         """The worker group ended and Ray Train restarts it in place: a restart to record."""

@@ -192,6 +192,9 @@ def attempt_rows(result: TrainingResult) -> list[dict[str, str]]:
             error = f"{a.error_class}: {_one_line(a.error_message, 70)}"
             if a.retry_decision:
                 error += f": {_one_line(a.retry_decision, 60)}"
+        if a.resume_exact is False:  # the rest of the note is in the log and attempts.jsonl
+            note = f"resume not exact: {_one_line(a.resume_note, 100)}"
+            error = f"{error}; {note}" if error else note
         rows.append(
             _attempt_row(
                 str(a.attempt),

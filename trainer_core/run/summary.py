@@ -82,6 +82,10 @@ class AttemptSummary(_Frozen):
     #: checkpoint or its end.
     world_size: int | None = None
     peak_worker_rss_mb: float | None = None
+    #: A user's Ray loop: whether its resume restored every rank's RNG as the checkpoint saved
+    #: it (None: no such resume), and why not.
+    resume_exact: bool | None = None
+    resume_note: str | None = None
 
 
 class TrainingResult(_Frozen):
@@ -155,6 +159,8 @@ def attempt_summaries(records: Sequence[AttemptRecord]) -> list[AttemptSummary]:
                 restarts=[_restart(r) for r in record.restarts],
                 world_size=record.world_size,
                 peak_worker_rss_mb=record.peak_worker_rss_mb,
+                resume_exact=record.resume_exact,
+                resume_note=record.resume_note,
             )
         )
     return summaries

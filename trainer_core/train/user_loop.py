@@ -26,6 +26,7 @@ from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import workloads
 from trainer_core.train.failure import worker_error
 from trainer_core.train.faults import Faults
+from trainer_core.train.loop_rng import LoopRng
 
 logger = logging.getLogger("relaytrain.user_loop")
 
@@ -36,7 +37,8 @@ class ReportHook:
     Reports are numbered across the run's attempts: a resumed attempt goes on from the number
     its checkpoint's report record holds (``resume``). Each report's history key (``step``) is
     its ``step`` metric, else that number; a checkpoint the loop passes gets the record
-    (``ray_checkpoints.REPORT_FILE``) before Ray uploads it. Faults fire at the run's N-th report.
+    (``ray_checkpoints.REPORT_FILE``) before Ray uploads it, and the lowest such rank's gets
+    every rank's RNG states (``loop_rng``). Faults fire at the run's N-th report.
     """
 
     def __init__(self, config: WorkerConfig, original: Callable[..., Any]):
@@ -53,6 +55,10 @@ class ReportHook:
         self.step = 0
         self.step_known = False
         self.unsaved: list[dict[str, Any]] = []
+        self.rng = LoopRng(self.rank, worker_api.rank_and_world_size()[1], self._tell_rng)
+
+    def _tell_rng(self, exact: bool, note: str | None) -> None:
+        self.relay.send("resume_rng", exact=exact, note=note, group=self.faults.group)
 
     def resume(self, record: dict[str, Any] | None) -> None:
         """Go on counting from the report record of the checkpoint Ray resumed the loop from."""
@@ -77,6 +83,7 @@ class ReportHook:
         row.update(step=step, attempt=self.config.attempt, time=time.time())
         self.unsaved.append(row)
         checkpoint = kwargs.get("checkpoint") or (args[0] if args else None)
+        self.rng.save(checkpoint)  # every rank: a collective
         if checkpoint is not None:
             self._add_record(checkpoint, step, row)
             self.flush()  # the rows up to this report, before Ray registers its checkpoint
@@ -124,9 +131,13 @@ def user_train_loop(config: dict[str, Any]) -> None:
     worker_config = WorkerConfig.from_dict(config)
     spec = RunSpec.model_validate(worker_config.spec)
     assert spec.train_loop is not None
-    with worker_api.reports_through(lambda report: ReportHook(worker_config, report)) as hook:
+    with (
+        worker_api.reports_through(lambda report: ReportHook(worker_config, report)) as hook,
+        worker_api.checkpoint_reads_through(hook.rng.restore),
+    ):
         fn = workloads.resolve_train_loop(spec.train_loop)
         group = _start(hook)
+        hook.rng.armed = True  # the loop's own reads of its checkpoint restore its RNG
         try:
             workloads.call_train_loop(fn, spec.train_loop_config)
         except Exception as e:
@@ -167,6 +178,7 @@ def _start(hook: ReportHook) -> int:
         return int(group)
     record = read_report_record(hook.run_dir, posixpath.basename(resumed.rstrip("/")))
     hook.resume(record)
+    hook.rng.resumed_from = resumed
     hook.relay.send(
         "resumed",
         checkpoint_uri=resumed,
