@@ -156,6 +156,9 @@ class ProgressRelay:
                 self.reported_epochs.add(row.get("epoch"))
                 if any(k.startswith("val_") for k in row):
                     self._log_epoch(row)
+        elif kind == "output":  # what a rank of a user's Ray loop printed
+            for line in event["lines"]:
+                self.logger.info("[rank %s] %s", event["rank"], line)
         elif kind == "resume_rng" and not event["exact"]:
             self.logger.warning("resume not exact: %s", event.get("note"))
         elif kind == "finished":
@@ -221,6 +224,17 @@ def _decide(
     return decision
 
 
+def worker_traceback(error: BaseException) -> str:
+    """The whole traceback of the training code's failure, as its worker formatted it (the
+    user's own frames; Ray's snippet of it is cut short), for the attempt's log line."""
+    text = getattr(error, "traceback", None)
+    if not text:
+        return ""
+    rank = getattr(error, "rank", None)
+    where = "" if rank is None else f" on rank {rank}"
+    return f"\nThe training code's traceback{where}:\n{text.rstrip()}"
+
+
 @task(name="train", cache_policy=NO_CACHE, retry_condition_fn=should_retry)
 def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
     """Run one attempt (resuming from the newest committed checkpoint); classify a failure."""
@@ -258,7 +272,11 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
                 tracker.attempt_ended()
             error.retry_decision = decision  # type: ignore[attr-defined]
             logger.error(
-                "attempt failed with %s: %s. %s", type(error).__name__, error, decision.reason
+                "attempt failed with %s: %s. %s%s",
+                type(error).__name__,
+                error,
+                decision.reason,
+                worker_traceback(error),
             )
             raise
         finally:  # however the attempt ended: where it got to (its thread ends too)

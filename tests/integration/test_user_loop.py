@@ -104,6 +104,26 @@ def counting_loop(config: dict[str, Any]) -> None:
             )
 
 
+def loud_failing_loop(config: dict[str, Any]) -> None:
+    """Each rank prints ``config["marker"]`` and reports once; then rank 1 fails two calls deep
+    in a function of its own (``_read_sample``)."""
+    import ray.train
+
+    rank = ray.train.get_context().get_world_rank()
+    print(f"{config['marker']} from the loop")
+    ray.train.report({"loss": 1.0})
+    if rank == 1:
+        _prepare_batch(rank)
+
+
+def _prepare_batch(rank: int) -> int:
+    return _read_sample(rank) + 1
+
+
+def _read_sample(rank: int) -> int:
+    raise ValueError(f"no sample for rank {rank}")
+
+
 def registered(run_dir: Path, count: int) -> None:
     """Wait until Ray Train's snapshot lists ``count`` checkpoints of the run (all are kept):
     its controller registers a reported checkpoint when it next polls the workers, and a group
@@ -371,6 +391,39 @@ def test_a_lost_peer_is_an_infrastructure_failure_and_the_work_it_cost_is_counte
     # 1's dropout reaches rank 0's weights through DDP's gradients, so both ranks' RNG resumed.
     (first, second) = twice_run_epochs(log)[2]
     assert_trained_alike(first, second)
+
+
+# -- what the loop says, and where it failed ------------------------------------------------------
+
+
+def test_the_loops_output_and_its_failures_traceback_reach_the_flows_log(
+    relaytrain_ray, relaytrain_prefect, tmp_path
+):
+    """What each rank prints reaches the flow's log, prefixed by its rank; the failure of rank
+    1 names the function of the loop's own that raised, and its file."""
+    from flows.training import training
+    from tests.prefect_api import logs
+    from trainer_core.spec.overrides import build_spec
+
+    marker = f"marker-{os.getpid()}-{time.time_ns()}"
+    spec = build_spec(
+        {
+            "run": {"name": "loud", "storage": str(tmp_path)},
+            "scaling": {"num_workers": 2},
+            "train_loop": "tests.integration.test_user_loop:loud_failing_loop",
+            "train_loop_config": {"marker": marker},
+            "retries": {"code": 0, "delay_s": 0, "jitter": 0},
+        }
+    )
+    state = training(spec, return_state=True)
+    assert state.is_failed(), state
+    lines = logs(state.state_details.flow_run_id)
+    printed = sorted(line for line in lines if marker in line)
+    assert printed == [f"[rank 0] {marker} from the loop", f"[rank 1] {marker} from the loop"]
+    failure = next(line for line in lines if line.startswith("attempt failed with"))
+    assert "ValueError: no sample for rank 1" in failure, failure
+    for frame in ("loud_failing_loop", "_prepare_batch", "_read_sample"):  # outermost first
+        assert f'{__file__}", line' in failure and f"in {frame}\n" in failure, failure
 
 
 # -- the example ----------------------------------------------------------------------------------

@@ -88,6 +88,26 @@ class Relay:
             }
         )
 
+    def tell_output(self, stream: str, lines: list[str], wait_s: float | None = None) -> None:
+        """Lines this rank's loop wrote to ``stream`` ("stdout", "stderr"), for the driver to
+        log under the rank's name; ``wait_s``: wait up to that long for the driver's relay to
+        have them (the last lines, before an error ends the worker)."""
+        if self.driver is None or not lines:
+            return
+        pushed = self.driver.push.remote(
+            {
+                "kind": "output",
+                "time": time.time(),
+                "rank": self.rank,
+                "stream": stream,
+                "lines": lines,
+            }
+        )
+        if wait_s is not None:
+            import ray
+
+            ray.wait([pushed], timeout=wait_s)
+
     def flush(self) -> None:
         """Push buffered rows now (before an error ends the worker)."""
         if self.handle is not None:

@@ -24,6 +24,10 @@ logger = logging.getLogger("relaytrain.attempts")
 Status = Literal["running", "failed", "completed"]
 
 
+#: The most of a failure's traceback an attempt record keeps.
+TRACEBACK_CHARS = 20_000
+
+
 @dataclass(frozen=True)
 class AttemptRecord:
     attempt: int
@@ -57,6 +61,9 @@ class AttemptRecord:
     error_message: str | None = None
     error_step: int | None = None
     error_type: str | None = None
+    #: The training code's whole traceback, as its worker formatted it (its end, at most
+    #: ``TRACEBACK_CHARS``: the frame that raised is last).
+    error_traceback: str | None = None
     #: True when the failure will repeat on retry (a NaN loss).
     deterministic: bool = False
     retry_decision: str | None = None
@@ -98,6 +105,7 @@ class AttemptRecord:
             error_message=str(error)[:2000],
             error_step=getattr(error, "step", None),
             error_type=getattr(error, "error_type", None),
+            error_traceback=(getattr(error, "traceback", None) or "")[-TRACEBACK_CHARS:] or None,
             deterministic=getattr(error, "deterministic", False),
         )
 

@@ -27,6 +27,7 @@ from trainer_core.train import workloads
 from trainer_core.train.failure import worker_error
 from trainer_core.train.faults import Faults
 from trainer_core.train.loop_rng import LoopRng
+from trainer_core.train.rank_output import rank_output
 
 logger = logging.getLogger("relaytrain.user_loop")
 
@@ -134,6 +135,7 @@ def user_train_loop(config: dict[str, Any]) -> None:
     with (
         worker_api.reports_through(lambda report: ReportHook(worker_config, report)) as hook,
         worker_api.checkpoint_reads_through(hook.rng.restore),
+        rank_output(hook.relay),  # what the loop prints, to the driver's log
     ):
         fn = workloads.resolve_train_loop(spec.train_loop)
         group = _start(hook)
