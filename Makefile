@@ -38,9 +38,9 @@ test: $(STAMP) system lint
 run: $(STAMP)
 	$(VENV)/bin/relaytrain run --config examples/digits_cnn.yaml
 
-# Every benchmark in full, one process tree each (bench/README.md; about 100 min on 2 cores: run it
+# Every benchmark in full, one process tree each (bench/README.md; about 105 min on 2 cores: run it
 # on a quiet machine), then the tables of bench/README.md. BENCH_ARGS goes to each benchmark.
-BENCHMARKS := overhead recovery checkpoints fsdp_checkpoints restore reporting scaling memory precision data elastic workloads queue
+BENCHMARKS := overhead recovery checkpoints fsdp_checkpoints restore reporting scaling memory precision data elastic workloads datasets queue
 bench: $(STAMP)
 	status=0; for name in $(BENCHMARKS); do \
 		$(PY) -m bench.$$name $(BENCH_ARGS) || status=1; \

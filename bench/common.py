@@ -49,6 +49,8 @@ BENCHMARKS = (
     "precision",
     "data",
     "elastic",
+    "workloads",
+    "datasets",
     "queue",
     "chaos",
 )
