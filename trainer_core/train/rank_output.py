@@ -87,6 +87,10 @@ class RankOutput(io.TextIOBase):
     def encoding(self) -> str:  # type: ignore[override]
         return str(getattr(self.stream, "encoding", "utf-8"))
 
+    @property
+    def buffer(self) -> Any:  # bytes written to it stay in the worker's log
+        return self.stream.buffer
+
     def isatty(self) -> bool:
         return False
 
