@@ -214,7 +214,9 @@ def test_a_second_pass_over_batches_is_refused_and_spends_no_retry(relaytrain_ra
     )
     del raw["model"]
     spec = build_spec(raw)
-    with pytest.raises(SpecError, match=r"batches\(\) was called a second time") as raised:
+    with pytest.raises(
+        SpecError, match=r"batches\(\) was called after batches\(\) or epochs\(\) began a pass"
+    ) as raised:
         run_attempt(spec)
     assert raised.value.field == "train_loop"
     run_dir = run_dir_of(spec)

@@ -268,8 +268,9 @@ class OwnLoop:
             )
         if self._batches_called:
             raise _misuse(
-                f"{what} after batches() or epochs(): one of them already hands out every batch "
-                "from the cursor to the end of the run's last epoch, so a second pass would "
+                f"{what} was called after batches() or epochs() began a pass: either hands "
+                "out every batch from the cursor to the end of the run's last epoch, so a second "
+                "pass would "
                 "train the run again. Iterate over one of them for the whole run (epoch and "
                 "end_of_epoch say where each batch lies)"
             )
