@@ -276,3 +276,20 @@ def test_fsdp_strategy_and_what_it_refuses(tmp_path):
     with pytest.raises(SpecError, match=r"set scaling\.strategy fsdp") as error:
         build_spec(tiny_raw(tmp_path, "f"), ["scaling.shard_fn=tests.own_functions:shard"])
     assert error.value.field == "scaling.shard_fn"
+
+
+#: The fingerprints run.json recorded for these examples under the release before the Dataset
+#: form (08b6a34, computed there): a run made then must resume under this one.
+EARLIER_FINGERPRINTS = {
+    "digits_cnn": "c92bd2ea398079548d6f44b642ec813bf95fbba39a92dca8dc38189a68ea396c",
+    "lm_gpt": "f34b1305dce9f4a8d6d83637514a740a0f20e214d315ceb8d83e11612e883f7c",
+    "own_loop": "b421ea1ab3914ba44ebba8d806bee35f68d6e9a316c399fe463b96d14385533c",
+}
+
+
+@pytest.mark.parametrize("example", sorted(EARLIER_FINGERPRINTS))
+def test_a_run_made_before_the_dataset_form_keeps_its_identity(example):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = load_spec(f"examples/{example}.yaml")
+    assert spec.fingerprint() == EARLIER_FINGERPRINTS[example]

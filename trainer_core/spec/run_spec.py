@@ -362,9 +362,14 @@ class RunSpec(_Section):
 
     def identity(self) -> dict[str, Any]:
         """The parts a resumed run must share with the run that wrote its checkpoints."""
-        # How a worker reads (memory, read-ahead) does not change what it reads.
-        read = {"prefetch", "memory_mb"}
+        # How a worker reads (memory, read-ahead, loader processes) does not change what it
+        # reads; the test set is evaluated after training, on no step of it.
+        read = {"prefetch", "memory_mb", "loader_workers", "test", "test_kwargs"}
         data = self.data.resolved().model_dump(exclude=read) if self.data else None
+        if data is not None:  # the Dataset form's keys, absent from runs made before it
+            for key in DATASET_FORM_KEYS:
+                if not data[key]:
+                    del data[key]
         identity = {
             "model": self.model.model_dump() if self.model else None,
             "data": data,
@@ -387,6 +392,11 @@ class RunSpec(_Section):
         """sha256 of the spec's identity (what must not change across a run's attempts)."""
         canonical = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+#: The Dataset form's keys (2026-12-04) that change what a run trains on: in a run's identity
+#: only when given, so a run made before them resumes under this release.
+DATASET_FORM_KEYS = ("kwargs", "validation", "validation_kwargs")
 
 
 # -- building a spec at the edge -----------------------------------------------------------
