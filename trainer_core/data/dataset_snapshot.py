@@ -121,6 +121,13 @@ def recorded_fingerprint(record: dict[str, Any]) -> str:
     an edited file list has another); of a Ray loop's ``tables_to_json``, of every table's."""
     if record.get("kind") == "torch_dataset":  # the Dataset form's: its sets' lengths
         return samples.lengths_record_fingerprint(record)
+    if "held" in record:  # the training files' and each held-out set's
+        return _tables_fingerprint(
+            {
+                "train": _fingerprint(footers.DataFile(**f) for f in record["files"]),
+                **{name: recorded_fingerprint(held) for name, held in record["held"].items()},
+            }
+        )
     if "datasets" in record:
         return _tables_fingerprint(
             {name: recorded_fingerprint(table) for name, table in record["datasets"].items()}
@@ -147,6 +154,15 @@ def tables_to_json(layouts: dict[str, footers.Layout]) -> dict[str, Any]:
         "datasets": tables,
         "fingerprint": _tables_fingerprint({n: t["fingerprint"] for n, t in tables.items()}),
     }
+
+
+def with_held(record: dict[str, Any], held: dict[str, footers.Layout]) -> dict[str, Any]:
+    """The training set's snapshot with its held-out sets' (``data.validation``,
+    ``data.test``: ``held_out``), and a fingerprint of them all."""
+    if not held:
+        return record
+    combined = {**record, "held": {name: to_json(layout) for name, layout in held.items()}}
+    return {**combined, "fingerprint": recorded_fingerprint(combined)}
 
 
 def table_record(record: dict[str, Any], source: Source) -> dict[str, Any]:

@@ -47,6 +47,9 @@ class RankStream:
         self.slice = sample_order.rank_slice(self.data.batch_size, world_size, rank)
         #: This rank's mean loss times this: DDP's average is then the global batch's mean.
         self.weight = sample_order.rank_weight(self.data.batch_size, world_size, rank)
+        #: The stream of a validation set of its own (``data.validation``: every row of it
+        #: held out), which ``validation`` reads instead of this one's held-out rows.
+        self.held: RankStream | None = None
 
     def order(self, epoch: int) -> sample_order.EpochOrder:
         return sample_order.epoch_order(
@@ -97,6 +100,9 @@ class RankStream:
 
     def validation_with_ids(self, chunk: int = 256) -> Iterator[tuple[np.ndarray, Any]]:
         """``validation``'s chunks with their rows' ids."""
+        if self.held is not None:
+            yield from self.held.validation_with_ids(chunk)
+            return
         groups = self.reader.layout.row_groups
         counts = [g.rows - kept for g, kept in zip(groups, self.train_counts, strict=True)]
         total, world = sum(counts), self.world_size
@@ -165,3 +171,5 @@ class Epochs:
             self.current.close()
             self.current = None
         self.stream.reader.close()
+        if self.stream.held is not None:
+            self.stream.held.reader.close()

@@ -154,7 +154,7 @@ class Reader:
         self.layout = layout
         self.data = data.resolved()
         self.seed = seed
-        self.fraction = self.data.validation_fraction
+        self.fraction = self.data.split_fraction
         self.cache_rows = cache_rows
         largest = max((g.rows for g in layout.row_groups), default=1)
         self.files = RowGroupFiles(layout, self.data)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,15 @@ import torch
 from trainer_core.checkpoint import optimizers
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import dataset_snapshot, footers, rank_stream, row_slices, samples, stream
+from trainer_core.data import (
+    dataset_snapshot,
+    footers,
+    held_out,
+    rank_stream,
+    row_slices,
+    samples,
+    stream,
+)
 from trainer_core.data.table_rows import TableRows
 from trainer_core.errors import SpecError
 from trainer_core.run.plan import Plan, plan_attempt, run_directory
@@ -48,6 +56,8 @@ class PinnedDataset:
     info: data_mod.DatasetInfo
     record: dict[str, Any] | None
     added: list[str]
+    #: The held-out sets' layouts (``data.validation``, ``data.test`` as Parquet), by name.
+    held: dict[str, footers.Layout] = field(default_factory=dict)
 
     def for_workers(self) -> dict[str, Any] | None:
         """What every rank builds its stream from, with no listing or footer read of its own."""
@@ -108,8 +118,17 @@ def pin_dataset(
         return pin_samples(spec, stored)
     source = dataset_snapshot.Source.of(data)
     layout, added = dataset_snapshot.pin(source, stored, lambda: footers.scan(data))
+    held = {}
+    for name in held_out.held_names(data):  # data.validation, data.test: pinned alike
+        view = held_out.held_view(data, name)
+        pinned_then = ((stored or {}).get("held") or {}).get(name)
+        held[name], _ = dataset_snapshot.pin(
+            held_out.source(data, name), pinned_then, functools.partial(footers.scan, view)
+        )
     record = dataset_snapshot.to_json(layout) if layout.files else None
-    return PinnedDataset(layout, stream.describe(layout, data), record, added)
+    if record is not None:
+        record = dataset_snapshot.with_held(record, held)
+    return PinnedDataset(layout, stream.describe(layout, data), record, added, held)
 
 
 @dataclass(frozen=True)

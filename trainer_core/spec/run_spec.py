@@ -228,7 +228,7 @@ class RunSpec(_Section):
         """The metrics the built-in loop records with every checkpoint (best_metric candidates)."""
         assert self.data is not None
         data = self.data.resolved()
-        if data.validation_fraction == 0:
+        if data.validation is None and data.validation_fraction == 0:
             return ["loss"]
         return [
             "loss",

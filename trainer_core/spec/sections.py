@@ -218,14 +218,15 @@ class DataSection(_Section):
     dataset: str
     #: The Dataset form: keyword arguments of ``data.dataset``'s function.
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    #: The Dataset form: the validation set, a function like ``data.dataset`` (called with
-    #: ``data.validation_kwargs``). None: ``data.validation_fraction`` of the training set's
-    #: indices, by hash, as the Parquet forms split their rows.
+    #: The validation set: a Parquet path or URI (the Parquet forms: every row of it, in the
+    #: training set's columns), or for the Dataset form a function like ``data.dataset``
+    #: (called with ``data.validation_kwargs``). None: ``data.validation_fraction`` of the
+    #: training set's rows (indices), by hash.
     validation: str | None = None
     validation_kwargs: dict[str, Any] = Field(default_factory=dict)
-    #: The Dataset form: the test set, a function like ``data.dataset`` (called with
-    #: ``data.test_kwargs``), evaluated once, when the run completes, on the best checkpoint:
-    #: its figures are the result's ``test_metrics`` (``test_loss``, ...).
+    #: The test set, as ``data.validation`` is given, evaluated once, when the run completes,
+    #: on the best checkpoint: its figures are the result's ``test_metrics`` (``test_loss``,
+    #: ...).
     test: str | None = None
     test_kwargs: dict[str, Any] = Field(default_factory=dict)
     #: The Dataset form: torch ``DataLoader`` worker processes per training worker (0: in the
@@ -306,11 +307,16 @@ class DataSection(_Section):
     @field_validator("validation", "test")
     @classmethod
     def _held_sets(cls, value: str | None, info: Any) -> str | None:
-        return import_path(
-            value,
-            f"data.{info.field_name}",
-            f"a function returning the {info.field_name} set's torch Dataset",
-        )
+        """A function (the Dataset form) or a Parquet path or URI (the Parquet forms)."""
+        if value is None or is_dataset_function(value):
+            return value
+        kind = not_parquet_format(value)
+        if kind:
+            raise ValueError(
+                f"data.{info.field_name} {value!r} is a {kind} file, not Parquet: name a "
+                "Parquet file or directory (or, with a torch Dataset, a function returning one)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _builtin_defaults(self) -> DataSection:
@@ -318,15 +324,17 @@ class DataSection(_Section):
             self._check_dataset_form()
             return self
         dataset_only = [
-            k
-            for k in ("kwargs", "validation", "validation_kwargs", "test", "test_kwargs")
-            if getattr(self, k)
+            k for k in ("kwargs", "validation_kwargs", "test_kwargs") if getattr(self, k)
+        ]
+        dataset_only += [
+            k for k in ("validation", "test") if is_dataset_function(getattr(self, k) or "")
         ]
         if dataset_only:
             raise SpecError(
                 f"data.{dataset_only[0]} belongs to the Dataset form, but data.dataset "
                 f"{self.dataset!r} is not a function: name one returning a torch Dataset "
-                "('package.module:function')",
+                "('package.module:function'), or give data.validation and data.test as Parquet "
+                "paths",
                 field=f"data.{dataset_only[0]}",
             )
         if self.columns is not None:
@@ -390,12 +398,26 @@ class DataSection(_Section):
                 field=f"data.{other[0]}",
             )
         for held in ("validation", "test"):
+            given = getattr(self, held)
+            if given is not None and not is_dataset_function(given):
+                raise SpecError(
+                    f"data.{held} {given!r} is a Parquet path, but data.dataset "
+                    f"{self.dataset!r} is a torch Dataset's function: name a function "
+                    f"returning the {held} set's Dataset ('package.module:function')",
+                    field=f"data.{held}",
+                )
             if getattr(self, f"{held}_kwargs") and getattr(self, held) is None:
                 raise SpecError(
                     f"data.{held}_kwargs is set but data.{held} is not: name the function "
                     f"that returns the {held} set",
                     field=f"data.{held}_kwargs",
                 )
+
+    @property
+    def split_fraction(self) -> float:
+        """The share of the training set's rows (indices) held out by hash for validation: none
+        when data.validation names a validation set of its own."""
+        return 0.0 if self.validation is not None else self.validation_fraction
 
     @property
     def torch_dataset(self) -> bool:

@@ -14,7 +14,7 @@ from torch import nn
 
 from trainer_core.checkpoint.exports import read_model_weights
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import footers, rank_stream, samples, stream
+from trainer_core.data import footers, held_out, rank_stream, samples, stream
 from trainer_core.data.sample_loader import RankSamples, held_batches
 from trainer_core.data.transform import Batches
 from trainer_core.errors import SpecError
@@ -46,6 +46,14 @@ def holdout(spec: RunSpec) -> Any:
     data = spec.data.resolved()
     if data.torch_dataset:
         return _held_samples(spec)
+    if data.validation is not None:  # a validation set of its own: every row of it
+        data = held_out.held_view(data, "validation")
+    return _held_rows(spec, data)
+
+
+def _held_rows(spec: RunSpec, data: Any) -> Any:
+    """The held-out rows of ``data`` (a held-out set's view: all of them), as ``holdout``
+    gives them."""
     layout = footers.scan(data)
     stream_ = rank_stream.RankStream(layout, data, spec.run.seed, 1, 0)
     parts: list[Any]
@@ -99,6 +107,10 @@ def test_metrics(spec: RunSpec, checkpoint_uri: str) -> dict[str, float]:
     validation measures (``test_loss``, ``test_accuracy``, the spec's metrics as
     ``test_<name>``), over every test sample, in this process."""
     assert spec.data is not None and spec.data.test is not None
+    if not spec.data.torch_dataset:  # a Parquet test set: every row of it
+        rows = _held_rows(spec, held_out.held_view(spec.data, "test"))
+        measured = evaluate(spec, checkpoint_uri, rows)
+        return {"test_" + name.removeprefix("val_"): value for name, value in measured.items()}
     data = spec.data.model_copy(update={"loader_workers": 0})
     dataset = samples.build_dataset(spec.data.test, data.test_kwargs, "data.test")
     batches = held_batches(

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.data import arrays as data_mod
-from trainer_core.data import dataset_snapshot, footers, rank_stream, samples, stream
+from trainer_core.data import dataset_snapshot, footers, held_out, rank_stream, samples, stream
 from trainer_core.data.sample_loader import RankSamples
 from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.execution.worker_group import Relay, all_reduce
@@ -47,13 +47,24 @@ def rank_data(
 ) -> tuple[rank_stream.RankStream, data_mod.DatasetInfo]:
     """This rank's stream of the run's dataset snapshot (``seed``: the run's), as the driver
     pinned it (no rank lists the dataset), and the dataset's info."""
-    if config.dataset is not None:
-        layout = dataset_snapshot.from_json(config.dataset["snapshot"], data_spec)
-        info = data_mod.DatasetInfo(**config.dataset["info"])
+    snapshot = config.dataset["snapshot"] if config.dataset is not None else None
+    if snapshot is not None:
+        layout = dataset_snapshot.from_json(snapshot, data_spec)
+        info = data_mod.DatasetInfo(**config.dataset["info"])  # type: ignore[index]
     else:  # generated data
         layout = footers.scan(data_spec)
         info = stream.describe(layout, data_spec)
-    return rank_stream.RankStream(layout, data_spec, seed, world_size, rank), info
+    ranks = rank_stream.RankStream(layout, data_spec, seed, world_size, rank)
+    if data_spec.validation is not None:  # a validation set of its own, pinned alike
+        view = held_out.held_view(data_spec, "validation")
+        pinned = ((snapshot or {}).get("held") or {}).get("validation")
+        held = (
+            dataset_snapshot.from_json(pinned, held_out.source(data_spec, "validation"))
+            if pinned is not None
+            else footers.scan(view)
+        )
+        ranks.held = rank_stream.RankStream(held, view, seed, world_size, rank)
+    return ranks, info
 
 
 def rank_samples(
