@@ -73,15 +73,17 @@ def hf_samples(length: int = 60) -> Any:
     table = datasets.Dataset.from_dict(
         {"features": [r[0].tolist() for r in rows], "labels": [r[1] for r in rows]}
     )
+    return table.with_transform(hf_augment)
 
-    def augment(batch: dict[str, list[Any]]) -> dict[str, Any]:
-        features = torch.tensor(batch["features"])
-        return {
-            "features": features + 0.05 * torch.randn(features.shape),
-            "labels": torch.tensor(batch["labels"]),
-        }
 
-    return table.with_transform(augment)
+def hf_augment(batch: dict[str, list[Any]]) -> dict[str, Any]:
+    """``hf_samples``' transform (at module level: the loader processes are spawned, and
+    unpickle it by name)."""
+    features = torch.tensor(batch["features"])
+    return {
+        "features": features + 0.05 * torch.randn(features.shape),
+        "labels": torch.tensor(batch["labels"]),
+    }
 
 
 class Stream(IterableDataset):
@@ -178,6 +180,7 @@ def own_loop(config: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model = run.setup(model, optimizer)
     dataset = Augmented(config["length"])
+    print(f"own loop on rank {run.rank} starts at step {run.step}")
     for _epoch in run.epochs():
         loader = run.dataloader(dataset, batch_size=10, num_workers=2, collate_fn=default_collate)
         for batch in loader:
