@@ -37,8 +37,15 @@ class DDPSection(_Section):
     static_graph: bool = False
 
     def kwargs(self) -> dict[str, bool]:
-        """What ``DistributedDataParallel`` is given."""
-        return {key: getattr(self, key) for key in type(self).model_fields}
+        """What ``DistributedDataParallel`` is given: the options set otherwise than its
+        defaults (torch 2.13 warns, on every rank, when ``broadcast_buffers`` is passed at
+        all)."""
+        default = DDPSection()
+        return {
+            key: getattr(self, key)
+            for key in type(self).model_fields
+            if getattr(self, key) != getattr(default, key)
+        }
 
     def changed(self) -> list[str]:
         """The options that differ from DDP's defaults, as ``scaling.ddp.<key>``."""
