@@ -156,7 +156,7 @@ class ProgressRelay:
                 self.reported_epochs.add(row.get("epoch"))
                 if any(k.startswith("val_") for k in row):
                     self._log_epoch(row)
-        elif kind == "output":  # what a rank of a user's Ray loop printed
+        elif kind == "output":  # what a rank's training code printed
             for line in event["lines"]:
                 self.logger.info("[rank %s] %s", event["rank"], line)
         elif kind == "resume_rng" and not event["exact"]:

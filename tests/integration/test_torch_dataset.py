@@ -154,7 +154,10 @@ def test_an_own_loop_per_epoch_on_its_own_dataset_resumes_on_the_same_samples(
     with pytest.raises(TrainingCodeError):
         run_attempt(spec)
     kept = recorded_batches(logs, "samples")[:12]
-    assert run_attempt(spec).resumed_from_step == 12
+    events: list[dict] = []
+    assert run_attempt(spec, on_event=events.append).resumed_from_step == 12
+    printed = {(e["rank"], line) for e in events if e["kind"] == "output" for line in e["lines"]}
+    assert printed == {(r, f"own loop on rank {r} starts at step 12") for r in (0, 1)}
     kept += recorded_batches(logs, "samples")
     data = spec.data.model_copy(update={"loader_workers": 0})
     one = RankSamples(Augmented(LENGTH), None, data, spec.run.seed, 1, 0)

@@ -16,6 +16,7 @@ from trainer_core.train.dataset_loop import DatasetLoop
 from trainer_core.train.failure import wind_down, worker_error
 from trainer_core.train.loop import BuiltinLoop
 from trainer_core.train.own_loop import own_train_loop
+from trainer_core.train.rank_output import rank_output
 
 
 def builtin_train_loop(config: dict[str, Any]) -> None:
@@ -27,7 +28,8 @@ def builtin_train_loop(config: dict[str, Any]) -> None:
     loop = None
     try:
         loop = _loop_of(worker_config)
-        loop.run()
+        with rank_output(loop.relay):  # what the model, loss or data code prints
+            loop.run()
     except Exception as e:
         error = e if isinstance(e, RelaytrainError) else _as_worker_error(e, loop)
         if loop is not None:

@@ -47,6 +47,7 @@ from trainer_core.train.own_loop_checkpoints import StepLedger
 from trainer_core.train.own_loop_data import BatchPlace, SessionData
 from trainer_core.train.own_loop_window import ReportWindows
 from trainer_core.train.preemption import DrainWatch
+from trainer_core.train.rank_output import rank_output
 
 logger = logging.getLogger("relaytrain.own_loop")
 
@@ -433,7 +434,8 @@ def own_train_loop(config: dict[str, Any]) -> None:
     try:
         assert loop.spec.train_loop is not None
         fn = workloads.resolve_train_loop(loop.spec.train_loop)
-        workloads.call_train_loop(fn, loop.spec.train_loop_config)
+        with rank_output(loop.relay):  # what the loop prints, to the driver's log
+            workloads.call_train_loop(fn, loop.spec.train_loop_config)
         if loop.checkpoints is None:
             raise _misuse(
                 f"train_loop {loop.spec.train_loop} returned without calling setup(): "
