@@ -113,17 +113,15 @@ class RankSamples:
 
     def _loader(self) -> DataLoader:
         if self.loader is None:
-            workers = self.data.loader_workers
-            self.loader = DataLoader(
+            self.loader = _loader(
                 self.train,
+                self.data.loader_workers,
+                self.collate,
+                self.pin_memory,
+                self.seed,
+                persistent=True,
+                prefetch=self.data.prefetch,
                 batch_sampler=self.sampler,
-                num_workers=workers,
-                collate_fn=self.collate,
-                pin_memory=self.pin_memory,
-                prefetch_factor=self.data.prefetch if workers else None,
-                persistent_workers=workers > 0,
-                generator=_own_generator(self.seed),
-                multiprocessing_context=LOADER_CONTEXT if workers else None,
             )
         return self.loader
 
@@ -148,16 +146,15 @@ class RankSamples:
         if self.validation_loader is None:
             keys = [(VALIDATION, int(i)) for i in self.validation_ids]
             workers = self.data.loader_workers if len(keys) > self.data.batch_size else 0
-            self.validation_loader = DataLoader(
+            self.validation_loader = _loader(
                 _Keyed(self.validation_set, keys),
+                workers,
+                self.collate,
+                self.pin_memory,
+                self.seed,
+                persistent=True,
+                prefetch=self.data.prefetch,
                 batch_size=self.data.batch_size,
-                num_workers=workers,
-                collate_fn=self.collate,
-                pin_memory=self.pin_memory,
-                prefetch_factor=self.data.prefetch if workers else None,
-                persistent_workers=workers > 0,
-                generator=_own_generator(self.seed),
-                multiprocessing_context=LOADER_CONTEXT if workers else None,
             )
         for collated in self.validation_loader:
             yield as_batch(collated, "data.validation")
@@ -186,17 +183,37 @@ def held_batches(
     keys = [(VALIDATION, int(i)) for i in ids]
     size = data.batch_size
     workers = data.loader_workers if len(keys) > size else 0
-    loader = DataLoader(
-        _Keyed(samples, keys),
-        batch_size=size,
-        num_workers=workers,
-        collate_fn=collate,
-        pin_memory=pin_memory,
-        generator=_own_generator(samples.seed),
-        multiprocessing_context=LOADER_CONTEXT if workers else None,
+    loader = _loader(
+        _Keyed(samples, keys), workers, collate, pin_memory, samples.seed, batch_size=size
     )
     for collated in loader:
         yield as_batch(collated, field)
+
+
+def _loader(
+    dataset: Any,
+    workers: int,
+    collate: Any,
+    pin_memory: bool,
+    seed: int,
+    persistent: bool = False,
+    prefetch: int | None = None,
+    **batching: Any,
+) -> DataLoader:
+    """torch's DataLoader as every loader of the Dataset form is made: ``workers`` spawned
+    processes (kept across iterations with ``persistent``), a generator of its own, and
+    ``batching`` (a ``batch_sampler``, or a ``batch_size``)."""
+    return DataLoader(
+        dataset,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch if workers else None,
+        persistent_workers=persistent and workers > 0,
+        generator=_own_generator(seed),
+        multiprocessing_context=LOADER_CONTEXT if workers else None,
+        **batching,
+    )
 
 
 def _own_generator(seed: int) -> torch.Generator:

@@ -39,10 +39,14 @@ class ColumnsLoop(BuiltinLoop):
         return super()._build_data()
 
     def _build_validation(self, info: data_mod.DatasetInfo) -> None:
-        self.workload = BatchWorkload(self.spec)
         seed, pool = self.spec.run.seed, self.transform_pool
         self.batches = Batches(self.data_spec, seed, pool=pool)
         self.eval_batches = Batches(self.data_spec, seed, training=False, pool=pool)
+        self._build_workload()
+
+    def _build_workload(self) -> None:
+        """The model call, loss and metrics on dict batches, and the validation pass on them."""
+        self.workload = BatchWorkload(self.spec)
         self.batch_validation = validate.BatchValidation(
             self.workload,
             self.precision.autocast,

@@ -10,8 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from trainer_core.data import arrays as data_mod
-from trainer_core.train import validate
-from trainer_core.train.batch_workload import BatchWorkload
 from trainer_core.train.columns_loop import ColumnsLoop
 from trainer_core.train.group_start import rank_samples
 from trainer_core.train.loop import BuiltinLoop
@@ -32,15 +30,7 @@ class DatasetLoop(ColumnsLoop):
         return data_mod.DatasetInfo(num_rows=len(self.data.train), num_features=0, num_outputs=0)
 
     def _build_validation(self, info: data_mod.DatasetInfo) -> None:
-        self.workload = BatchWorkload(self.spec)
-        self.batch_validation = validate.BatchValidation(
-            self.workload,
-            self.precision.autocast,
-            self._batch_to_device,
-            fsdp=self.fsdp,
-            world_size=self.world_size,
-        )
-        self.last_batch = None
+        self._build_workload()  # no transform: the Dataset makes each sample
 
     def _epochs(self, first_epoch: int, first: int) -> Any:
         assert self.spec.schedule is not None
