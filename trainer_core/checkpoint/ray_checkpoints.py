@@ -18,6 +18,9 @@ REPORT_FILE = "relaytrain.json"
 #: ... and every rank's RNG states at that report (``train.loop_rng``): a resume restores
 #: them, so dropout and shuffling go on as if the run had not stopped.
 RNG_FILE = "relaytrain_rng.pt"
+#: ... and where the loop's ``train.ray_loop_data.dataloader`` stood (its epoch and the global
+#: samples it handed out): a resumed loop asking for that epoch goes on from there.
+POSITION_FILE = "relaytrain_data.json"
 #: The ``format`` of a user loop's Ray checkpoint as ``RunDirectory.ray_checkpoints`` describes
 #: it: the loop's own files, whatever they are.
 RAY_FORMAT = "ray.train/1"
@@ -70,7 +73,8 @@ def read_ray_checkpoint(run_dir: RunDirectory, name: str) -> CheckpointInfo | No
     files = {
         info.path[len(prefix) :]: {"size": info.size}
         for info in storage.walk_files(location)
-        if info.path.startswith(prefix) and info.base_name not in (REPORT_FILE, RNG_FILE)
+        if info.path.startswith(prefix)
+        and info.base_name not in (REPORT_FILE, RNG_FILE, POSITION_FILE)
     }
     metrics = dict(record.get("metrics") or {})
     manifest: dict[str, Any] = {

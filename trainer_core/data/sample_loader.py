@@ -127,10 +127,16 @@ class RankSamples:
 
     def epoch(self, epoch: int, first: int = 0) -> Iterator[tuple[int, np.ndarray, Batch]]:
         """``(global batch index, sample indices, batch)`` of ``epoch`` from batch ``first``."""
+        for index, ids, collated in self.collated(epoch, first):
+            yield index, ids, as_batch(collated)
+
+    def collated(self, epoch: int, first: int = 0) -> Iterator[tuple[int, np.ndarray, Any]]:
+        """As ``epoch``, each batch as the collate function made it (a Ray loop's own
+        ``DataLoader`` would hand it out so: ``train.ray_loop_data``)."""
         self.sampler.start(epoch, first)
         batches = self.order.rank_batches(epoch, first, self.world_size, self.rank)
         for (index, ids), collated in zip(batches, self._loader(), strict=True):
-            yield index, ids, as_batch(collated)
+            yield index, ids, collated
 
     def epochs(
         self, first_epoch: int, first: int, stop_epoch: int, make_batch: Any = None

@@ -62,23 +62,34 @@ def build_dataset(path: str, kwargs: Mapping[str, Any], field: str) -> Any:
             f"{dict(kwargs)}: {e}. Fix the function, or its kwargs",
             field=field,
         ) from e
+    check_map_style(
+        dataset,
+        f"{field} {path!r} returned",
+        field,
+        "Return one, or write the data to Parquet and name it in data.dataset",
+    )
+    return dataset
+
+
+def check_map_style(dataset: Any, source: str, field: str, stream_fix: str) -> None:
+    """SpecError naming ``dataset`` (``source``: what gave it, as "data.dataset 'x:y'
+    returned") and the fix when it is an iterable dataset (``stream_fix``: what to do with a
+    stream), or has no ``__len__`` or ``__getitem__``."""
     name = type(dataset).__name__
     if isinstance(dataset, IterableDataset):
         raise SpecError(
-            f"{field} {path!r} returned an IterableDataset ({name}): relaytrain resumes by "
-            "index, so it needs a map-style Dataset (__len__ and __getitem__). Return one, or "
-            "write the data to Parquet and name it in data.dataset",
+            f"{source} an IterableDataset ({name}): relaytrain resumes by index, so it needs "
+            f"a map-style Dataset (__len__ and __getitem__). {stream_fix}",
             field=field,
         )
     missing = [m for m in ("__len__", "__getitem__") if not hasattr(dataset, m)]
     if missing:
         raise SpecError(
-            f"{field} {path!r} returned {name}, which has no {' or '.join(missing)}: return a "
+            f"{source} {name}, which has no {' or '.join(missing)}: return a "
             "map-style torch Dataset (or anything with __len__ and __getitem__, such as a "
             "HuggingFace datasets.Dataset)",
             field=field,
         )
-    return dataset
 
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF

@@ -113,14 +113,15 @@ class LoopRng:
         #: Whether the loop runs yet (relaytrain's own reads of the checkpoint restore nothing).
         self.armed = False
 
-    def save(self, checkpoint: Any) -> None:
+    def save(self, checkpoint: Any) -> bool:
         """At a report (``checkpoint``: the one this rank hands Ray, or None): every rank's
-        states into the checkpoint of the lowest rank that has one."""
+        states into the checkpoint of the lowest rank that has one. Whether this rank is that
+        one (it writes the rest of what relaytrain adds, once)."""
         if self.resumed_from is not None:  # reported before the loop read its checkpoint
             self._told(False, NOT_READ)
         states, writer = gather_states(checkpoint is not None)
         if writer != self.rank:
-            return
+            return False
         try:
             path = posixpath.join(str(checkpoint.path), RNG_FILE)
             with checkpoint.filesystem.open_output_stream(path) as stream:
@@ -131,6 +132,7 @@ class LoopRng:
                 RNG_FILE,
                 e,
             )
+        return True
 
     def restore(self, checkpoint: Any) -> None:
         """The loop read ``checkpoint`` (``ray.train.get_checkpoint()``): its first read of

@@ -28,6 +28,7 @@ from trainer_core.train.failure import worker_error
 from trainer_core.train.faults import Faults
 from trainer_core.train.loop_rng import LoopRng
 from trainer_core.train.rank_output import rank_output
+from trainer_core.train.ray_loop_data import LoopData, bound
 
 logger = logging.getLogger("relaytrain.user_loop")
 
@@ -56,10 +57,18 @@ class ReportHook:
         self.step = 0
         self.step_known = False
         self.unsaved: list[dict[str, Any]] = []
-        self.rng = LoopRng(self.rank, worker_api.rank_and_world_size()[1], self._tell_rng)
+        world_size = worker_api.rank_and_world_size()[1]
+        self.rng = LoopRng(self.rank, world_size, self._tell_rng)
+        #: Where the loop's ``ray_loop_data.dataloader`` stands, saved beside the RNG states.
+        self.data = LoopData(self.spec.run.seed, self.rank, world_size, worker_api.device())
 
     def _tell_rng(self, exact: bool, note: str | None) -> None:
         self.relay.send("resume_rng", exact=exact, note=note, group=self.faults.group)
+
+    def read_back(self, checkpoint: Any) -> None:
+        """The loop read ``checkpoint`` (``ray.train.get_checkpoint()``)."""
+        self.data.restore(checkpoint)
+        self.rng.restore(checkpoint)
 
     def resume(self, record: dict[str, Any] | None) -> None:
         """Go on counting from the report record of the checkpoint Ray resumed the loop from."""
@@ -84,7 +93,8 @@ class ReportHook:
         row.update(step=step, attempt=self.config.attempt, time=time.time())
         self.unsaved.append(row)
         checkpoint = kwargs.get("checkpoint") or (args[0] if args else None)
-        self.rng.save(checkpoint)  # every rank: a collective
+        if self.rng.save(checkpoint):  # every rank: a collective
+            self.data.save(checkpoint)
         if checkpoint is not None:
             self._add_record(checkpoint, step, row)
             self.flush()  # the rows up to this report, before Ray registers its checkpoint
@@ -134,12 +144,14 @@ def user_train_loop(config: dict[str, Any]) -> None:
     assert spec.train_loop is not None
     with (
         worker_api.reports_through(lambda report: ReportHook(worker_config, report)) as hook,
-        worker_api.checkpoint_reads_through(hook.rng.restore),
+        worker_api.checkpoint_reads_through(hook.read_back),
         rank_output(hook.relay),  # what the loop prints, to the driver's log
+        bound(hook.data),  # what ray_loop_data.dataloader() reads for
     ):
         fn = workloads.resolve_train_loop(spec.train_loop)
         group = _start(hook)
-        hook.rng.armed = True  # the loop's own reads of its checkpoint restore its RNG
+        # The loop's own reads of its checkpoint restore its RNG and its loader's position
+        hook.rng.armed = hook.data.armed = True
         try:
             workloads.call_train_loop(fn, spec.train_loop_config)
         except Exception as e:
@@ -181,6 +193,7 @@ def _start(hook: ReportHook) -> int:
     record = read_report_record(hook.run_dir, posixpath.basename(resumed.rstrip("/")))
     hook.resume(record)
     hook.rng.resumed_from = resumed
+    hook.data.pending = True
     hook.relay.send(
         "resumed",
         checkpoint_uri=resumed,
