@@ -39,6 +39,7 @@ def check_loop_sections(spec: Any) -> None:
                 "(or name your own Ray Train loop with train_loop)"
             )
         return
+    _refuse_held_out_sets(spec)
     _say_ignored(
         spec,
         ("model", "data", "schedule"),
@@ -91,6 +92,23 @@ def _check_own_loop_sections(spec: Any) -> None:
         "(train_loop_config passes it settings)",
         optimizer_read=("grad_accumulation",),
     )
+
+
+def _refuse_held_out_sets(spec: Any) -> None:
+    """A Ray loop's validation and test sets are its own to evaluate: relaytrain scores its
+    held-out sets on checkpoints it reads, and a Ray loop's are in the loop's own format, so
+    such a set would never be scored (a warning would be read as a promise kept)."""
+    held = [k for k in ("validation", "test") if spec.data is not None and getattr(spec.data, k)]
+    if held:
+        raise SpecError(
+            f"data.{held[0]} {getattr(spec.data, held[0])!r} is a set relaytrain evaluates on "
+            "checkpoints it can read, but a Ray Train loop of your own (train_loop_api: ray) "
+            f"saves them in its own format, so it would never be scored: evaluate it in your "
+            "loop (build the set there, its path or kwargs through train_loop_config) and "
+            "report its figures with ray.train.report; drop "
+            f"{', '.join(f'data.{k}' for k in held)}",
+            field=f"data.{held[0]}",
+        )
 
 
 def _say_ignored(
