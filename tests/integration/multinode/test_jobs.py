@@ -158,7 +158,8 @@ def test_a_head_restarted_mid_attempt_loses_its_job_and_the_retry_resumes(
     every node with it; a new head started at the same addresses once the flow has said it
     waits for it (``RELAYTRAIN_RAY_HEAD_WAIT_S``). The new head's job server does not know the
     attempt's job (jobs live in the old head's GCS): the attempt fails on the infrastructure
-    budget, naming the address, and Prefect's retry submits attempt 2 to the new cluster, which
+    budget, naming the address (the flow's or the driver's word, whichever came first), and
+    Prefect's retry submits attempt 2 to the new cluster, which
     resumes and ends bit-identical to the uninterrupted run."""
     name = "multinode-head-restart"
     spec = build_spec(slow_raw(run_storage, name, cluster))
@@ -178,10 +179,17 @@ def test_a_head_restarted_mid_attempt_loses_its_job_and_the_retry_resumes(
         cluster.command("head_start")  # the package's later tests need the cluster
     # the worker nodes went with the head, and may take the checkpoint being written with them
     attempts = recovered_in_a_retry(thread, box, run_dir, uninterrupted, before)
-    lost = f"the Ray job server at {cluster.job_address} no longer knows job"
+    # Who records the loss first: the flow, whose job server came back without the job, or the
+    # attempt's driver, which here outlives its head (one machine: a node's Ray processes are
+    # killed, not the job's entrypoint) and finds the new head answering as another cluster.
+    # Either names the lost head's address; the other record is not written over it.
+    lost = (
+        f"the Ray job server at {cluster.job_address} no longer knows job",
+        f"the Ray cluster at {cluster.gcs_address} lost its head",
+    )
     assert attempts[0]["error_class"] == "InfrastructureError", attempts[0]
     assert attempts[0]["error_budget"] == "infrastructure"
-    assert lost in attempts[0]["error_message"]
+    assert any(x in attempts[0]["error_message"] for x in lost), attempts[0]["error_message"]
     ids = {j.submission_id for j in JobSubmissionClient(cluster.job_address).list_jobs()}
     assert ids >= {jobs.submission_id(name, 2)}  # the new cluster's job: attempt 2's
     assert jobs.submission_id(name, 1) not in ids
