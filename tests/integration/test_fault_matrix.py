@@ -45,17 +45,7 @@ pytestmark = pytest.mark.integration
     ("case", "strategy", "in_place", "rank"),
     [
         # rank 0, the rank that relays the metrics: only its peer can say where it got
-        pytest.param(
-            "2 worker process SIGKILL (restarted in place, the default)",
-            "ddp",
-            None,
-            0,
-            # The full suite of 2026-12-04 (a78fdcf) once resumed this case from step 13
-            # although step 20 was committed before rank 0 died (AssertionError: ([13], 20)):
-            # a committed checkpoint not resumed from when the writing rank dies, open on
-            # issue 64. Not strict: it passed in every run but that one.
-            marks=pytest.mark.xfail(strict=False, reason="rank 0 killed: resumed from 13, not 20"),
-        ),
+        ("2 worker process SIGKILL (restarted in place, the default)", "ddp", None, 0),
         ("2p worker process SIGKILL, retries.in_place 0 (Prefect retry)", "ddp", 0, 1),
         # FSDP on 2 gloo ranks ends bit-identical to the DDP reference (test_fsdp.py).
         ("2f worker process SIGKILL, scaling.strategy fsdp", "fsdp", None, 1),
@@ -69,7 +59,13 @@ def test_killed_worker_is_restarted_or_retried_and_exact(
     raw = tiny_raw(tmp_path, f"matrix-kill-{strategy}-{in_place}", scaling={"strategy": strategy})
     if in_place is not None:
         raw["retries"]["in_place"] = in_place
-    if strategy == "fsdp":  # every commit marker kept, to read when each was written
+    # The rank that writes (every rank under FSDP, rank 0 under DDP) killed while the
+    # asynchronous write of the newest checkpoint is still in flight (on a loaded machine, 3
+    # steps did not cover it) loses that write, and the group resumes from the one before. What
+    # must not be lost is what was committed when the rank died (its commit marker older than
+    # the failure), and the loss stays within one interval.
+    writer_killed = strategy == "fsdp" or (rank == 0 and in_place is None)
+    if writer_killed:  # every commit marker kept, to read when each was written
         raw["checkpoint"]["keep_last"] = None
     spec = with_fault(build_spec(raw), "kill", at_step, rank=rank)
     state = training(spec, return_state=True)
@@ -77,11 +73,7 @@ def test_killed_worker_is_restarted_or_retried_and_exact(
     run_dir = run_dir_of(spec)
     # The newest checkpoint an uninterrupted run commits before the fault (it keeps them all).
     committed = max(step for step in uninterrupted["checkpoints"] if step < at_step)
-    if strategy == "fsdp":
-        # A DCP write needs every rank: a rank killed while the asynchronous write of the newest
-        # checkpoint is still in flight (on a loaded machine, 3 steps did not cover it) loses
-        # that write, and the group resumes from the one before. What must not be lost is what
-        # was committed when the rank died, and the loss stays within one interval.
+    if writer_killed:
         (restart,) = run_dir.read_attempts()[0]["restarts"]
         before = max(step for step in uninterrupted["checkpoints"] if step < committed)
         committed = committed_before(run_dir, restart["failed_at"])
