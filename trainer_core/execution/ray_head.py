@@ -26,8 +26,10 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,6 +53,9 @@ SILENCE_S = 10.0
 #: one, and Ray must not end the process before the watch has left.
 RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 RECONNECT_S = 600
+#: How long leaving a lost cluster (``ray.shutdown``) may take before the log shows every
+#: thread's stack.
+LEAVE_SLOW_S = 90.0
 #: How long ``ray_cluster()`` waits for an address whose head this process lost to answer again
 #: (the job path's bound as well).
 HEAD_WAIT_ENV = "RELAYTRAIN_RAY_HEAD_WAIT_S"
@@ -122,10 +127,32 @@ class HeadWatch:
             _lost = (self.node, message)  # before the shutdown: the attempt's loop reads it
             _lost_address = self.head.wait_for
         logger.error(message)
+        # Leaving took 5 s on an idle machine and over 40 s on a loaded one; one that does not
+        # end leaves the attempt stalled until Ray ends the process (RECONNECT_S): said, with
+        # where every thread stands, so the stall can be read from the log.
+        slow = threading.Timer(LEAVE_SLOW_S, _say_leaving_is_slow, args=(time.monotonic(),))
+        slow.daemon = True
+        slow.start()
         try:
             ray.shutdown()  # the calls blocked on the dead cluster return (SystemExit)
         except Exception as e:  # the attempt still fails on the loss, which is recorded
             logger.warning("leaving the lost cluster: %s: %s", type(e).__name__, e)
+        finally:
+            slow.cancel()
+
+
+def _say_leaving_is_slow(since: float) -> None:
+    stacks = "\n".join(
+        f"thread {thread.name}:\n{''.join(traceback.format_stack(frame))}"
+        for thread in threading.enumerate()
+        if (frame := sys._current_frames().get(thread.ident or 0)) is not None
+    )
+    logger.warning(
+        "leaving the lost Ray cluster (ray.shutdown) has taken %.0f s so far; where each "
+        "thread stands:\n%s",
+        time.monotonic() - since,
+        stacks,
+    )
 
 
 class StartedHead:
