@@ -197,7 +197,8 @@ ADVICE = {
     ),
     "validation": (
         0.25,
-        "validation is {share} of step time: lower `data.validation_fraction`",
+        "validation is {share} of step time: validate fewer samples (lower "
+        "`data.validation_fraction`, or a smaller `data.validation` set)",
     ),
 }
 #: Time lost to restarts, as a share of the wall time, over which advice names it.
