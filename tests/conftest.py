@@ -41,6 +41,7 @@ LONGEST_FIRST = (  # 2026-11-28, each module whole to one process (--dist loadfi
     "tests/integration/test_lease.py",  # 108
     "tests/integration/test_bench_smoke.py",  # 92
     "tests/integration/test_torch_dataset.py",  # new 2026-12-04, about 130 s alone
+    "tests/integration/test_ray_loop_data.py",  # new 2026-12-05, about 117 s alone
     "tests/integration/test_command.py",  # new 2026-12-04, about 145 s under load
     "tests/integration/test_own_loop.py",  # 89
     "tests/integration/test_streaming.py",  # the rest of its 233 (2026-12-04)
