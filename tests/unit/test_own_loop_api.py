@@ -18,6 +18,8 @@ LOOP = {"train_loop": "examples.own_loop:train", "train_loop_api": "relaytrain"}
 def own_raw(tmp_path, **sections):
     raw = tiny_raw(tmp_path, "own", **LOOP, **sections)
     del raw["model"]
+    if "schedule" not in sections:  # the built-in loop's learning-rate schedule: not an own loop's
+        raw["schedule"] = {"epochs": raw["schedule"]["epochs"]}
     return raw
 
 
@@ -47,6 +49,17 @@ def test_an_own_loop_reads_data_and_schedule_and_is_not_pinned_to_its_worker_cou
             "your loop decides when to stop",
         ),
         ({"data": {"batch_size": 1}}, "data.batch_size", "Raise data.batch_size to at least 2"),
+        # the built-in loop's learning-rate schedule, which an own loop's scheduler replaces
+        (
+            {"schedule": {"epochs": 2, "lr_schedule": "cosine"}},
+            "schedule.lr_schedule",
+            re.escape("setup(model, optimizer, scheduler)"),
+        ),
+        (
+            {"schedule": {"epochs": 2, "warmup_steps": 5}},
+            "schedule.warmup_steps",
+            re.escape("setup(model, optimizer, scheduler)"),
+        ),
     ],
 )
 def test_what_an_own_loop_spec_refuses(tmp_path, change, field, fix):
@@ -88,7 +101,8 @@ def test_an_own_loop_reads_the_accumulation_into_its_identity(tmp_path):
 def test_what_an_own_loop_ignores_it_says(tmp_path):
     """tiny_raw's spec sets optimizer.name and .lr: an own loop builds its own optimizer, so
     they are named; grad_accumulation, which the session reads, is not."""
-    raw = tiny_raw(tmp_path, "own", **LOOP, precision="bf16")
+    raw = own_raw(tmp_path, precision="bf16")
+    raw["model"] = tiny_raw(tmp_path, "own")["model"]
     raw["optimizer"]["grad_accumulation"] = 2
     ignored = "['model', 'optimizer.lr', 'optimizer.name', 'precision=bf16'] are ignored"
     with pytest.warns(UserWarning, match=re.escape(ignored)):

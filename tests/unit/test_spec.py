@@ -99,6 +99,7 @@ def test_an_own_loop_computing_its_loss_is_not_asked_for_data_task(tmp_path):
         tmp_path, "x", data={"dataset": "s3://b/d.parquet", "features": "x", "label": "y"}
     )
     raw |= {"train_loop": "examples.own_loop:train", "train_loop_api": "relaytrain"}
+    raw["schedule"] = {"epochs": 1}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         spec = build_spec(raw)

@@ -85,6 +85,19 @@ def _check_own_loop_sections(spec: Any) -> None:
             "schedule.scheduler",
             field="schedule.scheduler",
         )
+    schedule = spec.schedule
+    for key, set_ in (
+        ("lr_schedule", schedule.lr_schedule != "constant"),
+        ("warmup_steps", schedule.warmup_steps > 0),
+    ):
+        if set_:
+            raise SpecError(
+                f"schedule.{key}={getattr(schedule, key)!r} shapes the built-in loop's learning "
+                "rate, which your loop sets itself: build its scheduler in your loop (warm-up "
+                "included) and hand it to session().setup(model, optimizer, scheduler), which "
+                f"checkpoints it; drop schedule.{key}",
+                field=f"schedule.{key}",
+            )
     _say_ignored(
         spec,
         ("model",),
