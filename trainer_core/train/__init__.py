@@ -15,6 +15,9 @@
 - ``group_start``: where a worker group starts: its number, the checkpoints to resume from,
   this rank's stream of the pinned dataset.
 - ``user_loop``: a user's own Ray Train loop, run unchanged with relaytrain's bookkeeping.
+- ``loop_rng``: a user's Ray loop's RNG states, saved with its checkpoints and restored.
+- ``ray_loop_data``: a user's Ray loop's torch Dataset (``dataloader``), read in the Dataset
+  form's order and resumed where its checkpoint left it.
 - ``own_loop``: the public API for a loop of the user's own (``train_loop_api: relaytrain``):
   the session (``session()``) a user's loop calls: setup, batches, reports.
 - ``own_loop_data``: a session's data stream from its cursor, each batch's place in its

@@ -93,7 +93,11 @@ def on_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
     if isinstance(value, Mapping):
-        return type(value)({k: on_device(v, device) for k, v in value.items()})  # type: ignore[call-arg]
+        moved = {k: on_device(v, device) for k, v in value.items()}
+        try:
+            return type(value)(moved)  # type: ignore[call-arg]
+        except TypeError:  # a mapping not made from a dict (a defaultdict): a dict
+            return moved
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
         return type(value)(*(on_device(v, device) for v in value))
     if isinstance(value, list | tuple):
