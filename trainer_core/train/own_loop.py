@@ -20,7 +20,8 @@ the same batches and RNG it would have had: bit-identical to a run without the f
 
 The session's parts: ``own_loop_data`` (the stream and each batch's place in its step),
 ``own_loop_checkpoints`` (the restore, the steps counted, what a checkpoint records and when),
-``own_loop_window`` (where each report window's time went).
+``own_loop_passes`` (the one pass over the data, and its order), ``own_loop_window`` (where
+each report window's time went).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.manager import CheckpointManager, TrainingState
 from trainer_core.checkpoint.run_directory import RunDirectory
-from trainer_core.errors import RelaytrainError, SpecError
+from trainer_core.errors import RelaytrainError
 from trainer_core.execution import worker_api
 from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.execution.worker_group import Relay, Timings, all_reduce, share_peak_rss
@@ -45,6 +46,7 @@ from trainer_core.train.failure import wind_down, worker_error
 from trainer_core.train.faults import Faults
 from trainer_core.train.own_loop_checkpoints import StepLedger
 from trainer_core.train.own_loop_data import BatchPlace, SessionData
+from trainer_core.train.own_loop_passes import Passes, misuse
 from trainer_core.train.own_loop_window import ReportWindows
 from trainer_core.train.preemption import DrainWatch
 from trainer_core.train.rank_output import rank_output
@@ -53,12 +55,6 @@ logger = logging.getLogger("relaytrain.own_loop")
 
 #: The run of the loop this worker process runs now (``session()``).
 _current: OwnLoop | None = None
-
-
-def _misuse(message: str) -> SpecError:
-    """The API used out of order: the loop's code, which a retry would run the same way, so
-    no retry is spent on it."""
-    return SpecError(f"relaytrain's own-loop API: {message}", field="train_loop")
 
 
 def session() -> OwnLoop:
@@ -102,12 +98,9 @@ class OwnLoop:
         self.ledger = StepLedger(self.spec, config.attempt, self.batch_size)
         self.checkpoints: CheckpointManager | None = None
         self._model: torch.nn.Module | None = None
-        self._batches_called = False
-        #: The run's stream, once a pass opened it; ``epochs()``'s epoch and whether its
-        #: ``dataloader()`` was called.
+        self.passes = Passes(self.batch_size)
+        #: The run's stream, once a pass opened it.
         self._stream: Iterator[tuple[BatchPlace, Any]] | None = None
-        self._epoch: int | None = None
-        self._served = False
         self.group = 0
         #: The batch handed out last, and whether the step it is part of is still open.
         self.place = BatchPlace(
@@ -164,7 +157,7 @@ class OwnLoop:
         ``ddp``: keyword arguments of ``DistributedDataParallel`` (``find_unused_parameters``,
         ``broadcast_buffers``, ``static_graph``, ...), over the spec's ``scaling.ddp``."""
         if self.checkpoints is not None:
-            raise _misuse("setup() was called twice: call it once, before batches()")
+            raise misuse("setup() was called twice: call it once, before batches()")
         ddp_kwargs = ddp_options(self.spec.scaling.ddp.kwargs(), ddp)
         model.to(self.device)
         training_state.seed_everything(self.spec.run.seed * 1009 + self.rank + 1)  # per rank
@@ -209,21 +202,14 @@ class OwnLoop:
         for the tabular form. ``epoch``, ``end_of_epoch`` and ``ends_step`` say where the batch
         lies; ``report`` ends its step (a step not reported is ended, with no metrics, when the
         next batch is asked for; one not reported when the loop returns is not counted)."""
-        self._start_pass("batches()")
+        self.passes.begin("batches()", self.checkpoints is not None)
         yield from self._hand_out(lambda place: True)
 
     def epochs(self) -> Iterator[int]:
         """The run's epochs from the cursor's, for a loop that keeps a script's per-epoch
         structure: ``for epoch in run.epochs(): for batch in run.dataloader(...)``."""
-        self._start_pass("epochs()")
-        for epoch in range(self.ledger.cursor.epoch, self.num_epochs):
-            self._epoch, self._served = epoch, False
-            yield epoch
-            if not self._served:
-                raise _misuse(
-                    f"epoch {epoch} of epochs() ended without dataloader(): call it once in "
-                    "every epoch, for that epoch's batches"
-                )
+        self.passes.begin("epochs()", self.checkpoints is not None)
+        yield from self.passes.epochs(self.ledger.cursor.epoch, self.num_epochs)
         self._end_step()
 
     def dataloader(
@@ -240,42 +226,9 @@ class OwnLoop:
         one ``data.dataset`` returns); ``batch_size``: the global batch, which is
         ``data.batch_size`` (the cursor and the checkpoints count it); ``num_workers`` and
         ``collate_fn`` replace ``data.loader_workers`` and ``data.collate``."""
-        if self._epoch is None:
-            raise _misuse(
-                "dataloader() outside epochs(): iterate `for epoch in run.epochs():` and call "
-                "dataloader() in it (or iterate over batches() for the whole run)"
-            )
-        if self._served:
-            raise _misuse(
-                f"dataloader() was called a second time in epoch {self._epoch}: the first "
-                "already hands out every batch of the epoch"
-            )
-        self._served = True
-        if batch_size is not None and batch_size != self.batch_size:
-            raise _misuse(
-                f"dataloader(batch_size={batch_size}): the global batch is data.batch_size "
-                f"({self.batch_size}), summed over every worker; the cursor and the checkpoints "
-                f"count it. Set data.batch_size: {batch_size} in the spec, or pass none"
-            )
+        epoch = self.passes.serve(batch_size)
         self.data.use(dataset, num_workers, collate_fn)
-        epoch = self._epoch
         return self._hand_out(lambda place: place.epoch == epoch, epoch)
-
-    def _start_pass(self, what: str) -> None:
-        if self.checkpoints is None:
-            raise _misuse(
-                f"{what} before setup(): call setup(model, optimizer, scheduler) first: it "
-                "restores the newest checkpoint and the cursor the batches start from"
-            )
-        if self._batches_called:
-            raise _misuse(
-                f"{what} was called after batches() or epochs() began a pass: either hands "
-                "out every batch from the cursor to the end of the run's last epoch, so a second "
-                "pass would "
-                "train the run again. Iterate over one of them for the whole run (epoch and "
-                "end_of_epoch say where each batch lies)"
-            )
-        self._batches_called = True
 
     def _hand_out(self, wanted: Any, epoch: int | None = None) -> Iterator[Any]:
         """The run's stream (opened on the first call) on this worker's device, for as long
@@ -284,7 +237,7 @@ class OwnLoop:
             self._stream = self.data.training(self.ledger.cursor)
         for place, rows in self._stream:
             if not wanted(place):
-                raise _misuse(
+                raise misuse(
                     f"dataloader() in epoch {epoch} got a batch of epoch {place.epoch}: "
                     "iterate over each epoch's dataloader() to its end"
                 )
@@ -337,12 +290,12 @@ class OwnLoop:
         epoch's last batch (``end_of_epoch``): the checkpoint of the weights they measured
         records them."""
         if not self._open:
-            raise _misuse(
+            raise misuse(
                 "report() ends the step of the batch batches() handed out: call it once per "
                 "optimizer step, after the optimizer step"
             )
         if not self.ends_step:
-            raise _misuse(
+            raise misuse(
                 f"report() at a batch that does not end its optimizer step (with "
                 f"optimizer.grad_accumulation={self.accumulation}, a step takes "
                 f"{self.place.step_batches} batches): step the optimizer and report where "
@@ -415,10 +368,10 @@ def ddp_options(spec_options: dict[str, Any], own: dict[str, Any] | None) -> dic
     a loop's ``setup(..., ddp=...)`` over them. Pure."""
     own = dict(own or {})
     if not all(isinstance(key, str) for key in own):
-        raise _misuse(f"setup(ddp={own!r}): ddp is a dict of DistributedDataParallel keywords")
+        raise misuse(f"setup(ddp={own!r}): ddp is a dict of DistributedDataParallel keywords")
     taken = [key for key in _DDP_OWN_ARGUMENTS if key in own]
     if taken:
-        raise _misuse(
+        raise misuse(
             f"setup(ddp=...) sets {taken}, which relaytrain sets for the worker's device and "
             "group: drop them (the others, such as find_unused_parameters, are yours)"
         )
@@ -437,7 +390,7 @@ def own_train_loop(config: dict[str, Any]) -> None:
         with rank_output(loop.relay):  # what the loop prints, to the driver's log
             workloads.call_train_loop(fn, loop.spec.train_loop_config)
         if loop.checkpoints is None:
-            raise _misuse(
+            raise misuse(
                 f"train_loop {loop.spec.train_loop} returned without calling setup(): "
                 "nothing was trained or checkpointed"
             )
