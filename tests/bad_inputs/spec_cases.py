@@ -139,6 +139,19 @@ SPEC_CASES = [
         broken(datasets={"train": "train.parquet"}),
     ),
     Case(
+        "ray-loop-test-set",
+        "data.test",
+        "evaluate it in your loop",
+        "spec",
+        broken(
+            train_loop="examples.ray_train_loop:train_func",
+            data={
+                "dataset": "tests.torch_datasets:augmented",
+                "test": "tests.torch_datasets:augmented",
+            },
+        ),
+    ),
+    Case(
         "datasets-csv",
         "datasets.train",
         "convert other formats",
