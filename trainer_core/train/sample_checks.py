@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainer_core.data import samples
-from trainer_core.data.sample_loader import LOADER_CONTEXT
+from trainer_core.data.sample_loader import loader_context
 from trainer_core.errors import SpecError
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train import workloads
@@ -59,7 +59,7 @@ def check_dataset_form(spec: RunSpec, train: Any, validation: Any, test: Any = N
 def _batch(spec: RunSpec, dataset: Any, ids: Any, epoch: int, field: str) -> dict[str, Any]:
     """The batch the loaders make of samples ``ids`` of ``epoch``, each drawn twice in a loader
     process, as the loop's are (this process's other threads may draw from the global
-    generators at any moment: Prefect's and Ray's do), spawned as theirs are."""
+    generators at any moment: Prefect's and Ray's do), started as theirs are."""
     assert spec.data is not None
     seeded = samples.SeededSamples(dataset, spec.run.seed)
     path = getattr(spec.data, field.removeprefix("data."))
@@ -70,7 +70,7 @@ def _batch(spec: RunSpec, dataset: Any, ids: Any, epoch: int, field: str) -> dic
         num_workers=1,
         collate_fn=_as_drawn,
         generator=torch.Generator().manual_seed(0),
-        multiprocessing_context=LOADER_CONTEXT,
+        multiprocessing_context=loader_context(),
     )
     drawn: list[Any] = []
     found = iter(loader)
