@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -33,17 +32,17 @@ from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
 
 
-def loader_context() -> Any:
-    """How loader processes start. In a Ray worker (where training reads): forked, as the
-    DataLoaders of Ray Train's own examples are. Elsewhere (a driver, a flow's process, pytest):
-    from a fork server, a fresh single-threaded process started once with torch loaded, since a
-    process running Prefect's and a driver's Ray threads is not safe to fork (a forked loader
-    process of a pytest process that had run a flow exited with code 1 before its first sample).
-    Not spawned, and not the fork server in a worker: bench.datasets measured a worker's data wait
-    at 3.1 ms a step forked, 11.8 ms from a fork server and 12.2 ms spawned (its samples/s 3,063,
-    2,599, 2,469; a plain forked DataLoader's 3,069). The Dataset (and ``data.collate``) must
-    pickle either way, as under spawn anywhere."""
-    if ray.is_initialized() and ray._private.worker.global_worker.mode == ray.WORKER_MODE:
+def loader_context(forked: bool = False) -> Any:
+    """How loader processes start. ``forked`` (a Ray worker's reader, where training reads):
+    forked, as the DataLoaders of Ray Train's own examples are. Else (a driver, a flow's
+    process, pytest): from a fork server, a fresh single-threaded process started once with
+    torch loaded, since a process running Prefect's and a driver's Ray threads is not safe to
+    fork (a forked loader process of a pytest process that had run a flow exited with code 1
+    before its first sample). Not spawned, and not the fork server in a worker: bench.datasets
+    measured a worker's data wait at 3.1 ms a step forked, 11.8 ms from a fork server and 12.2
+    ms spawned (its samples/s 3,063, 2,599, 2,469; a plain forked DataLoader's 3,069). The
+    Dataset (and ``data.collate``) must pickle either way, as under spawn anywhere."""
+    if forked:
         return multiprocessing.get_context("fork")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch"])  # before the server starts; then a no-op
@@ -84,9 +83,12 @@ class RankSamples:
         world_size: int,
         rank: int,
         pin_memory: bool = False,
+        forked: bool = False,
     ):
         self.data, self.seed, self.world_size, self.rank = data, seed, world_size, rank
         self.pin_memory = pin_memory
+        #: A Ray worker's reader: its loader processes are forked (``loader_context``).
+        self.forked = forked
         self.order = IndexOrder(len(train), data, seed, split=validation is None)
         self.train = SeededSamples(train, seed)
         #: The validation samples' Dataset and this rank's indices of it.
@@ -133,6 +135,7 @@ class RankSamples:
                 self.seed,
                 persistent=True,
                 prefetch=self.data.prefetch,
+                forked=self.forked,
                 batch_sampler=self.sampler,
             )
         return self.loader
@@ -172,6 +175,7 @@ class RankSamples:
                 self.seed,
                 persistent=True,
                 prefetch=self.data.prefetch,
+                forked=self.forked,
                 batch_size=self.data.batch_size,
             )
         for collated in self.validation_loader:
@@ -215,6 +219,7 @@ def _loader(
     pin_memory: bool,
     seed: int,
     persistent: bool = False,
+    forked: bool = False,
     prefetch: int | None = None,
     **batching: Any,
 ) -> DataLoader:
@@ -229,7 +234,7 @@ def _loader(
         prefetch_factor=prefetch if workers else None,
         persistent_workers=persistent and workers > 0,
         generator=_own_generator(seed),
-        multiprocessing_context=loader_context() if workers else None,
+        multiprocessing_context=loader_context(forked) if workers else None,
         **batching,
     )
 

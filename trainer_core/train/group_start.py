@@ -79,4 +79,6 @@ def rank_samples(
         else None
     )
     samples.check_lengths(config.dataset, train, held)
-    return RankSamples(train, held, data_spec, seed, world_size, rank, pin_memory=pin_memory)
+    return RankSamples(
+        train, held, data_spec, seed, world_size, rank, pin_memory=pin_memory, forked=True
+    )

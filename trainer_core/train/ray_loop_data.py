@@ -218,6 +218,7 @@ class LoopData:
             self.world_size,
             self.rank,
             pin_memory=self.device.type == "cuda",
+            forked=True,  # a Ray worker's
         )
         reader.use(None, None, collate_fn)
         self._reader, self._reader_key = reader, key
