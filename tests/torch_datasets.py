@@ -183,8 +183,8 @@ def own_loop(config: dict[str, Any]) -> None:
     print(f"own loop on rank {run.rank} starts at step {run.step}")
     for _epoch in run.epochs():
         loader = run.dataloader(dataset, batch_size=10, num_workers=2, collate_fn=default_collate)
-        for batch in loader:
-            loss = nn.functional.cross_entropy(model(batch["input"]), batch["labels"])
+        for inputs, labels in loader:  # as the DataLoader it replaces hands them out
+            loss = nn.functional.cross_entropy(model(inputs), labels)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

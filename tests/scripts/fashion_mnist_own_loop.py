@@ -108,8 +108,7 @@ def train_func_per_worker(config: Dict):
             train_dataloader.sampler.set_epoch(epoch)
 
         model.train()
-        for batch in tqdm(run.dataloader(train_dataloader.dataset), desc=f"Train Epoch {epoch}"):
-            X, y = batch["input"], batch["labels"]
+        for X, y in tqdm(run.dataloader(train_dataloader.dataset), desc=f"Train Epoch {epoch}"):
             pred = model(X)
             loss = loss_fn(pred, y)
 

@@ -154,10 +154,16 @@ class RankSamples:
             yield index, ids, collated
 
     def epochs(
-        self, first_epoch: int, first: int, stop_epoch: int, make_batch: Any = None
+        self,
+        first_epoch: int,
+        first: int,
+        stop_epoch: int,
+        make_batch: Any = None,
+        collated: bool = False,
     ) -> SampleEpochs:
-        """Epochs ``first_epoch..stop_epoch - 1`` (from global batch ``first`` of the first)."""
-        return SampleEpochs(self, first_epoch, first, stop_epoch)
+        """Epochs ``first_epoch..stop_epoch - 1`` (from global batch ``first`` of the first):
+        each batch as ``epoch`` gives it, or with ``collated`` as ``collated`` does."""
+        return SampleEpochs(self, first_epoch, first, stop_epoch, collated)
 
     def validation(self) -> Iterator[Batch]:
         """This rank's validation samples in batches of ``data.batch_size``, every epoch the
@@ -263,13 +269,21 @@ class SampleEpochs:
     """Iterate for ``(epoch, its batches)``; ``close`` ends the loader's processes (also
     mid-epoch: a loop that stops early)."""
 
-    def __init__(self, samples: RankSamples, first_epoch: int, first: int, stop_epoch: int):
+    def __init__(
+        self,
+        samples: RankSamples,
+        first_epoch: int,
+        first: int,
+        stop_epoch: int,
+        collated: bool = False,
+    ):
         self.samples, self.first_epoch, self.first = samples, first_epoch, first
         self.stop_epoch = stop_epoch
+        self.batches = samples.collated if collated else samples.epoch
 
-    def __iter__(self) -> Iterator[tuple[int, Iterator[tuple[int, np.ndarray, Batch]]]]:
+    def __iter__(self) -> Iterator[tuple[int, Iterator[tuple[int, np.ndarray, Any]]]]:
         for epoch in range(self.first_epoch, self.stop_epoch):
-            yield epoch, self.samples.epoch(epoch, self.first if epoch == self.first_epoch else 0)
+            yield epoch, self.batches(epoch, self.first if epoch == self.first_epoch else 0)
 
     def close(self) -> None:
         self.samples.close()

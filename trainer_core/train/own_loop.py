@@ -225,7 +225,9 @@ class OwnLoop:
         ``dataset``: the loop's own Dataset object, of the length the run pinned (None: the
         one ``data.dataset`` returns); ``batch_size``: the global batch, which is
         ``data.batch_size`` (the cursor and the checkpoints count it); ``num_workers`` and
-        ``collate_fn`` replace ``data.loader_workers`` and ``data.collate``."""
+        ``collate_fn`` replace ``data.loader_workers`` and ``data.collate``. A torch Dataset's
+        batches come as that ``DataLoader``'s would, as the collate function made them (an
+        ``(input, target)`` pair's as ``[inputs, targets]``), on the worker's device."""
         epoch = self.passes.serve(batch_size)
         self.data.use(dataset, num_workers, collate_fn)
         return self._hand_out(lambda place: place.epoch == epoch, epoch)

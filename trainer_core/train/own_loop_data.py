@@ -21,7 +21,7 @@ from trainer_core.execution.worker_config import WorkerConfig
 from trainer_core.execution.worker_group import Timings
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.train.group_start import rank_data, rank_samples
-from trainer_core.train.steps import batch_to_device
+from trainer_core.train.steps import batch_to_device, to_device
 
 
 @dataclass(frozen=True)
@@ -99,13 +99,20 @@ class SessionData:
         self.steps_per_epoch = data_mod.steps_per_epoch(self.batches_per_epoch, self.accumulation)
         #: This rank's share of each global batch times the world size (``rank_weight``).
         self.rank_weight = self.stream.weight
+        #: A torch Dataset's batches as its collate function made them (``dataloader()``, a
+        #: script's ``DataLoader`` replaced: ``for inputs, labels in ...`` reads them as it
+        #: did), not as the dict ``batches()`` hands out.
+        self.collated = False
 
     def training(self, cursor: data_mod.Cursor) -> Generator[tuple[BatchPlace, Any], None, None]:
         """Each global batch from ``cursor`` to the end of the run's last epoch: its place and
         this rank's slice of it, its rows (not yet on the device: ``on_device``)."""
         first = cursor.batch(self.batch_size)
         start = self.train_batches.start if self.train_batches is not None else None
-        epochs = self.stream.epochs(cursor.epoch, first, self.epochs, start)
+        if self.collated:
+            epochs = self.stream.epochs(cursor.epoch, first, self.epochs, start, collated=True)
+        else:
+            epochs = self.stream.epochs(cursor.epoch, first, self.epochs, start)
         try:
             for epoch, ahead in self.timings.waited(iter(epochs)):
                 for index, _, rows in self.timings.waited(iter(ahead)):
@@ -128,6 +135,8 @@ class SessionData:
         """A loop's ``dataloader()`` options, before the stream opens: its own Dataset object
         in place of ``data.dataset``'s (of the length the run pinned), loader processes and
         collate function."""
+        if isinstance(self.stream, RankSamples):
+            self.collated = True
         if dataset is None and loader_workers is None and collate is None:
             return
         if not isinstance(self.stream, RankSamples):
@@ -140,9 +149,12 @@ class SessionData:
             )
         self.stream.use(dataset, loader_workers, collate)
 
-    def on_device(self, rows: Any) -> dict[str, Any]:
-        """A batch as the loop gets it: the columns form's dict of tensors, or the tabular
-        form's ``{"features", "labels"}``, on the worker's device."""
+    def on_device(self, rows: Any) -> Any:
+        """A batch as the loop gets it, on the worker's device: the columns form's dict of
+        tensors, the tabular form's ``{"features", "labels"}``, or a torch Dataset's batch (as
+        its collate function made it for ``dataloader()``)."""
+        if self.collated:
+            return to_device(rows, self.device)
         if isinstance(rows, data_mod.Arrays):
             rows = {
                 "features": torch.from_numpy(rows.features),

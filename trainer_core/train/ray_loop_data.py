@@ -27,7 +27,7 @@ import contextlib
 import json
 import logging
 import posixpath
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from trainer_core.data.sample_loader import RankSamples
 from trainer_core.data.samples import check_map_style
 from trainer_core.errors import SpecError
 from trainer_core.spec.sections import DataSection
+from trainer_core.train.steps import to_device
 
 logger = logging.getLogger("relaytrain.user_loop")
 
@@ -85,24 +86,6 @@ def first_batch(saved: Position | None, epoch: int, batch_size: int, length: int
             field=FIELD,
         )
     return saved.samples // batch_size
-
-
-def on_device(value: Any, device: torch.device) -> Any:
-    """``value``'s tensors (in dicts, lists and tuples too) on ``device``, as
-    ``prepare_data_loader`` moves a batch."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, Mapping):
-        moved = {k: on_device(v, device) for k, v in value.items()}
-        try:
-            return type(value)(moved)  # type: ignore[call-arg]
-        except TypeError:  # a mapping not made from a dict (a defaultdict): a dict
-            return moved
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(on_device(v, device) for v in value))
-    if isinstance(value, list | tuple):
-        return type(value)(on_device(v, device) for v in value)
-    return value
 
 
 class LoopData:
@@ -153,7 +136,7 @@ class LoopData:
     ) -> Iterator[Any]:
         for index, _, collated in reader.collated(epoch, first):
             self.position = Position(epoch, (index + 1) * batch_size, batch_size, length)
-            yield on_device(collated, self.device)
+            yield to_device(collated, self.device)
 
     def _check(self, dataset: Any, batch_size: Any, epoch: Any, num_workers: Any) -> None:
         def whole(value: Any) -> bool:

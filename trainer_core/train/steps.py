@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,24 @@ def batch_to_device(batch: dict[str, Any], device: torch.device) -> dict[str, An
         key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
         for key, value in batch.items()
     }
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value``'s tensors (in dicts, lists and tuples too) on ``device``, as Ray's
+    ``prepare_data_loader`` moves a batch: a batch as the loop's collate function made it."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, Mapping):
+        moved = {k: to_device(v, device) for k, v in value.items()}
+        try:
+            return type(value)(moved)  # type: ignore[call-arg]
+        except TypeError:  # a mapping not made from a dict (a defaultdict): a dict
+            return moved
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(to_device(v, device) for v in value))
+    if isinstance(value, list | tuple):
+        return type(value)(to_device(v, device) for v in value)
+    return value
 
 
 def accumulate_gradients(
