@@ -76,6 +76,21 @@ def test_a_position_of_a_newer_release_is_refused_naming_it(tmp_path: Path):
         data.restore(checkpoint)
 
 
+@pytest.mark.parametrize(
+    "body", [b'{"schema": 1, "epo', b'{"schema": 1, "epoch": 0}', b"[1, 2]", b"\x80\x04"]
+)
+def test_a_damaged_position_starts_the_epoch_over_and_says_so(tmp_path: Path, caplog, body):
+    """A position file cut short, missing a field, or not one at all: the resume goes on from
+    the epoch's first sample (the checkpoint's weights are still sound), with a warning."""
+    checkpoint = checkpoint_in(tmp_path, "checkpoint_1")
+    (Path(checkpoint.path) / POSITION_FILE).write_bytes(body)
+    data = LoopData(seed=3, rank=0, world_size=1)
+    data.pending = data.armed = True
+    data.restore(checkpoint)
+    assert data.resumed is None and not data.pending
+    assert "is not a loader position" in caplog.text
+
+
 def test_a_checkpoint_without_a_position_or_read_before_the_loop_runs_restores_none(
     tmp_path: Path,
 ):

@@ -5,11 +5,15 @@ ones it keeps."""
 from __future__ import annotations
 
 import json
+import logging
+import posixpath
 from typing import Any
 
 from trainer_core import storage
 from trainer_core.checkpoint.files import CheckpointInfo
 from trainer_core.checkpoint.run_directory import SCHEMA_VERSION, RunDirectory, check_schema
+
+logger = logging.getLogger("relaytrain.user_loop")
 
 #: Ray Train's record of a run's registered checkpoints (a user's own loop's commit record).
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
@@ -105,3 +109,27 @@ def read_report_record(run_dir: RunDirectory, name: str) -> dict[str, Any] | Non
 def _is_dir_name(name: str) -> bool:
     """Whether ``name`` (from Ray's snapshot) names a directory directly in the run's."""
     return "/" not in name and name not in ("", ".", "..")
+
+
+def add_file(checkpoint: Any, name: str, data: bytes, lost: str) -> bool:
+    """Put ``name`` into the directory a loop hands Ray (``checkpoint``: a ``ray.train.
+    Checkpoint``, on its own filesystem) before Ray takes it. A write that fails is logged with
+    ``lost``, what a resume from it goes without: the checkpoint still goes to Ray. Whether it
+    was written."""
+    try:
+        path = posixpath.join(str(checkpoint.path), name)
+        with checkpoint.filesystem.open_output_stream(path) as stream:
+            stream.write(data)
+    except (OSError, AttributeError) as e:
+        logger.warning("could not add %s to the checkpoint (%s): %s", name, e, lost)
+        return False
+    return True
+
+
+def read_added_file(checkpoint: Any, name: str) -> bytes:
+    """``name`` as ``add_file`` put it into a Ray checkpoint the loop read back (OSError: it
+    has none)."""
+    path = posixpath.join(str(checkpoint.path), name)
+    with checkpoint.filesystem.open_input_stream(path) as stream:
+        data: bytes = stream.read()
+    return data

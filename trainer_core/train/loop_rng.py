@@ -16,14 +16,13 @@ reported before it read its checkpoint.
 from __future__ import annotations
 
 import logging
-import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from trainer_core.checkpoint.ray_checkpoints import RNG_FILE
+from trainer_core.checkpoint.ray_checkpoints import RNG_FILE, add_file, read_added_file
 from trainer_core.checkpoint.training_state import (
     capture_rng,
     from_bytes,
@@ -122,16 +121,7 @@ class LoopRng:
         states, writer = gather_states(checkpoint is not None)
         if writer != self.rank:
             return False
-        try:
-            path = posixpath.join(str(checkpoint.path), RNG_FILE)
-            with checkpoint.filesystem.open_output_stream(path) as stream:
-                stream.write(rng_payload(states))
-        except (OSError, AttributeError) as e:  # the checkpoint still goes to Ray
-            logger.warning(
-                "could not add %s to the checkpoint (%s): a resume from it is not exact",
-                RNG_FILE,
-                e,
-            )
+        add_file(checkpoint, RNG_FILE, rng_payload(states), "a resume from it is not exact")
         return True
 
     def restore(self, checkpoint: Any) -> None:
@@ -155,12 +145,9 @@ class LoopRng:
 
 def _read_payload(checkpoint: Any) -> dict[str, Any] | None:
     """``RNG_FILE`` of a Ray checkpoint, or None when it has none (or not a readable one)."""
-    path = posixpath.join(str(checkpoint.path), RNG_FILE)
     try:
-        with checkpoint.filesystem.open_input_stream(path) as stream:
-            data = stream.read()
-        payload = from_bytes(data)
+        payload = from_bytes(read_added_file(checkpoint, RNG_FILE))
     except (OSError, CheckpointCorruptError, RuntimeError) as e:
-        logger.debug("no RNG states in %s: %s", path, e)
+        logger.debug("no RNG states in %s: %s", checkpoint.path, e)
         return None
     return payload if isinstance(payload, dict) else None

@@ -26,18 +26,17 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from trainer_core.checkpoint.ray_checkpoints import POSITION_FILE
+from trainer_core.checkpoint.ray_checkpoints import POSITION_FILE, add_file, read_added_file
 from trainer_core.checkpoint.run_directory import check_schema
 from trainer_core.data.sample_loader import RankSamples
 from trainer_core.data.samples import check_map_style
-from trainer_core.errors import SpecError
+from trainer_core.errors import IncompatibleRunError, SpecError
 from trainer_core.spec.sections import DataSection
 from trainer_core.train.steps import to_device
 
@@ -212,17 +211,12 @@ class LoopData:
         Ray, which writes the RNG states into it)."""
         if self.position is None:
             return
-        try:
-            path = posixpath.join(str(checkpoint.path), POSITION_FILE)
-            with checkpoint.filesystem.open_output_stream(path) as stream:
-                stream.write(position_payload(self.position))
-        except (OSError, AttributeError) as e:  # the checkpoint still goes to Ray
-            logger.warning(
-                "could not add %s to the checkpoint (%s): a resume from it starts the "
-                "epoch's samples over",
-                POSITION_FILE,
-                e,
-            )
+        add_file(
+            checkpoint,
+            POSITION_FILE,
+            position_payload(self.position),
+            "a resume from it starts the epoch's samples over",
+        )
 
     def restore(self, checkpoint: Any) -> None:
         """The loop read ``checkpoint`` (``ray.train.get_checkpoint()``): its first read of a
@@ -230,20 +224,28 @@ class LoopData:
         if not self.armed or not self.pending or checkpoint is None:
             return
         self.pending = False
-        path = posixpath.join(str(checkpoint.path), POSITION_FILE)
         try:
-            with checkpoint.filesystem.open_input_stream(path) as stream:
-                record = json.loads(stream.read())
-        except (OSError, ValueError) as e:
-            logger.debug("no loader position in %s: %s", path, e)
+            data = read_added_file(checkpoint, POSITION_FILE)
+        except OSError as e:  # a loop that reads no Dataset through dataloader()
+            logger.debug("no loader position in %s: %s", checkpoint.path, e)
             return
-        check_schema(record, path)
-        self.resumed = Position(
-            int(record["epoch"]),
-            int(record["samples"]),
-            int(record["batch_size"]),
-            int(record["length"]),
-        )
+        where = f"{checkpoint.path}/{POSITION_FILE}"
+        try:
+            record = json.loads(data)
+            if isinstance(record, dict):  # a schema this release does not read is refused
+                check_schema(record, where)
+            self.resumed = Position(
+                *(int(record[key]) for key in ("epoch", "samples", "batch_size", "length"))
+            )
+        except IncompatibleRunError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:  # not as dataloader() writes it
+            logger.warning(
+                "%s is not a loader position (%s): a resume from it starts the epoch's samples "
+                "over",
+                where,
+                e,
+            )
 
     def close(self) -> None:
         """End the reader's loader processes."""

@@ -11,7 +11,12 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer_core.checkpoint.history import write_metrics_segment
-from trainer_core.checkpoint.ray_checkpoints import REPORT_FILE, read_report_record, report_record
+from trainer_core.checkpoint.ray_checkpoints import (
+    REPORT_FILE,
+    add_file,
+    read_report_record,
+    report_record,
+)
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import (
     InjectedFault,
@@ -115,18 +120,13 @@ class ReportHook:
         """Put the report record into the directory the loop hands Ray (its own filesystem's)."""
         metrics = {k: v for k, v in row.items() if k not in ("attempt", "time")}
         data = report_record(step, self.reports, self.config.attempt, metrics)
-        try:
-            path = posixpath.join(str(checkpoint.path), REPORT_FILE)
-            with checkpoint.filesystem.open_output_stream(path) as stream:
-                stream.write(data)
-        except (OSError, AttributeError) as e:  # the checkpoint still goes to Ray
-            logger.warning(
-                "could not add %s to the checkpoint of report %d (%s): a resume from it "
-                "restarts the report count, and the result does not list it",
-                REPORT_FILE,
-                self.reports,
-                e,
-            )
+        add_file(
+            checkpoint,
+            REPORT_FILE,
+            data,
+            f"a resume from report {self.reports} restarts the report count, and the result "
+            "does not list it",
+        )
 
 
 def user_step(metrics: Any, report: int) -> int:
