@@ -71,16 +71,27 @@ def test_a_flow_whose_ray_address_answers_nothing_is_refused_up_front(relaytrain
 
 
 DRIVER = """
-import sys, time
+import os, sys, threading, time
+# Ray's bound for a silent GCS as a client made before ray.init reads it (the value at import):
+# 3 s here instead of Ray's 60, so that a client left with it ends the driver within the test.
+os.environ["RAY_gcs_rpc_server_reconnect_timeout_s"] = "3"
 import ray
+del os.environ["RAY_gcs_rpc_server_reconnect_timeout_s"]
 from trainer_core.execution import cluster, ray_head
 
 @ray.remote(num_cpus=0)
 def forever():
     time.sleep(3600)
 
+def ask_the_gcs():  # as Ray's own driver-side code does (internal KV, no timeout)
+    gcs = ray._private.worker.global_worker.gcs_client
+    while True:
+        gcs.internal_kv_get(b"relaytrain-probe", None)
+        time.sleep(0.2)
+
 with cluster.ray_cluster():
     ref = forever.remote()
+    threading.Thread(target=ask_the_gcs, daemon=True).start()
     print("connected", flush=True)
     try:
         ray.get(ref)
@@ -94,7 +105,13 @@ def test_a_driver_blocked_on_a_silent_head_leaves_it_after_the_silence(tmp_path)
     """The watch's own path (no attempt failed to ask it sooner): a driver blocked in a call to
     a cluster at an address whose head is gone, the head not back. The GCS silent for
     ``SILENCE_S``, the watch leaves the cluster: the call returns, the loss names the address,
-    and the process lives on past Ray's 60 s (relaytrain raises that bound for its driver)."""
+    and the process lives on past Ray's bound for a silent GCS (relaytrain raises it for its
+    driver).
+
+    That bound holds for every GCS client of the driver, the one ``ray.init`` makes before its
+    core worker too (``worker.gcs_client``, Ray's internal KV), which reads Ray's settings as
+    they were when ``ray`` was imported: a call on it pending when the head died ended a CI
+    flow 60 s later (``Failed to connect to GCS within 600 seconds``, though it waited 60)."""
     import os
     import subprocess
     import sys

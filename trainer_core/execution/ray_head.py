@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
+import ray._raylet
 from ray._private import services
 
 from trainer_core.errors import InfrastructureError, LeaseLostError, SpecError
@@ -296,15 +297,22 @@ def await_head(address: str, poll_s: float = 2.0, first_contact_s: float = FIRST
 def driver_settings() -> Iterator[None]:
     """Around ``ray.init(address)``: Ray's reconnect bound raised for this driver (``RECONNECT_S``)
     unless the user set it, read as the driver connects, and the environment as it was after
-    (a local cluster started later must not inherit it)."""
-    if RECONNECT_ENV in os.environ:
-        yield
-        return
-    os.environ[RECONNECT_ENV] = str(RECONNECT_S)
+    (a local cluster started later must not inherit it).
+
+    Ray reads its settings from the environment once, as ``ray`` is imported, and again only as
+    a core worker starts. The GCS client ``ray.init`` makes before its core worker (the
+    driver's ``gcs_client``, what Ray's internal KV calls go through) would keep the bound of
+    the import, 60 s: a call on it pending when the head died ended the flow then, the watch
+    still leaving. So Ray's settings are read again here, with the bound in the environment."""
+    ours = RECONNECT_ENV not in os.environ
+    if ours:
+        os.environ[RECONNECT_ENV] = str(RECONNECT_S)
     try:
+        ray._raylet.Config.initialize("")  # type: ignore[attr-defined]  # read again, now
         yield
     finally:
-        os.environ.pop(RECONNECT_ENV, None)
+        if ours:
+            os.environ.pop(RECONNECT_ENV, None)
 
 
 def _await_lost(address: str, gcs_address: str, poll_s: float) -> None:
