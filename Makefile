@@ -13,7 +13,7 @@ PREFECT_HOST ?= 127.0.0.1
 PREFECT_PORT ?= 4200
 API_URL := http://$(PREFECT_HOST):$(PREFECT_PORT)/api
 
-.PHONY: install system test lint run clean server worker deploy serve bench chaos
+.PHONY: install system test lint run clean server worker deploy serve bench chaos adversary
 
 $(STAMP): pyproject.toml
 	@PYTHON=$(PYTHON) tools/install.sh venv
@@ -52,6 +52,13 @@ bench: $(STAMP)
 # others (CHAOS_ARGS: --seed N, --faults N, --mean-gap-s S).
 chaos: $(STAMP)
 	$(PY) -m bench.chaos $(CHAOS_ARGS) && $(PY) -m bench
+
+# The seeded adversary (tools/adversary.py, tests/adversary/): scenarios of real use, faults and
+# damage drawn from consecutive seeds for about 30 minutes, each judged by oracles of its own; the
+# result in bench/results/<date>-adversary.json (ADVERSARY_ARGS: --minutes M, --first-seed N,
+# --shrink; --seed N replays one).
+adversary: $(STAMP)
+	$(PY) -m tools.adversary $(ADVERSARY_ARGS)
 
 # A Prefect server with its UI on http://127.0.0.1:4200 (SQLite under ~/.prefect by default;
 # PostgreSQL with PREFECT_SERVER_DATABASE_CONNECTION_URL=postgresql+asyncpg://user:pw@host/db).

@@ -24,8 +24,8 @@ def newest_results(results_dir: Path = RESULTS_DIR) -> dict[str, dict[str, Any]]
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if data.get("schema") != SCHEMA_VERSION or data.get("quick"):
-            continue
+        if data.get("schema") != SCHEMA_VERSION or data.get("quick") or "benchmark" not in data:
+            continue  # an older format, a quick run, or not a benchmark (the adversary's)
         name = data["benchmark"]
         if name not in newest or data["started_at"] > newest[name]["started_at"]:
             newest[name] = {**data, "_file": path.name}

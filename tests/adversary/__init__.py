@@ -1,0 +1,17 @@
+"""A seeded adversary: whole scenarios of real use, faults and damage drawn from one integer
+seed, driven through relaytrain's public surface and judged by oracles that do not share its
+rules (after FoundationDB's simulation tests, TigerBeetle's VOPR and Jepsen).
+
+- ``scenario``: the seed's scenario (a spec, its data as a writer makes it, a history of
+  operator actions, each with at most one fault or damage), as plain values that print and
+  replay;
+- ``data``: the Parquet table a scenario trains on, and the damage done to it;
+- ``world``: what scenarios share (a Prefect server, a Ray head, a moto S3 server);
+- ``drive``: the history played against ``relaytrain run/show/export``, as a user's shell
+  would, and what each command did;
+- ``reference``: the same history without its faults, once per scenario shape (cached);
+- ``oracles``: what must hold after a scenario, each a check of its own;
+- ``shrink``: the smallest history that still breaks a guarantee.
+
+``tools/adversary.py`` runs a campaign (``make adversary``) and replays one seed.
+"""

@@ -1,0 +1,360 @@
+"""A scenario's history played against the `relaytrain` command, as an operator's shell plays
+it: each action one command (a process group of its own, its output in a log file), each fault
+done to the command or to storage from outside, and what every command did recorded for the
+oracles (``Outcome``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from tests.adversary import data as tables
+from tests.adversary.scenario import Action, Fault, Scenario, Shape
+from tests.adversary.store import RunFiles
+from tests.adversary.world import World
+
+#: How long the processes of a command that has ended may take to end after it (a Ray
+#: worker's loader, a Prefect log flusher) before they count as left running.
+LEFT_RUNNING_GRACE_S = 60.0
+
+
+@dataclass
+class Outcome:
+    """What one command did."""
+
+    index: int  # the action's place in the history
+    kind: str  # the action, or what the driver ran for it ("again": after a kill or a repair)
+    argv: list[str]
+    code: int | None
+    log: str
+    expect: str = "ok"  # ok, killed, lease_refused, damaged_data
+    fault: Fault | None = None
+    #: raise, kill_rank: the step it was placed at, and the attempt it was for.
+    fault_step: int | None = None
+    fault_attempt: int | None = None
+    attempts_before: int = 0
+    attempts_after: int = 0
+    committed_before: list[int] = field(default_factory=list)
+    committed_after: list[int] = field(default_factory=list)
+    left_running: list[str] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(Path(self.log).read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+def spec_raw(
+    scenario: Scenario,
+    *,
+    name: str,
+    storage: str,
+    dataset: Path,
+    epochs: int,
+    workers: int,
+    faults: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The run spec of the scenario's shape at ``epochs`` on ``workers``: the tabular form of a
+    small MLP with dropout on the scenario's Parquet files (``tests/adversary/data.py``)."""
+    shape: Shape = scenario.shape
+    optimizer: dict[str, Any] = {"name": shape.optimizer, "lr": 0.01}
+    if shape.optimizer == "sgd":
+        optimizer.update(lr=0.05, momentum=0.9)
+    if shape.accumulation != 1:
+        optimizer["grad_accumulation"] = shape.accumulation
+    schedule: dict[str, Any] = {"epochs": epochs}
+    if shape.cosine:
+        schedule.update(lr_schedule="cosine", warmup_steps=3)
+    return {
+        "run": {"name": name, "storage": storage, "seed": shape.seed},
+        "model": {"name": "mlp", "kwargs": {"hidden": list(shape.hidden), "dropout": 0.1}},
+        "data": {
+            "dataset": str(dataset),
+            "features": "x",
+            "label": "y",
+            "task": "regression",
+            "batch_size": shape.batch_size,
+            "validation_fraction": 0.25 if shape.validation else 0,
+            "shuffle_window": 64,
+            "partitions": 2,
+        },
+        "optimizer": optimizer,
+        "schedule": schedule,
+        "scaling": {"num_workers": workers},
+        "checkpoint": {
+            "every": shape.every,
+            "keep_last": shape.keep_last,
+            "keep_best": shape.keep_best,
+            "best_metric": "val_loss" if shape.validation else "loss",
+        },
+        "report": {"every": 5},
+        "retries": {"infrastructure": 2, "code": 1, "delay_s": 0, "jitter": 0},
+        "faults": faults or [],
+    }
+
+
+def child_uri(storage: str, name: str) -> str:
+    """``name`` under a storage path or URI (its query, an S3 endpoint, kept at the end)."""
+    path, mark, query = storage.partition("?")
+    return f"{path.rstrip('/')}/{name}{mark}{query}"
+
+
+def fault_step(at: int, first: int, last: int) -> int:
+    """The step a raise or kill placed at ``at`` thousandths of a command's steps fires at: one
+    of ``first + 1 .. last`` (``first``: the steps done before the command), past its first
+    step so that the command trained before it."""
+    if last <= first + 1:
+        return last
+    return first + 2 + at * (last - first - 1) // 1000
+
+
+class Player:
+    """Plays ``scenario`` in ``workdir`` against ``world``'s `relaytrain`; ``steps_per_epoch``
+    (the reference run's) places the faults."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        world: World,
+        workdir: Path,
+        steps_per_epoch: int,
+        label: str = "adv",
+    ):
+        self.scenario = scenario
+        self.world = world
+        self.workdir = workdir
+        self.steps_per_epoch = steps_per_epoch
+        self.rng = random.Random(scenario.seed * 7919 + 1)  # where damage lands in a file
+        self.name = f"adversary-{scenario.seed}"
+        self.dataset = workdir / "data"
+        prefix = f"{label}-{scenario.seed}-{os.getpid()}-{workdir.name}"
+        self.storage = world.storage_uri(scenario.shape.storage, prefix)
+        self.run_uri = child_uri(self.storage, self.name)
+        creds = world.s3.credential_env() if world.s3 is not None else {}
+        self.files = RunFiles.at(self.run_uri, creds)
+        self.epochs = scenario.shape.epochs
+        self.workers = scenario.shape.workers
+        self.outcomes: list[Outcome] = []
+        self._count = 0
+
+    # -- the history ----------------------------------------------------------------------------
+
+    def play(self) -> list[Outcome]:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tables.write(self.scenario.data, self.dataset)
+        for index, action in enumerate(self.scenario.history):
+            if action.kind in ("run", "rerun", "continue"):
+                self._train(index, action)
+            elif action.kind == "show":
+                self._command(index, "show", ["show", self.run_uri, *action.option.split()])
+            elif action.kind == "export":
+                self._export(index, action)
+        return self.outcomes
+
+    def _train(self, index: int, action: Action) -> None:
+        first = self.epochs * self.steps_per_epoch if action.kind != "run" else 0
+        if action.kind == "continue":
+            self.epochs += action.epochs
+            self.workers = action.workers or self.workers
+        last = self.epochs * self.steps_per_epoch
+        fault = action.fault
+        restore = self._damage(fault) if fault else None
+        faults: list[dict[str, Any]] = []
+        placed: dict[str, Any] = {}
+        if fault and fault.kind in ("raise", "kill_rank"):
+            step = fault_step(fault.at, first, last)
+            attempt = len(self.files.attempts()) + 1
+            kind = "raise" if fault.kind == "raise" else "kill"
+            rank = min(fault.rank, self.workers - 1)
+            faults.append({"kind": kind, "at_step": step, "rank": rank, "attempt": attempt})
+            placed = {"fault_step": step, "fault_attempt": attempt}
+        argv = self._run_argv(index, faults)
+        expect = "damaged_data" if fault and fault.kind == "flip_data" else "ok"
+        if fault and fault.kind in ("kill_flow", "second_flow"):
+            outcome = self._interrupted(index, action.kind, argv, fault)
+        else:
+            outcome = self._command(index, action.kind, argv, expect=expect, fault=fault, **placed)
+        if restore is not None:  # the operator restores the file from its source, runs again
+            restore()
+            self._command(index, "again", argv)
+        elif outcome.expect == "killed":
+            self._command(index, "again", argv)
+
+    def _run_argv(self, index: int, faults: list[dict[str, Any]]) -> list[str]:
+        raw = spec_raw(
+            self.scenario,
+            name=self.name,
+            storage=self.storage,
+            dataset=self.dataset,
+            epochs=self.epochs,
+            workers=self.workers,
+            faults=faults,
+        )
+        path = self.workdir / f"spec-{index}-{len(self.outcomes)}.yaml"
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        return ["run", "--config", str(path), "--result-json", str(path.with_suffix(".json"))]
+
+    def _export(self, index: int, action: Action) -> None:
+        out = self.workdir / f"export-{index}.pt"
+        outcome = self._command(
+            index, "export", ["export", self.run_uri, f"--{action.option}", str(out)]
+        )
+        summary = self.files.summary() or {}
+        outcome.detail.update(out=str(out), summary=summary)
+
+    # -- damage ---------------------------------------------------------------------------------
+
+    def _damage(self, fault: Fault) -> Any:
+        """Damage storage before a command; returns how to undo it where the operator would
+        (a data file restored from its source), else None."""
+        if fault.kind == "add_file":
+            tables.add_file(self.scenario.data, self.dataset, fault.what)
+        elif fault.kind == "flip_data":
+            files = sorted(self.dataset.glob("part-0*.parquet"))
+            victim = files[int(fault.what or 0) % len(files)]
+            original = tables.flip_page_byte(victim, self.rng)
+            return lambda: victim.write_bytes(original)
+        elif fault.kind in ("flip_checkpoint", "flip_best"):
+            step = self._target_checkpoint(fault.kind)
+            if step is not None:
+                self._flip_model(step)
+        return None
+
+    def _target_checkpoint(self, kind: str) -> int | None:
+        committed = self.files.committed_steps()
+        if not committed:
+            return None
+        if kind == "flip_checkpoint":
+            return committed[-1]
+        best = (self.files.summary() or {}).get("best_checkpoint_uri")
+        if not best:
+            return None
+        step = int(best.rstrip("/").rsplit("checkpoint-", 1)[-1].split("?")[0].strip("/"))
+        return step if step in committed else None
+
+    def _flip_model(self, step: int) -> None:
+        name = f"checkpoint-{step:09d}/model.pt"
+        damaged = bytearray(self.files.read(name))
+        damaged[len(damaged) // 2] ^= 0xFF
+        self.files.write(name, bytes(damaged))
+
+    # -- commands -------------------------------------------------------------------------------
+
+    def _start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], str, Path]:
+        self._count += 1
+        marker = f"{self.name}-{os.getpid()}-{self._count}"
+        log = self.workdir / f"command-{self._count:02d}-{argv[0]}.log"
+        command = [self.world.python, "-m", "flows.cli", *argv]
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                command,
+                cwd=self.world.target,
+                env=self.world.env(marker, self.scenario.shape.storage),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return process, marker, log
+
+    def _command(
+        self,
+        index: int,
+        kind: str,
+        argv: list[str],
+        expect: str = "ok",
+        fault: Fault | None = None,
+        **placed: Any,
+    ) -> Outcome:
+        before = self._state()
+        process, marker, log = self._start(argv)
+        code = process.wait()
+        return self._record(index, kind, argv, code, log, marker, before, expect, fault, placed)
+
+    def _interrupted(self, index: int, kind: str, argv: list[str], fault: Fault) -> Outcome:
+        """The command killed (``kill_flow``) or doubled (``second_flow``) once it has committed
+        ``fault.at`` checkpoints; a command that ends first is recorded as it ended."""
+        before = self._state()
+        process, marker, log = self._start(argv)
+        while process.poll() is None:
+            new = [s for s in self.files.committed_steps() if s not in before[1]]
+            if len(new) >= fault.at:
+                break
+            time.sleep(0.2)
+        if process.poll() is not None:  # it ended before the fault could happen
+            outcome = self._record(index, kind, argv, process.returncode, log, marker, before)
+            outcome.detail["fault_missed"] = fault.kind
+            return outcome
+        if fault.kind == "kill_flow":
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            code = process.wait()
+            return self._record(index, kind, argv, code, log, marker, before, "killed", fault)
+        second = self._command(index, "second_flow", argv, expect="lease_refused", fault=fault)
+        if second.code == 0 and process.poll() is not None:
+            second.expect = "ok"  # the first had ended meanwhile: the run was free to take
+        code = process.wait()
+        outcome = self._record(index, kind, argv, code, log, marker, before, "ok", None)
+        outcome.detail["second"] = second.code
+        return outcome
+
+    def _state(self) -> tuple[int, list[int]]:
+        return len(self.files.attempts()), self.files.committed_steps()
+
+    def _record(
+        self,
+        index: int,
+        kind: str,
+        argv: list[str],
+        code: int | None,
+        log: Path,
+        marker: str,
+        before: tuple[int, list[int]],
+        expect: str = "ok",
+        fault: Fault | None = None,
+        placed: dict[str, Any] | None = None,
+    ) -> Outcome:
+        after = self._state()
+        outcome = Outcome(
+            index=index,
+            kind=kind,
+            argv=argv,
+            code=code,
+            log=str(log),
+            expect=expect,
+            fault=fault,
+            attempts_before=before[0],
+            attempts_after=after[0],
+            committed_before=before[1],
+            committed_after=after[1],
+            left_running=left_running(marker),
+            **(placed or {}),
+        )
+        self.outcomes.append(outcome)
+        return outcome
+
+
+def left_running(marker: str) -> list[str]:
+    """The processes a command started (its marker in their environment) still running once
+    ``LEFT_RUNNING_GRACE_S`` has passed since it ended."""
+
+    def ours() -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if process.environ().get("RELAYTRAIN_ADVERSARY") == marker:
+                    found.append(process)
+        return found
+
+    _, alive = psutil.wait_procs(ours(), timeout=LEFT_RUNNING_GRACE_S)
+    return [f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in alive if p.is_running()]

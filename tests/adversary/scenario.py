@@ -1,0 +1,238 @@
+"""A scenario drawn from one integer seed: the spec, the data as a writer makes it, and the
+history of what an operator does, each command with at most one fault or damage.
+
+Everything here is a plain value (frozen dataclasses of ints, strings and tuples), so a scenario
+prints, serializes to JSON, compares, and is the same on any machine for the same seed
+(``random.Random(seed)``, nothing else). ``draw(seed)`` is the only entry point; the shrinker
+builds smaller scenarios with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+#: What an operator does, one command each: run the spec; run the same command again; continue
+#: a run with more epochs (and perhaps another worker count); read the run (``show``,
+#: ``show --time``); export a checkpoint's model (``--best`` or ``--latest``).
+ACTIONS = ("run", "rerun", "continue", "show", "export")
+
+#: What goes wrong, each tied to the command it hits:
+#: - during a command: ``raise`` (the training code raises as a step begins: a Prefect retry),
+#:   ``kill_rank`` (a worker process SIGKILLed as a step begins: a restart in place),
+#:   ``kill_flow`` (the command's whole process group SIGKILLed once a checkpoint is committed;
+#:   the operator runs the command again), ``second_flow`` (the same command started again
+#:   while the first trains: refused, the first goes on);
+#: - before a command: ``flip_checkpoint`` (a byte of the newest committed checkpoint's model
+#:   flipped while no flow runs: the resume must not read it), ``flip_best`` (the same to the
+#:   best checkpoint of a finished run, which then continues: it must not stay the best),
+#:   ``flip_data`` (a byte in a data page of one dataset file: the run must stop naming it, on
+#:   no retry, and succeed once the file is restored), ``add_file`` (a file lands in the
+#:   dataset's directory: a valid one, one half-written, one of another schema; the run's
+#:   snapshot does not read it and nothing stops).
+FAULTS = (
+    "raise",
+    "kill_rank",
+    "kill_flow",
+    "second_flow",
+    "flip_checkpoint",
+    "flip_best",
+    "flip_data",
+    "add_file",
+)
+#: The faults that fire while the command trains (the others damage storage before it).
+DURING = ("raise", "kill_rank", "kill_flow", "second_flow")
+ADDED_FILES = ("valid", "half_written", "other_schema")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    #: raise, kill_rank: where among the command's steps it fires, in thousandths (the step
+    #: itself is placed once the steps of an epoch are known: ``drive.fault_step``);
+    #: kill_flow, second_flow: the checkpoints the command commits before it happens.
+    at: int = 0
+    rank: int = 0
+    #: add_file: which file lands (``ADDED_FILES``); flip_data: which dataset file.
+    what: str = ""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    #: continue: the epochs added, and the worker count from then on (0: unchanged).
+    epochs: int = 0
+    workers: int = 0
+    #: show: with ``--time``; export: ``best`` or ``latest``.
+    option: str = ""
+    fault: Fault | None = None
+
+
+@dataclass(frozen=True)
+class Data:
+    """The table: ``files`` Parquet files of ``rows`` rows each, ``features`` float columns and
+    a float label, row groups of ``row_group`` rows, page checksums on (as Spark writes)."""
+
+    files: int
+    rows: int
+    features: int
+    row_group: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The spec's knobs (the rest of the spec is fixed: ``spec_of`` in ``drive``)."""
+
+    workers: int
+    batch_size: int
+    accumulation: int
+    epochs: int
+    every: int
+    validation: bool
+    keep_last: int | None
+    keep_best: int
+    hidden: tuple[int, ...]
+    optimizer: str
+    cosine: bool
+    storage: str  # "local" or "s3"
+    seed: int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    seed: int
+    shape: Shape
+    data: Data
+    history: tuple[Action, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> Scenario:
+        raw = json.loads(text)
+        history = tuple(
+            Action(**{**a, "fault": Fault(**a["fault"]) if a["fault"] else None})
+            for a in raw["history"]
+        )
+        shape = Shape(**{**raw["shape"], "hidden": tuple(raw["shape"]["hidden"])})
+        return Scenario(raw["seed"], shape, Data(**raw["data"]), history)
+
+    def kinds(self) -> dict[str, list[str]]:
+        """The action and fault kinds this scenario exercises (the campaign's coverage)."""
+        return {
+            "actions": sorted({a.kind for a in self.history}),
+            "faults": sorted({a.fault.kind for a in self.history if a.fault}),
+        }
+
+    def describe(self) -> str:
+        steps = []
+        for a in self.history:
+            words = [a.kind]
+            if a.kind == "continue":
+                words.append(
+                    f"+{a.epochs} epochs" + (f" on {a.workers} workers" if a.workers else "")
+                )
+            if a.option:
+                words.append(a.option)
+            if a.fault:
+                f = a.fault
+                detail = {
+                    "raise": f"at {f.at / 10:.1f}% of its steps",
+                    "kill_rank": f"rank {f.rank} at {f.at / 10:.1f}% of its steps",
+                    "kill_flow": f"after {f.at} commits",
+                    "second_flow": f"after {f.at} commits",
+                    "add_file": f.what,
+                    "flip_data": f"file {f.what}",
+                }.get(f.kind, "")
+                words.append(f"[{f.kind}{' ' + detail if detail else ''}]")
+            steps.append(" ".join(words))
+        s = self.shape
+        return (
+            f"seed {self.seed}: {s.workers} worker(s), batch {s.batch_size}x{s.accumulation}, "
+            f"{s.epochs} epochs, checkpoint every {s.every}, "
+            f"{'validation' if s.validation else 'no validation'}, keep_last {s.keep_last}, "
+            f"keep_best {s.keep_best}, {s.storage} storage; {self.data.files} file(s) of "
+            f"{self.data.rows} rows, row groups of {self.data.row_group}; " + " -> ".join(steps)
+        )
+
+
+def draw(seed: int) -> Scenario:
+    """The scenario of ``seed``."""
+    rng = random.Random(seed)
+    data = Data(
+        files=rng.choice((1, 2, 3)),
+        rows=rng.choice((192, 256, 320)),
+        features=rng.randint(3, 9),
+        row_group=rng.choice((16, 24, 50, 64)),
+        seed=rng.randrange(2**31),
+    )
+    accumulation = rng.choice((1, 1, 2))
+    shape = Shape(
+        workers=rng.choice((1, 2, 2)),
+        batch_size=16 if accumulation > 1 else rng.choice((16, 32)),
+        accumulation=accumulation,
+        epochs=rng.choice((2, 3)),
+        every=rng.choice((2, 3, 4, 5, 7)),
+        validation=rng.random() < 0.6,
+        keep_last=rng.choice((None, 1, 2, 3)),
+        keep_best=rng.choice((0, 1)),
+        hidden=rng.choice(((8,), (16, 16), (12, 8))),
+        optimizer=rng.choice(("adam", "sgd")),
+        cosine=rng.random() < 0.5,
+        storage=rng.choice(("local", "local", "s3")),
+        seed=rng.randrange(1000),
+    )
+    history = [Action("run", fault=_during(rng, shape))]
+    epochs = shape.epochs
+    for _ in range(rng.randint(0, 3)):
+        kind = rng.choice(("rerun", "rerun", "continue", "continue", "continue", "show", "export"))
+        if kind == "continue":
+            more = rng.choice((1, 2))
+            workers = rng.choice((0, 0, 1, 2))
+            # A damaged newest (or best) checkpoint moves the resume before the continue's
+            # first step: on another worker count, steps the reference trained on the old one
+            # (the bits of a step depend on the world size: each rank draws its own dropout).
+            fault = _before_continue(rng, data, workers == 0) or _during(rng, shape)
+            history.append(Action("continue", epochs=more, workers=workers, fault=fault))
+            epochs += more
+        elif kind == "rerun":
+            fault = Fault("add_file", what=rng.choice(ADDED_FILES)) if rng.random() < 0.5 else None
+            history.append(Action("rerun", fault=fault))
+        elif kind == "show":
+            history.append(Action("show", option=rng.choice(("", "--time"))))
+        else:
+            history.append(Action("export", option=rng.choice(("best", "latest"))))
+    return Scenario(seed, shape, data, tuple(history))
+
+
+def _during(rng: random.Random, shape: Shape) -> Fault | None:
+    """A fault while a command trains (or none)."""
+    kind = rng.choice((None, "raise", "kill_rank", "kill_flow", "second_flow"))
+    if kind is None:
+        return None
+    if kind in ("kill_flow", "second_flow"):
+        return Fault(kind, at=rng.randint(1, 2))
+    rank = rng.randrange(shape.workers) if kind == "kill_rank" else 0
+    return Fault(kind, at=rng.randrange(1000), rank=rank)
+
+
+def _before_continue(rng: random.Random, data: Data, same_workers: bool) -> Fault | None:
+    """Damage done to a finished run or its data before it continues (or none); a checkpoint
+    damaged only where the continue keeps the worker count."""
+    kind = rng.choice((None, None, "flip_best", "flip_checkpoint", "flip_data", "add_file"))
+    if kind in ("flip_best", "flip_checkpoint") and not same_workers:
+        kind = None
+    if kind == "add_file":
+        return Fault("add_file", what=rng.choice(ADDED_FILES))
+    if kind == "flip_data":
+        return Fault("flip_data", what=str(rng.randrange(data.files)))
+    return Fault(kind) if kind else None
+
+
+def as_dict(scenario: Scenario) -> dict[str, Any]:
+    return dataclasses.asdict(scenario)

@@ -1,0 +1,91 @@
+"""The adversary's own machinery, without running a scenario: a seed draws one scenario, the
+seeds together reach every action and fault, shrinking only makes scenarios smaller, and the
+damage it does to data is damage pyarrow sees."""
+
+from __future__ import annotations
+
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.adversary import data as tables
+from tests.adversary.drive import child_uri, fault_step
+from tests.adversary.scenario import ACTIONS, FAULTS, Scenario, draw
+from tests.adversary.shrink import shrink, smaller
+
+
+def test_a_seed_is_one_scenario_that_survives_json():
+    for seed in range(50):
+        scenario = draw(seed)
+        assert draw(seed) == scenario
+        assert Scenario.from_json(scenario.to_json()) == scenario
+        assert scenario.history[0].kind == "run"
+    assert len({draw(seed).to_json() for seed in range(50)}) == 50
+
+
+def test_the_seeds_reach_every_action_and_fault():
+    actions, faults = set(), set()
+    for seed in range(300):
+        kinds = draw(seed).kinds()
+        actions.update(kinds["actions"])
+        faults.update(kinds["faults"])
+    assert actions == set(ACTIONS)
+    assert faults == set(FAULTS)
+
+
+def test_shrinking_drops_actions_and_faults_but_never_the_first_run():
+    scenario = next(s for s in map(draw, range(300)) if len(s.history) >= 3)
+    for candidate in smaller(scenario):
+        assert candidate.history[0].kind == "run"
+        dropped = len(scenario.history) - len(candidate.history)
+        faults = sum(a.fault is not None for a in candidate.history)
+        assert dropped == 1 or faults == sum(a.fault is not None for a in scenario.history) - 1
+
+    # What still "fails" here: any history holding a continue. The shrink ends at the first
+    # run and one continue, without its fault.
+    if not any(a.kind == "continue" for a in scenario.history):
+        return
+    smallest, played = shrink(
+        scenario, lambda s: any(a.kind == "continue" for a in s.history), budget=100
+    )
+    assert [a.kind for a in smallest.history] == ["run", "continue"]
+    assert all(a.fault is None for a in smallest.history[1:])
+    assert 0 < played <= 100
+
+
+@pytest.mark.parametrize("first,last", [(0, 30), (20, 45), (0, 2), (10, 11)])
+def test_a_fault_lands_inside_the_commands_steps(first, last):
+    steps = {fault_step(at, first, last) for at in range(1000)}
+    assert min(steps) >= min(first + 2, last) and max(steps) <= last
+
+
+def test_a_child_of_an_s3_storage_keeps_the_endpoint_at_the_end():
+    uri = "s3://bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert child_uri(uri, "r") == "s3://bucket/runs/r?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert child_uri("/tmp/store/", "r") == "/tmp/store/r"
+
+
+def test_the_damage_is_what_a_parquet_reader_meets(tmp_path):
+    spec = draw(3).data
+    paths = tables.write(spec, tmp_path / "data")
+    assert len(paths) == spec.files
+    whole = pq.read_table(paths[0])
+    assert whole.num_rows == spec.rows
+    assert pq.ParquetFile(paths[0]).metadata.num_row_groups == -(-spec.rows // spec.row_group)
+
+    original = tables.flip_page_byte(paths[0], random.Random(0))
+    assert paths[0].stat().st_size == len(original)  # size and footer unchanged
+    with pytest.raises(OSError):  # the page's CRC32 no longer matches
+        pq.read_table(paths[0], page_checksum_verification=True)
+    paths[0].write_bytes(original)
+    assert pq.read_table(paths[0], page_checksum_verification=True).equals(whole)
+
+    half = tables.add_file(spec, tmp_path / "data", "half_written")
+    with pytest.raises(pa.ArrowInvalid):
+        pq.read_metadata(half)
+    other = tables.add_file(spec, tmp_path / "data", "other_schema")
+    assert pq.read_schema(other).names == ["features", "target"]
+    valid = tables.add_file(spec, tmp_path / "data", "valid")
+    assert pq.read_schema(valid) == pq.read_schema(paths[0])

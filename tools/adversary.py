@@ -1,0 +1,169 @@
+"""The seeded adversary's campaign (``make adversary``): scenarios drawn from consecutive seeds,
+each played against `relaytrain` and judged (``tests/adversary``), until ``--minutes`` have
+passed; the result in ``bench/results/<date>-adversary.json``.
+
+    python -m tools.adversary [--minutes 30] [--first-seed 1]
+    python -m tools.adversary --seed 17              replay one seed (and shrink it if it fails)
+    python -m tools.adversary --scenario FILE.json   replay a scenario written by a shrink
+    python -m tools.adversary --target DIR --python DIR/.venv/bin/python ...
+                                                     drive another checkout's `relaytrain`
+
+Every violation prints its seed and the command that replays it; ``--shrink`` then looks for
+the smallest history that still fails and writes it beside the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def play_one(scenario: Any, w: Any, root: Path) -> dict[str, Any]:
+    """One scenario played and judged: its record for the campaign's result."""
+    from tests.adversary.drive import Player
+    from tests.adversary.oracles import judge
+    from tests.adversary.reference import reference
+
+    started = time.monotonic()
+    record: dict[str, Any] = {"seed": scenario.seed, "scenario": scenario.describe()}
+    record.update(scenario.kinds())
+    try:
+        ref = reference(scenario, w, root / "references")
+        root.mkdir(parents=True, exist_ok=True)
+        workdir = Path(tempfile.mkdtemp(dir=root, prefix=f"seed-{scenario.seed}-"))
+        player = Player(scenario, w, workdir, ref.steps_per_epoch)
+        player.play()
+        checks, violations = judge(player, ref, w.secrets())
+        record["checks"] = checks
+        record["commands"] = [
+            {"kind": o.kind, "code": o.code, "expect": o.expect, "log": o.log}
+            for o in player.outcomes
+        ]
+        record["violations"] = [v.as_dict() for v in violations]
+    except Exception as e:  # the adversary's own failure is reported, not a verdict
+        record["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        record["violations"] = []
+    record["seconds"] = round(time.monotonic() - started, 1)
+    return record
+
+
+def still_fails(record: dict[str, Any], w: Any, root: Path) -> Any:
+    """Whether a smaller scenario still violates an invariant ``record`` violated."""
+    invariants = {v["invariant"] for v in record["violations"]}
+
+    def fails(candidate: Any) -> bool:
+        got = play_one(candidate, w, root)
+        return bool(invariants & {v["invariant"] for v in got["violations"]})
+
+    return fails
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.adversary", description=__doc__)
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--first-seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, action="append", default=[])
+    parser.add_argument("--scenario", type=Path)
+    parser.add_argument("--shrink", action="store_true")
+    parser.add_argument("--target", type=Path, default=REPO)
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--root", type=Path, help="where scenarios write (default: a temp dir)")
+    parser.add_argument("--out", type=Path, help="the result file (default: bench/results/)")
+    args = parser.parse_args(argv)
+
+    from tests.adversary.scenario import Scenario, draw
+    from tests.adversary.shrink import shrink
+    from tests.adversary.world import describe, world
+
+    root = args.root or Path(tempfile.mkdtemp(prefix="adversary-"))
+    replaying = bool(args.seed or args.scenario)
+    deadline = time.monotonic() + args.minutes * 60
+    records = []
+    with world(root, args.target.resolve(), args.python) as w:
+        if args.scenario:
+            queue = [Scenario.from_json(args.scenario.read_text())]
+        else:
+            queue = [draw(seed) for seed in args.seed]
+        seed = args.first_seed
+        while queue or (not replaying and time.monotonic() < deadline):
+            scenario = queue.pop(0) if queue else draw(seed)
+            seed += 0 if replaying else 1
+            record = play_one(scenario, w, root)
+            records.append(record)
+            status = (
+                "VIOLATED" if record["violations"] else ("ERROR" if "error" in record else "ok")
+            )
+            print(f"[{status}] {record['scenario']} ({record['seconds']} s)", flush=True)
+            for v in record["violations"]:
+                print(f"    {v['invariant']}: {v['what']}", flush=True)
+            if record.get("error"):
+                print(f"    adversary error: {record['error'][:2000]}", flush=True)
+            if record["violations"]:
+                print(f"    replay: python -m tools.adversary --seed {scenario.seed}", flush=True)
+                if args.shrink:
+                    smallest, played = shrink(scenario, still_fails(record, w, root / "shrink"))
+                    path = root / f"shrunk-{scenario.seed}.json"
+                    path.write_text(smallest.to_json())
+                    record["shrunk"] = {
+                        "scenario": smallest.describe(),
+                        "played": played,
+                        "file": str(path),
+                    }
+                    print(f"    shrunk ({played} played): {smallest.describe()}", flush=True)
+                    print(f"    replay: python -m tools.adversary --scenario {path}", flush=True)
+        context = describe(w)
+    result = summarize(records, context, args)
+    out = args.out or REPO / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-adversary.json"
+    if not replaying or args.out:
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"result: {out}")
+    print(json.dumps({k: result[k] for k in ("scenarios", "violations", "errors")}))
+    return 1 if result["violations"] or result["errors"] else 0
+
+
+def summarize(records: list[dict[str, Any]], context: dict[str, Any], args: Any) -> dict[str, Any]:
+    actions: collections.Counter[str] = collections.Counter()
+    faults: collections.Counter[str] = collections.Counter()
+    checks: collections.Counter[str] = collections.Counter()
+    for r in records:
+        actions.update(r.get("actions", []))
+        faults.update(r.get("faults", []))
+        checks.update(r.get("checks", []))
+    return {
+        "schema": 1,
+        "kind": "adversary",
+        "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "target": context,
+        "minutes": args.minutes,
+        "scenarios": len(records),
+        "actions": dict(actions),
+        "faults": dict(faults),
+        "invariants_checked": dict(checks),
+        "violations": [
+            {
+                "seed": r["seed"],
+                **v,
+                "scenario": r["scenario"],
+                **({"shrunk": r["shrunk"]} if "shrunk" in r else {}),
+            }
+            for r in records
+            for v in r["violations"]
+        ],
+        "errors": [
+            {"seed": r["seed"], "error": r["error"][:500]} for r in records if r.get("error")
+        ],
+        "records": records,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
