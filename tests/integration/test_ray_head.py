@@ -146,3 +146,72 @@ def test_a_driver_blocked_on_a_silent_head_leaves_it_after_the_silence(tmp_path)
     assert lost and f"the Ray cluster at {head.address} lost its head" in lost[0], output
     assert "has not answered for" in lost[0]
     assert "Failed to connect to GCS within" not in output  # Ray did not end it first
+
+
+ENDED_FIT = """
+import sys, threading
+import ray
+from ray.util.placement_group import placement_group
+from trainer_core.execution import cluster, ray_head, trainer
+
+class Ended:  # a fit() that has ended (its group failed with the head): nothing to abort
+    def fit(self):
+        return None
+    def abort(self):
+        pass
+
+with cluster.ray_cluster():
+    group = placement_group([{"CPU": 1}])
+    ray.get(group.ready())
+    fitting = trainer._Fitting(Ended(), None, lambda event: None, "ended")
+    fitting.placement_groups.append(group)
+    fitting.thread.start()
+    fitting.thread.join()
+    print("connected", flush=True)
+    sys.stdin.readline()  # the head killed
+    fitting._end(finished=True)
+    print("ended", flush=True)
+print("lost:", ray_head.lost(), flush=True)
+"""
+
+
+def test_a_fit_that_ended_as_its_head_died_leaves_the_cluster_before_cleaning_up(tmp_path):
+    """The end of a fit whose cluster's head (at an address) went down as it ended, the watch
+    not yet sure (the head silent under ``SILENCE_S``): the head is asked at once, and the dead
+    cluster left, before the clean-up's Ray calls (removing the placement groups a dead
+    controller left) block on the silent GCS. Before, the fault matrix's address test hung
+    there under load: the clean-up's ``placement_group_table`` waited on the dead GCS past the
+    watch's leaving (up to Ray's reconnect bound, which relaytrain raises to 600 s)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.recovery import REPO
+
+    head = RayStartHead(num_cpus=1).start()
+    env = {**os.environ, "RAY_ADDRESS": head.address, "PYTHONPATH": str(REPO)}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", ENDED_FIT],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert driver.stdout is not None and driver.stdin is not None
+        seen = []
+        while not seen or seen[-1].strip() != "connected":  # past Ray's own lines
+            seen.append(driver.stdout.readline())
+            assert seen[-1], "".join(seen)
+        head.kill()
+        output, _ = driver.communicate("killed\n", timeout=240)  # 600 s before the fix
+    finally:
+        head.stop()
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, output
+    assert "ended" in output.splitlines(), output
+    lost = [line for line in output.splitlines() if line.startswith("lost:")]
+    assert lost and f"the Ray cluster at {head.address} lost its head" in lost[0], output

@@ -319,16 +319,23 @@ class _Fitting:
             self._relay_events()
             finished = True
         finally:
-            if not finished:
-                ray_head.check_now()  # a lost head leaves now, before a clean-up calls Ray
-            if ray_head.lost() is not None:
-                # The cluster is gone and Ray left: nothing to stop, and a call would start Ray
-                # anew. The fit thread's calls returned when Ray was left.
-                self.thread.join(30)
-            else:
-                self._clean_up(finished)
+            self._end(finished)
         if "error" in self.outcome:
             raise self.outcome["error"]
+
+    def _end(self, finished: bool) -> None:
+        """Leave a lost head's cluster, else stop the group and remove what it left.
+
+        The head is asked now even when fit() ended on its own: its group may have ended with
+        the head, the watch not yet sure, and the clean-up's Ray calls would block on the silent
+        GCS (they have no timeout of their own)."""
+        ray_head.check_now()
+        if ray_head.lost() is not None:
+            # The cluster is gone and Ray left: nothing to stop, and a call would start Ray
+            # anew. The fit thread's calls returned when Ray was left.
+            self.thread.join(30)
+        else:
+            self._clean_up(finished)
 
     def _clean_up(self, finished: bool) -> None:
         """Stop the worker group unless fit() ended on its own; remove what it left."""
