@@ -357,4 +357,9 @@ def left_running(marker: str) -> list[str]:
         return found
 
     _, alive = psutil.wait_procs(ours(), timeout=LEFT_RUNNING_GRACE_S)
-    return [f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in alive if p.is_running()]
+    running = []
+    for process in alive:  # a zombie runs nothing: its reaper may just be late
+        with contextlib.suppress(psutil.Error):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(f"{process.pid} {' '.join(process.cmdline()[:4])}")
+    return running
