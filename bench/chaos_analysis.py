@@ -62,6 +62,7 @@ def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
                     "error_class": restart.get("error_class"),
                     "resumed_at": restart.get("resumed_at"),
                     "resumed_from_step": restart.get("resumed_from_step"),
+                    "restore_s": restart.get("restore_s"),
                 }
             )
         if record.status == "failed":
@@ -73,6 +74,9 @@ def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
                     "error_class": record.error_class,
                     "resumed_at": following.resumed_at if following else None,
                     "resumed_from_step": following.resumed_from_step if following else None,
+                    "restore_s": (
+                        (following.restore or {}).get("restore_s") if following else None
+                    ),
                     # when the attempt is known to have run (DriverLost: no ended_at); the
                     # next one's start is when its driver opened its record (``recovery``)
                     "between": (record.started_at, following.started_at if following else None),
@@ -253,10 +257,19 @@ def judge_failures(
             per_kind[fault.kind].append(recovery(failure, fault))
         for step, at in corrupted:
             # an attempt that failed before its workers resumed holds the planned step only
-            resumed = failure["resumed_at"] is not None
-            if resumed and failure["at"] > at and failure["resumed_from_step"] == step:
+            if failure["resumed_from_step"] == step and read_after(failure, at):
                 problems.append(f"a resume read the damaged checkpoint of step {step}")
     return problems, per_kind
+
+
+def read_after(failure: dict[str, Any], damaged_at: float) -> bool:
+    """Whether the resume after ``failure`` began reading its checkpoint after ``damaged_at``:
+    its workers loaded it (``resumed_at``) ``restore_s`` after they began. A resume that began
+    before (a group that resumed, then failed after the damage; its resume heard late) read
+    the checkpoint whole, as the final state's comparison proves."""
+    if failure["resumed_at"] is None:
+        return False
+    return failure["resumed_at"] - (failure.get("restore_s") or 0.0) > damaged_at
 
 
 def flow_problems(campaign: Campaign) -> list[str]:

@@ -179,6 +179,28 @@ def test_only_an_attempt_that_resumed_is_judged_to_have_read_a_damaged_checkpoin
     assert "damaged checkpoint of step 3040" in problem
 
 
+def test_a_resume_that_began_reading_before_the_damage_read_it_whole():
+    """A resume is judged against the damage by when its read began, not when the failure
+    before it came: CI's chaos campaign (2026-12-05) flagged a resume of step 20 whose failure
+    came 6 s after the damage, its final state bit-identical to the uninterrupted run's (a
+    read of the damaged optimizer state would have broken it, or been refused by its
+    digest)."""
+    from bench.chaos_analysis import judge_failures
+    from bench.chaos_kinds import Fault
+
+    corrupt = Fault("corrupt", 100.0, {"step": 20, "file": "optimizer.pt"})
+    kill = Fault("worker_kill", 106.0)
+    failure = {"at": 106.0, "budget": "infrastructure", "error_class": "E",
+               "resumed_from_step": 20}  # fmt: skip
+    before = dict(failure, resumed_at=95.0)  # resumed, then failed after the damage
+    during = dict(failure, resumed_at=102.0, restore_s=4.0)  # its read began before it
+    after = dict(failure, resumed_at=110.0, restore_s=4.0)
+    assert judge_failures([corrupt, kill], [corrupt, kill], [before])[0] == []
+    assert judge_failures([corrupt, kill], [corrupt, kill], [during])[0] == []
+    (problem,) = judge_failures([corrupt, kill], [corrupt, kill], [after])[0]
+    assert "damaged checkpoint of step 20" in problem
+
+
 def test_a_lost_driver_failed_when_its_flow_went():
     """An attempt whose record a later launch closed (DriverLost, no end time) counted as
     failing when it started: the 40-fault campaign of 2026-11-28 found no fault in the 30 s

@@ -153,6 +153,8 @@ class LiveState:
         self.restarts[-1]["resumed_from_step"] = event.get("step", 0)
         self.restarts[-1]["resumed_at"] = event.get("time")
         self.restarts[-1]["world_size_after"] = event.get("world_size")
+        if "restore_s" in event:  # what loading it took: the read began that long before
+            self.restarts[-1]["restore_s"] = event["restore_s"]
 
     def _ends_the_group(self) -> None:
         """The restart about to be recorded ends the newest group that began, unless an earlier
