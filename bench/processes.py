@@ -52,7 +52,8 @@ def _signal_group(pgid: int, signum: int) -> None:
 def _group_alive(pgid: int) -> bool:
     """Whether any process of group ``pgid`` is alive (a zombie leader not counted)."""
     for proc in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
+        # a process may end between the listing and the asking: os.getpgid then raises
+        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
             if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
                 return True
     return False
