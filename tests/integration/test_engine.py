@@ -396,3 +396,33 @@ def test_ray_data_datasets_reach_a_stock_loop_and_resume_at_an_epoch(ray_cluster
     # 1797 digits, split equally between 2 workers: at most one row left out an epoch.
     assert {row["rows"] for row in history} <= {1796, 1797}
     assert len({row["rows"] for row in history}) == 1
+
+
+def test_a_lone_rank_killed_between_reports_is_counted_to_its_last_step(
+    uninterrupted_one_worker, tmp_path
+):
+    """One worker, SIGKILLed as step 13 begins, 2 steps after its last report (every 5) and
+    its step-10 checkpoint (written synchronously: an asynchronous write in flight may go with
+    the process): no peer outlives it to say how far it got, and its rows stop at step
+    10. The restart in place still records step 12 as its last, so the 2 steps it ran again
+    are counted lost."""
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "lone-kill",
+            scaling=ONE_WORKER,
+            retries={"in_place": 1},
+            faults=[{"kind": "kill", "at_step": 13, "rank": 0}],
+            checkpoint={"asynchronous": False},  # step 10's committed before the kill
+        )
+    )
+    result = run_attempt(spec)
+    assert result.status == "completed" and result.attempt == 1
+    (attempt,) = run_dir_of(spec).read_attempts()
+    (restart,) = attempt["restarts"]
+    assert restart["resumed_from_step"] == 10
+    assert restart["last_step"] == 12
+    summary = build_result(spec, run_dir_of(spec), spec.run.storage, "completed")
+    assert summary.attempts[0].restarts[0].steps_lost == 2
+    assert summary.steps_computed == 39 + 2
+    assert_same_tensors(final_state(run_dir_of(spec)), uninterrupted_one_worker["state"])

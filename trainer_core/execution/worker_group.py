@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_core.execution import worker_api
+from trainer_core.execution import step_marks, worker_api
 
 
 class Relay:
@@ -42,10 +42,18 @@ class Relay:
         #: The last step this rank completed (the loop sets it): what it tells the driver when
         #: its group ends from outside (``flush_before_shutdown``).
         self.completed_step = 0
+        #: Where this rank keeps its last completed step for a restarted group to find, should
+        #: it be killed outright (``step_marks``); none without a relay actor to name it by.
+        self.mark: step_marks.StepMark | None = None
+        actor_id = getattr(handle, "_actor_id", None)
+        self.mark_key = actor_id.hex() if actor_id is not None else None
         self.lock = threading.Lock()  # the checkpoint thread sends too
         Relay.of_this_process = self
 
     def send(self, kind: str, **payload: Any) -> None:
+        if kind == "finished" and self.mark is not None:  # every rank sends it
+            self.mark.close()
+            self.mark = None
         if self.handle is None:
             return
         with self.lock:
@@ -68,8 +76,23 @@ class Relay:
 
     def joined(self, group: int) -> None:
         """The group number every rank agreed on (``begin_group``'s, shared): what this rank's
-        word of its last step names."""
+        word of its last step names. After an in-place restart, tell the driver the steps that
+        the ended groups' ranks on this node marked: a rank killed outright said nothing."""
         self.group = group
+        if self.mark_key is None:
+            return
+        for earlier, step in sorted(step_marks.take_earlier(self.mark_key, group).items()):
+            self.tell_last_step(step, earlier)
+        if self.mark is not None:
+            self.mark.close()
+        self.mark = step_marks.StepMark(self.mark_key, group, self.rank)
+
+    def completed(self, step: int) -> None:
+        """This rank completed ``step``: what it tells the driver if its group ends, and what
+        its mark keeps should it be killed."""
+        self.completed_step = step
+        if self.mark is not None:
+            self.mark.write(step)
 
     def tell_last_step(self, last_step: int, group: int) -> Any:
         """A failure ends this rank's group: tell the driver the last step it completed. Rank

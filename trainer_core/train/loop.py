@@ -263,7 +263,8 @@ class BuiltinLoop:
         started = time.perf_counter()
         copy_wait = self.timings.checkpoint_copy_wait_s
         loss, grad_norm = self._step(ddp_model, micro_batches, step)
-        self.completed_step = self.relay.completed_step = step
+        self.completed_step = step
+        self.relay.completed(step)
         copy_wait = self.timings.checkpoint_copy_wait_s - copy_wait
         self.timings.step_s += time.perf_counter() - started - copy_wait
         if step == self.progress.step + 1:  # the optimizer state exists now

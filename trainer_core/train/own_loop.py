@@ -313,7 +313,7 @@ class OwnLoop:
         assert self.checkpoints is not None
         ledger, place = self.ledger, self.place
         ledger.step += 1
-        self.relay.completed_step = ledger.step
+        self.relay.completed(ledger.step)
         self.faults.check(ledger.step)
         if ledger.step == ledger.resumed_from + 1:  # the optimizer state exists now
             self.checkpoints.reserve()

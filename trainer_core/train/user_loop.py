@@ -106,6 +106,7 @@ class ReportHook:
         self.relay.send("metrics", rows=[row])
         result = self.original(metrics, *args, **kwargs)
         self.step, self.step_known = step, True
+        self.relay.completed(step)
         if self.rank == 0 and checkpoint is not None:
             self.relay.send("checkpoint", step=step, metrics=row)
             self.relay.send("memory", peak_worker_rss_mb=round(peak_rss_mb(), 1))  # rank 0's
@@ -184,6 +185,7 @@ def _start(hook: ReportHook) -> int:
     group = float(hook.relay.begin_group())
     if dist.is_available() and dist.is_initialized():
         group = all_reduce([group])[0]  # the other ranks add 0
+    hook.relay.joined(int(group))
     hook.faults.group = int(group)
     world_size = worker_api.rank_and_world_size()[1]
     resumed = worker_api.latest_checkpoint_path()
