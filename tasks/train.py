@@ -135,17 +135,8 @@ class ProgressRelay:
         if self.tracker is not None:  # metric rows, logged once their checkpoint commits
             self.tracker.on_event(event)
         self._log_notice(kind, event)
-        if kind == "resumed":
-            skipped = event.get("skipped") or []
-            note = f" (skipped unusable {[s['step'] for s in skipped]})" if skipped else ""
-            self.logger.info(
-                "%s workers resumed from step %s%s",
-                event.get("world_size", "?"),
-                event.get("step", "?"),
-                note,
-            )
-        elif kind == "fresh_start":
-            self.logger.info("workers started from scratch")
+        if kind in ("resumed", "fresh_start"):
+            self.logger.log(*start_line(event))
         elif kind == "checkpoint":
             self.logger.info(
                 "checkpoint committed at step %s: %s", event["step"], event.get("checkpoint_uri")
@@ -193,6 +184,21 @@ class ProgressRelay:
         epoch = row.get("epoch")
         number = epochs.number(epoch, first) if isinstance(epoch, int) else epoch
         self.logger.info("epoch %s%s (step %s): %s", number, of, row["step"], shown)
+
+
+def start_line(event: dict[str, Any]) -> tuple[int, str]:
+    """The log line (level, text) of a worker group's start: resumed from a step, or from
+    scratch; every committed checkpoint the workers could not use is named with why, as a
+    warning (setup had named the newest as the resume point)."""
+    skipped = event.get("skipped") or []
+    if event["kind"] == "resumed":
+        line = f"{event.get('world_size', '?')} workers resumed from step {event.get('step', '?')}"
+    else:
+        line = "workers started from scratch"
+    if not skipped:
+        return logging.INFO, line
+    why = "; ".join(f"checkpoint {s['step']}: {s.get('reason', 'unusable')}" for s in skipped)
+    return logging.WARNING, f"{line}, past committed checkpoints they could not use ({why})"
 
 
 def _decide(
