@@ -28,6 +28,7 @@ __all__ = ["ONE_WORKER", "tiny_raw"]
 #: the other process idles; ordered by the seconds each took there (setup, call and teardown of
 #: its tests, ``--durations=0``), the other process busy beside it. Re-measure before reordering.
 LONGEST_FIRST = (  # 2026-11-28, each module whole to one process (--dist loadfile)
+    "tests/integration/test_adversary_seeds.py",  # new 2026-12-05: about 370 s alone
     "tests/integration/test_columns.py",  # 366
     "tests/integration/test_engine.py",  # 315
     "tests/integration/test_fault_matrix.py",  # 177 + 83 + 68 (2026-11-29: heads lost)

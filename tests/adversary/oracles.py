@@ -29,19 +29,25 @@ class Violation:
 def judge(
     player: Player, reference: Reference, secrets: list[str]
 ) -> tuple[list[str], list[Violation]]:
-    """Every check on a played scenario: the names of those run, and what was violated."""
+    """Every check on a played scenario: the names of those run, and what was violated. Where a
+    continue resumed before the step its run had reached under a cosine schedule
+    (``retrained_toward_another_end``), the final state is not judged and the losses only up to
+    that step."""
     outcomes = player.outcomes
+    moved = retrained_toward_another_end(player)
     checks: dict[str, Callable[[], list[Violation]]] = {
         "commands_end_as_their_faults_call_for": lambda: commands(outcomes),
         "damage_spends_no_retry_and_deletes_nothing": lambda: damage_contained(outcomes),
         "final_state_is_the_references": lambda: final_state(player, reference),
-        "one_row_per_step_each_the_references": lambda: history(player, reference),
+        "one_row_per_step_each_the_references": lambda: history(player, reference, moved),
         "steps_lost_are_the_fault_steps": lambda: steps_lost(player),
         "the_best_checkpoint_verifies": lambda: best(player),
         "exports_load_and_match": lambda: exports(player),
         "no_secret_in_storage": lambda: no_secrets(player, secrets),
         "no_process_left_running": lambda: processes(outcomes),
     }
+    if moved is not None:
+        del checks["final_state_is_the_references"]
     violations: list[Violation] = []
     for name, check in checks.items():
         try:
@@ -84,13 +90,14 @@ def commands(outcomes: list[Outcome]) -> list[Violation]:
 
 
 def damage_contained(outcomes: list[Outcome]) -> list[Violation]:
-    """A run stopped by damage it cannot train past (a damaged data page) spends one attempt
-    and no retry, and deletes no committed checkpoint."""
+    """A run stopped by damage it cannot train past (a damaged data page) spends at most one
+    attempt (none when setup's own read finds it) and no retry, and deletes no committed
+    checkpoint."""
     found = []
     for o in outcomes:
         if o.expect != "damaged_data" or o.code == 0:
             continue
-        if o.attempts_after - o.attempts_before != 1:
+        if o.attempts_after - o.attempts_before > 1:
             found.append(
                 Violation(
                     "damage",
@@ -149,7 +156,39 @@ def differ(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
 
 
-def history(player: Player, reference: Reference) -> list[Violation]:
+def retrained_toward_another_end(player: Player) -> int | None:
+    """The step a continue resumed from when a damaged checkpoint moved its resume before the
+    step its run had reached, under a cosine schedule; None when no continue did.
+
+    The steps between are then trained again toward the continue's new total: relaytrain's
+    schedule starts a segment at the step resumed from, where the reference's (undamaged)
+    history started it at the step the run had reached. From that step on the two cannot agree,
+    which is the schedule's documented rule, not a broken resume."""
+    if not player.scenario.shape.cosine:
+        return None
+    attempts = player.files.attempts()
+    for o in player.outcomes:
+        if player.scenario.history[o.index].kind != "continue" or o.kind not in (
+            "continue",
+            "again",
+        ):
+            continue
+        before = attempts[: o.attempts_before]
+        reached = max(
+            [a.get("last_step") or 0 for a in before]
+            + [r.get("last_step") or 0 for a in before for r in a.get("restarts") or []],
+            default=0,
+        )
+        for a in attempts[o.attempts_before : o.attempts_after]:
+            resumed = a.get("resumed_from_step")
+            if resumed is not None:
+                return resumed if resumed < reached else None
+    return None
+
+
+def history(player: Player, reference: Reference, upto: int | None = None) -> list[Violation]:
+    """One row per step, the reference's steps, each loss the reference's (up to ``upto``:
+    ``retrained_toward_another_end``)."""
     got = losses(player.files)
     steps = [s for s, _ in got]
     found = []
@@ -160,7 +199,11 @@ def history(player: Player, reference: Reference) -> list[Violation]:
         missing = sorted(set(expected) - set(steps))[:10]
         extra = sorted(set(steps) - set(expected))[:10]
         found.append(Violation("history", f"steps missing {missing}, not in the reference {extra}"))
-    wrong = [(s, loss, expected[s]) for s, loss in got if s in expected and loss != expected[s]]
+    wrong = [
+        (s, loss, expected[s])
+        for s, loss in got
+        if s in expected and loss != expected[s] and (upto is None or s <= upto)
+    ]
     if wrong:
         found.append(Violation("history", f"losses differ from the reference at {wrong[:5]}"))
     return found

@@ -12,7 +12,14 @@ import pytest
 
 from tests.adversary import data as tables
 from tests.adversary.drive import child_uri, fault_step
-from tests.adversary.scenario import ACTIONS, FAULTS, Scenario, draw
+from tests.adversary.scenario import (
+    ACTIONS,
+    FAULTS,
+    SUITE_SEEDS,
+    Scenario,
+    cheapest_cover,
+    draw,
+)
 from tests.adversary.shrink import shrink, smaller
 
 
@@ -89,3 +96,14 @@ def test_the_damage_is_what_a_parquet_reader_meets(tmp_path):
     assert pq.read_schema(other).names == ["features", "target"]
     valid = tables.add_file(spec, tmp_path / "data", "valid")
     assert pq.read_schema(valid) == pq.read_schema(paths[0])
+
+
+def test_the_suites_seeds_are_the_cheapest_to_touch_every_action_and_fault():
+    actions, faults = set(), set()
+    for seed in SUITE_SEEDS:
+        kinds = draw(seed).kinds()
+        actions.update(kinds["actions"])
+        faults.update(kinds["faults"])
+    assert actions == set(ACTIONS)
+    assert faults == set(FAULTS)
+    assert cheapest_cover(range(1, 3000)) == sorted(SUITE_SEEDS)
