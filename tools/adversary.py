@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -67,6 +69,10 @@ def still_fails(record: dict[str, Any], w: Any, root: Path) -> Any:
     return fails
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.adversary", description=__doc__)
     parser.add_argument("--minutes", type=float, default=30.0)
@@ -79,6 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, help="where scenarios write (default: a temp dir)")
     parser.add_argument("--out", type=Path, help="the result file (default: bench/results/)")
     args = parser.parse_args(argv)
+
+    # A campaign ends on SIGTERM as on Ctrl-C: through its world's clean-up, which stops the
+    # cluster and servers it started (the default handler would leave them running).
+    signal.signal(signal.SIGTERM, _interrupt)
+    # The cluster in token auth, as the test suite's (tests/conftest.py) and Ray 2.60's own
+    # local clusters are: `ray start` and every command it runs read the same token. Set
+    # before Ray is first imported (it reads the mode then).
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from ray._private.authentication.authentication_token_setup import (
+        ensure_token_if_auth_enabled,
+    )
+
+    ensure_token_if_auth_enabled()
 
     from tests.adversary.scenario import Scenario, draw
     from tests.adversary.shrink import shrink

@@ -72,12 +72,13 @@ def world(root: Path, target: Path | None = None, python: str | None = None) -> 
     root.mkdir(parents=True, exist_ok=True)
     target = target or Path(__file__).resolve().parents[2]
     with contextlib.ExitStack() as stack:
-        head = RayStartHead(num_cpus=4).start()
-        stack.callback(head.stop)
+        head = RayStartHead(num_cpus=4)
+        stack.callback(head.stop)  # also when it is stopped while starting
+        head.start()
         prefect = PrefectServer(root / "prefect", head.address)
         (root / "prefect").mkdir(exist_ok=True)
-        prefect.start()
         stack.callback(prefect.stop)
+        prefect.start()
         s3 = stack.enter_context(moto_s3(root))
         yield World(
             root=root,
