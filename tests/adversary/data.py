@@ -42,6 +42,19 @@ def write(data: Data, directory: Path) -> list[Path]:
     return paths
 
 
+#: The validation file's index among the generator's files (far from the training files').
+VALIDATION_INDEX = 10_000
+
+
+def write_validation(data: Data, directory: Path) -> Path:
+    """A validation file of the table's distribution (``data.validation``), rows of its own."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "part-00000.parquet"
+    rows = table(data, VALIDATION_INDEX)
+    pq.write_table(rows, path, row_group_size=data.row_group, write_page_checksum=True)
+    return path
+
+
 def flip_page_byte(path: Path, rng: random.Random) -> bytes:
     """A byte flipped in the middle of a column chunk's pages (size and footer unchanged, as a
     disk or a copy damages a file); returns the original bytes, to restore it."""

@@ -76,7 +76,7 @@ def spec_raw(
     schedule: dict[str, Any] = {"epochs": epochs}
     if shape.cosine:
         schedule.update(lr_schedule="cosine", warmup_steps=3)
-    return {
+    raw: dict[str, Any] = {
         "run": {"name": name, "storage": storage, "seed": shape.seed},
         "model": {"name": "mlp", "kwargs": {"hidden": list(shape.hidden), "dropout": 0.1}},
         "data": {
@@ -85,7 +85,7 @@ def spec_raw(
             "label": "y",
             "task": "regression",
             "batch_size": shape.batch_size,
-            "validation_fraction": 0.25 if shape.validation else 0,
+            "validation_fraction": 0.25 if shape.validation and not shape.validation_file else 0,
             "shuffle_window": 64,
             "partitions": 2,
         },
@@ -102,6 +102,13 @@ def spec_raw(
         "retries": {"infrastructure": 2, "code": 1, "delay_s": 0, "jitter": 0},
         "faults": faults or [],
     }
+    if shape.validation_file:  # beside the table's directory: what data.validation reads
+        raw["data"]["validation"] = str(validation_directory(dataset))
+    return raw
+
+
+def validation_directory(dataset: Path) -> Path:
+    return dataset.parent / "validation"
 
 
 def child_uri(storage: str, name: str) -> str:
@@ -153,6 +160,8 @@ class Player:
     def play(self) -> list[Outcome]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         tables.write(self.scenario.data, self.dataset)
+        if self.scenario.shape.validation_file:
+            tables.write_validation(self.scenario.data, validation_directory(self.dataset))
         for index, action in enumerate(self.scenario.history):
             if action.kind in ("run", "rerun", "continue"):
                 self._train(index, action)

@@ -106,6 +106,9 @@ class Shape:
     cosine: bool
     storage: str  # "local" or "s3"
     seed: int
+    #: With ``validation``: the validation rows are a file of their own (``data.validation``),
+    #: which the oracles score each checkpoint's weights on, rather than a hashed share.
+    validation_file: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,10 +164,16 @@ class Scenario:
         return (
             f"seed {self.seed}: {s.workers} worker(s), batch {s.batch_size}x{s.accumulation}, "
             f"{s.epochs} epochs, checkpoint every {s.every}, "
-            f"{'validation' if s.validation else 'no validation'}, keep_last {s.keep_last}, "
+            f"{_validation(s)}, keep_last {s.keep_last}, "
             f"keep_best {s.keep_best}, {s.storage} storage; {self.data.files} file(s) of "
             f"{self.data.rows} rows, row groups of {self.data.row_group}; " + " -> ".join(steps)
         )
+
+
+def _validation(shape: Shape) -> str:
+    if not shape.validation:
+        return "no validation"
+    return "a validation file" if shape.validation_file else "validation"
 
 
 def draw(seed: int) -> Scenario:
@@ -213,6 +222,8 @@ def draw(seed: int) -> Scenario:
             history.append(Action("show", option=rng.choice(("", "--time"))))
         else:
             history.append(Action("export", option=rng.choice(("best", "latest"))))
+    # Drawn last, so that every earlier draw of a seed is what it was before this knob.
+    shape = dataclasses.replace(shape, validation_file=shape.validation and rng.random() < 0.5)
     return Scenario(seed, shape, data, tuple(history))
 
 
