@@ -4,14 +4,17 @@ damage it does to data is damage pyarrow sees."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from tests.adversary import data as tables
 from tests.adversary.drive import child_uri, fault_step
+from tests.adversary.oracles import mean_squared_error
 from tests.adversary.scenario import (
     ACTIONS,
     FAULTS,
@@ -107,3 +110,23 @@ def test_the_suites_seeds_are_the_cheapest_to_touch_every_action_and_fault():
     assert actions == set(ACTIONS)
     assert faults == set(FAULTS)
     assert cheapest_cover(range(1, 3000)) == sorted(SUITE_SEEDS)
+
+
+def test_the_score_oracle_reads_an_mlp_from_its_state_dict_as_torch_evaluates_it():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(5, 12),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(12, 8),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(8, 1),
+    ).eval()
+    x, y = torch.randn(40, 5), torch.randn(40)
+    state = {f"net.{k}": v for k, v in net.state_dict().items()}
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(net(x).squeeze(-1), y).item()
+    assert math.isclose(mean_squared_error(state, x, y), expected, rel_tol=1e-6)
+    state["net.6.bias"] = state["net.6.bias"] + 1.0  # other weights score otherwise
+    assert not math.isclose(mean_squared_error(state, x, y), expected, rel_tol=1e-3)
