@@ -99,54 +99,67 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_token_if_auth_enabled()
 
-    from tests.adversary.scenario import Scenario, draw
-    from tests.adversary.shrink import shrink
     from tests.adversary.world import describe, world
 
     root = args.root or Path(tempfile.mkdtemp(prefix="adversary-"))
     replaying = bool(args.seed or args.scenario)
     deadline = time.monotonic() + args.minutes * 60
     records = []
+    interrupted = False
     with world(root, args.target.resolve(), args.python) as w:
-        if args.scenario:
-            queue = [Scenario.from_json(args.scenario.read_text())]
-        else:
-            queue = [draw(seed) for seed in args.seed]
-        seed = args.first_seed
-        while queue or (not replaying and time.monotonic() < deadline):
-            scenario = queue.pop(0) if queue else draw(seed)
-            seed += 0 if replaying else 1
-            record = play_one(scenario, w, root)
-            records.append(record)
-            status = (
-                "VIOLATED" if record["violations"] else ("ERROR" if "error" in record else "ok")
-            )
-            print(f"[{status}] {record['scenario']} ({record['seconds']} s)", flush=True)
-            for v in record["violations"]:
-                print(f"    {v['invariant']}: {v['what']}", flush=True)
-            if record.get("error"):
-                print(f"    adversary error: {record['error'][:2000]}", flush=True)
-            if record["violations"]:
-                print(f"    replay: python -m tools.adversary --seed {scenario.seed}", flush=True)
-                if args.shrink:
-                    smallest, played = shrink(scenario, still_fails(record, w, root / "shrink"))
-                    path = root / f"shrunk-{scenario.seed}.json"
-                    path.write_text(smallest.to_json())
-                    record["shrunk"] = {
-                        "scenario": smallest.describe(),
-                        "played": played,
-                        "file": str(path),
-                    }
-                    print(f"    shrunk ({played} played): {smallest.describe()}", flush=True)
-                    print(f"    replay: python -m tools.adversary --scenario {path}", flush=True)
         context = describe(w)
+        try:
+            play_all(args, w, root, replaying, deadline, records)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was played is the result
+            interrupted = True
+            print("interrupted: the result holds the scenarios played to the end", flush=True)
     result = summarize(records, context, args)
+    result["interrupted"] = interrupted
     out = args.out or REPO / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-adversary.json"
     if not replaying or args.out:
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"result: {out}")
     print(json.dumps({k: result[k] for k in ("scenarios", "violations", "errors")}))
-    return 1 if result["violations"] or result["errors"] else 0
+    return 1 if result["violations"] or result["errors"] or interrupted else 0
+
+
+def play_all(
+    args: Any, w: Any, root: Path, replaying: bool, deadline: float, records: list[Any]
+) -> None:
+    """The campaign's scenarios, or the ones replayed, each played, judged and printed, its
+    record added to ``records``; a violating one shrunk with ``--shrink``."""
+    from tests.adversary.scenario import Scenario, draw
+    from tests.adversary.shrink import shrink
+
+    if args.scenario:
+        queue = [Scenario.from_json(args.scenario.read_text())]
+    else:
+        queue = [draw(seed) for seed in args.seed]
+    seed = args.first_seed
+    while queue or (not replaying and time.monotonic() < deadline):
+        scenario = queue.pop(0) if queue else draw(seed)
+        seed += 0 if replaying else 1
+        record = play_one(scenario, w, root)
+        records.append(record)
+        status = "VIOLATED" if record["violations"] else ("ERROR" if "error" in record else "ok")
+        print(f"[{status}] {record['scenario']} ({record['seconds']} s)", flush=True)
+        for v in record["violations"]:
+            print(f"    {v['invariant']}: {v['what']}", flush=True)
+        if record.get("error"):
+            print(f"    adversary error: {record['error'][:2000]}", flush=True)
+        if record["violations"]:
+            print(f"    replay: python -m tools.adversary --seed {scenario.seed}", flush=True)
+            if args.shrink:
+                smallest, played = shrink(scenario, still_fails(record, w, root / "shrink"))
+                path = root / f"shrunk-{scenario.seed}.json"
+                path.write_text(smallest.to_json())
+                record["shrunk"] = {
+                    "scenario": smallest.describe(),
+                    "played": played,
+                    "file": str(path),
+                }
+                print(f"    shrunk ({played} played): {smallest.describe()}", flush=True)
+                print(f"    replay: python -m tools.adversary --scenario {path}", flush=True)
 
 
 def summarize(records: list[dict[str, Any]], context: dict[str, Any], args: Any) -> dict[str, Any]:

@@ -154,6 +154,7 @@ class Player:
         self.workers = scenario.shape.workers
         self.outcomes: list[Outcome] = []
         self._count = 0
+        self._started: list[subprocess.Popen[bytes]] = []
 
     # -- the history ----------------------------------------------------------------------------
 
@@ -162,14 +163,26 @@ class Player:
         tables.write(self.scenario.data, self.dataset)
         if self.scenario.shape.validation_file:
             tables.write_validation(self.scenario.data, validation_directory(self.dataset))
-        for index, action in enumerate(self.scenario.history):
-            if action.kind in ("run", "rerun", "continue"):
-                self._train(index, action)
-            elif action.kind == "show":
-                self._command(index, "show", ["show", self.run_uri, *action.option.split()])
-            elif action.kind == "export":
-                self._export(index, action)
+        try:
+            for index, action in enumerate(self.scenario.history):
+                if action.kind in ("run", "rerun", "continue"):
+                    self._train(index, action)
+                elif action.kind == "show":
+                    self._command(index, "show", ["show", self.run_uri, *action.option.split()])
+                elif action.kind == "export":
+                    self._export(index, action)
+        finally:  # a campaign stopped mid-command (Ctrl-C, SIGTERM) leaves none running
+            self._end_started()
         return self.outcomes
+
+    def _end_started(self) -> None:
+        """Every command of the scenario still running: its process group killed. A command runs
+        in a session of its own, which a terminal's Ctrl-C does not reach."""
+        for process in self._started:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
     def _train(self, index: int, action: Action) -> None:
         first = self.epochs * self.steps_per_epoch if action.kind != "run" else 0
@@ -274,6 +287,7 @@ class Player:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        self._started.append(process)
         return process, marker, log
 
     def _command(
