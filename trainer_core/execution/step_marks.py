@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-#: Where a node's marks live (one directory for every run on the node).
-DIRECTORY = Path(tempfile.gettempdir()) / "relaytrain-steps"
+#: Where a node's marks live: one directory for every run of this user on the node.
+DIRECTORY = Path(tempfile.gettempdir()) / f"relaytrain-steps-{os.getuid()}"
 #: Marks older than this belong to attempts long ended.
 STALE_S = 7 * 24 * 3600.0
 
@@ -42,7 +42,10 @@ class StepMark:
 
     def write(self, step: int) -> None:
         if self.fd is not None:
-            os.pwrite(self.fd, _STEP.pack(step), 0)
+            try:
+                os.pwrite(self.fd, _STEP.pack(step), 0)
+            except OSError:  # a full temp dir: the mark stops, training goes on
+                self.close()
 
     def close(self) -> None:
         """The rank finished: nobody will ask for its mark."""
@@ -58,10 +61,12 @@ def take_earlier(key: str, group: int, directory: Path = DIRECTORY) -> dict[int,
     node may ask: the first takes them), and so are stale ones of any attempt."""
     pattern = re.compile(rf"^{re.escape(key)}-g(\d+)-r\d+$")
     found: dict[int, int] = {}
-    if not directory.is_dir():
+    try:
+        paths = list(directory.iterdir())
+    except OSError:  # none yet, or not this user's to read
         return found
     now = time.time()
-    for path in directory.iterdir():
+    for path in paths:
         match = pattern.match(path.name)
         if match is None:
             with contextlib.suppress(OSError):

@@ -4,6 +4,7 @@ reports."""
 
 from __future__ import annotations
 
+import logging
 import resource
 import threading
 import time
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from trainer_core.execution import step_marks, worker_api
+
+logger = logging.getLogger("relaytrain.worker")
 
 
 class Relay:
@@ -81,11 +84,15 @@ class Relay:
         self.group = group
         if self.mark_key is None:
             return
-        for earlier, step in sorted(step_marks.take_earlier(self.mark_key, group).items()):
-            self.tell_last_step(step, earlier)
         if self.mark is not None:
             self.mark.close()
-        self.mark = step_marks.StepMark(self.mark_key, group, self.rank)
+            self.mark = None
+        try:  # best effort: a temp dir this process cannot write costs only the count
+            for earlier, step in sorted(step_marks.take_earlier(self.mark_key, group).items()):
+                self.tell_last_step(step, earlier)
+            self.mark = step_marks.StepMark(self.mark_key, group, self.rank)
+        except OSError as e:
+            logger.warning("no step mark in %s: %s", step_marks.DIRECTORY, e)
 
     def completed(self, step: int) -> None:
         """This rank completed ``step``: what it tells the driver if its group ends, and what
