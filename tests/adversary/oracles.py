@@ -96,7 +96,8 @@ def commands(outcomes: list[Outcome]) -> list[Violation]:
 def damage_contained(outcomes: list[Outcome]) -> list[Violation]:
     """A run stopped by damage it cannot train past (a damaged data page) spends at most one
     attempt (none when setup's own read finds it) and no retry, and deletes no committed
-    checkpoint."""
+    checkpoint, unless it committed newer ones from the rows before the damage (then retention
+    keeps ``keep_last``, as after any commit)."""
     found = []
     for o in outcomes:
         if o.expect != "damaged_data" or o.code == 0:
@@ -110,7 +111,8 @@ def damage_contained(outcomes: list[Outcome]) -> list[Violation]:
                 )
             )
         gone = sorted(set(o.committed_before) - set(o.committed_after))
-        if gone:
+        newer = [s for s in o.committed_after if s > max(o.committed_before, default=0)]
+        if gone and not newer:  # with newer commits (steps before the damaged page), retention
             found.append(
                 Violation(
                     "damage",
