@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -47,7 +48,7 @@ def play_one(scenario: Any, w: Any, root: Path) -> dict[str, Any]:
         checks, violations = judge(player, ref, w.secrets())
         record["checks"] = checks
         record["commands"] = [
-            {"kind": o.kind, "code": o.code, "expect": o.expect, "log": o.log}
+            {"kind": o.kind, "code": o.code, "expect": o.expect, "log": relative(o.log, root)}
             for o in player.outcomes
         ]
         record["violations"] = [v.as_dict() for v in violations]
@@ -56,6 +57,13 @@ def play_one(scenario: Any, w: Any, root: Path) -> dict[str, Any]:
         record["violations"] = []
     record["seconds"] = round(time.monotonic() - started, 1)
     return record
+
+
+def relative(path: str, root: Path) -> str:
+    """``path`` under the campaign's root, as the result names it (no path of this machine's)."""
+    with contextlib.suppress(ValueError):
+        return str(Path(path).relative_to(root))
+    return Path(path).name
 
 
 def still_fails(record: dict[str, Any], w: Any, root: Path) -> Any:

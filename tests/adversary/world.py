@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -91,4 +92,12 @@ def world(root: Path, target: Path | None = None, python: str | None = None) -> 
 
 
 def describe(w: World) -> dict[str, Any]:
-    return {"ray": w.ray_address, "prefect": w.prefect_api, "target": str(w.target)}
+    """What a campaign's result says of the checkout it drove: its commit, and whether its work
+    tree differed from it (no path of this machine's)."""
+    git = ["git", "-C", str(w.target)]
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    status = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True)
+    return {
+        "commit": commit.stdout.strip() or None,
+        "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None,
+    }
