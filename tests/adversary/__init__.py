@@ -10,7 +10,8 @@ rules (after FoundationDB's simulation tests, TigerBeetle's VOPR and Jepsen).
 - ``drive``: the history played against ``relaytrain run/show/export``, as a user's shell
   would, and what each command did;
 - ``reference``: the same history without its faults, once per scenario shape (cached);
-- ``oracles``: what must hold after a scenario, each a check of its own;
+- ``oracles``: what must hold after a scenario, each a check of its own (``scoring``: the
+  checkpoints' weights scored on a validation file; ``verdict``: what a broken one reports);
 - ``shrink``: the smallest history that still breaks a guarantee.
 
 ``tools/adversary.py`` runs a campaign (``make adversary``) and replays one seed.

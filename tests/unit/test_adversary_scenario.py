@@ -14,7 +14,6 @@ import torch
 
 from tests.adversary import data as tables
 from tests.adversary.drive import child_uri, fault_step
-from tests.adversary.oracles import mean_squared_error
 from tests.adversary.scenario import (
     ACTIONS,
     FAULTS,
@@ -23,6 +22,7 @@ from tests.adversary.scenario import (
     cheapest_cover,
     draw,
 )
+from tests.adversary.scoring import mean_squared_error
 from tests.adversary.shrink import shrink, smaller
 
 
