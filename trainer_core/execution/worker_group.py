@@ -54,9 +54,6 @@ class Relay:
         Relay.of_this_process = self
 
     def send(self, kind: str, **payload: Any) -> None:
-        if kind == "finished" and self.mark is not None:  # every rank sends it
-            self.mark.close()
-            self.mark = None
         if self.handle is None:
             return
         with self.lock:
@@ -93,6 +90,14 @@ class Relay:
             self.mark = step_marks.StepMark(self.mark_key, group, self.rank)
         except OSError as e:
             logger.warning("no step mark in %s: %s", step_marks.DIRECTORY, e)
+
+    def finished(self, **payload: Any) -> None:
+        """This rank's loop finished (every rank says so): its step mark is no longer needed,
+        and rank 0 tells the driver."""
+        if self.mark is not None:
+            self.mark.close()
+            self.mark = None
+        self.send("finished", **payload)
 
     def completed(self, step: int) -> None:
         """This rank completed ``step``: what it tells the driver if its group ends, and what

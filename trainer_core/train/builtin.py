@@ -33,7 +33,7 @@ def builtin_train_loop(config: dict[str, Any]) -> None:
     except Exception as e:
         error = e if isinstance(e, RelaytrainError) else _as_worker_error(e, loop)
         if loop is not None:
-            error = wind_down(error, loop.checkpoints, loop.relay, loop.completed_step, loop.group)
+            error = wind_down(error, loop.checkpoints, loop.relay)
         if error is e:
             raise
         raise error from e

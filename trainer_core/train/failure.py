@@ -45,17 +45,16 @@ def wind_down(
     error: RelaytrainError,
     checkpoints: CheckpointManager,
     relay: Relay,
-    completed_step: int,
-    group: int,
 ) -> RelaytrainError:
     """Before an error ends the worker: finish the checkpoint in flight (``checkpoints.settle``:
-    what it commits is work not lost), then push the buffered metric rows. Returns the error to
-    raise: the checkpoint's own, when it is the training code failing at an earlier step (the
-    weights a checkpoint was refused for went bad before the loss did)."""
+    what it commits is work not lost), then push the buffered metric rows and the last step
+    this rank completed (``relay.completed``), for its group (``relay.joined``). Returns the
+    error to raise: the checkpoint's own, when it is the training code failing at an earlier
+    step (the weights a checkpoint was refused for went bad before the loss did)."""
     earlier = checkpoints.settle(SETTLE_S)
     try:
         relay.flush()
-        relay.tell_last_step(completed_step, group)  # rank 0's rows may lag it
+        relay.tell_last_step(relay.completed_step, relay.group)  # rank 0's rows may lag it
     except Exception:  # the relay is best effort; the error being raised matters more
         logger.debug("relay flush failed", exc_info=True)
     if (

@@ -81,7 +81,6 @@ class BuiltinLoop:
         self.progress = Progress()
         self.group = 0  # worker groups of this attempt before this one (in-place restarts)
         self.current_step = 0
-        self.completed_step = 0
         self.timings = Timings()
         self.rows = MetricRows(self.relay, self.timings, self.world_size, config.attempt, self.rank)
         #: Where each report window's time goes (restarted when training begins).
@@ -241,8 +240,7 @@ class BuiltinLoop:
         self.timings.checkpoint_wait_s += time.perf_counter() - started
         if step == self.progress.step and step > 0 and self.checkpoints.last_step == step:
             self.relay.send("already_complete", step=step)
-        self.relay.send(
-            "finished",
+        self.relay.finished(
             step=step,
             metrics=self.rows.latest,
             timings=self.timings.to_json(),
@@ -263,7 +261,6 @@ class BuiltinLoop:
         started = time.perf_counter()
         copy_wait = self.timings.checkpoint_copy_wait_s
         loss, grad_norm = self._step(ddp_model, micro_batches, step)
-        self.completed_step = step
         self.relay.completed(step)
         copy_wait = self.timings.checkpoint_copy_wait_s - copy_wait
         self.timings.step_s += time.perf_counter() - started - copy_wait

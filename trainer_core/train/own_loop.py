@@ -345,8 +345,7 @@ class OwnLoop:
         self.checkpoints.wait()
         if self.step == self.ledger.resumed_from and self.step > 0:
             self.relay.send("already_complete", step=self.step)
-        self.relay.send(
-            "finished",
+        self.relay.finished(
             step=self.step,
             metrics=self.ledger.latest,
             timings=self.timings.to_json(),
@@ -405,7 +404,7 @@ def own_train_loop(config: dict[str, Any]) -> None:
             else worker_error(e, where=f"at step {step}", step=step, rank=loop.rank)
         )
         if loop.checkpoints is not None:
-            error = wind_down(error, loop.checkpoints, loop.relay, loop.step, loop.group)
+            error = wind_down(error, loop.checkpoints, loop.relay)
         if error is e:
             raise
         raise error from e

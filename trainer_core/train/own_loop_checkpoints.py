@@ -66,6 +66,7 @@ class StepLedger:
             )
             return group
         self.step = self.resumed_from = checkpoint.step
+        relay.completed(checkpoint.step)  # what a failure before the next step tells the driver
         self.cursor = self.after = data_mod.Cursor.from_json(checkpoint.manifest["cursor"])
         self.latest = dict(checkpoint.manifest.get("metrics") or {})
         relay.send(

@@ -163,7 +163,7 @@ def user_train_loop(config: dict[str, Any]) -> None:
             raise error from e
         hook.flush()
         hook.relay.send("memory", peak_worker_rss_mb=round(peak_rss_mb(), 1))
-        hook.relay.send("finished", step=hook.step, metrics={})
+        hook.relay.finished(step=hook.step, metrics={})
 
 
 def loop_error(error: Exception, report: int, rank: int) -> Exception:
