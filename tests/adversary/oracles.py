@@ -174,10 +174,16 @@ def retrained_toward_another_end(player: Player) -> int | None:
             + [r.get("last_step") or 0 for a in before for r in a.get("restarts") or []],
             default=0,
         )
-        for a in attempts[o.attempts_before : o.attempts_after]:
-            resumed = a.get("resumed_from_step")
-            if resumed is not None:
-                return resumed if resumed < reached else None
+        first = next(
+            (
+                a["resumed_from_step"]
+                for a in attempts[o.attempts_before : o.attempts_after]
+                if a.get("resumed_from_step") is not None
+            ),
+            None,
+        )
+        if first is not None and first < reached:  # else a later continue may have moved back
+            return first
     return None
 
 
