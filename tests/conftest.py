@@ -7,6 +7,7 @@ import os
 import pytest
 
 from flows.pytest_plugin import tiny_spec_dict as tiny_raw
+from tests import ray_auth
 from tests.gcs import GCSFS_ENV as GCS_CLIENT_ENV
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -67,15 +68,11 @@ def pytest_configure(config: pytest.Config) -> None:
     process that starts no session cluster (the multi-node module's, under xdist) and its
     children agree with the one that does, and no two workers race to write the token. The
     log monitor's settings (``LOG_MONITOR``) reach every cluster the same way."""
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    ray_auth.token_mode()
     for key, value in LOG_MONITOR.items():
         os.environ.setdefault(key, value)
     if not hasattr(config, "workerinput"):
-        from ray._private.authentication.authentication_token_setup import (
-            ensure_token_if_auth_enabled,
-        )
-
-        ensure_token_if_auth_enabled()
+        ray_auth.ensure_token()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,7 +18,6 @@ import argparse
 import collections
 import contextlib
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -100,12 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     # The cluster in token auth, as the test suite's (tests/conftest.py) and Ray 2.60's own
     # local clusters are: `ray start` and every command it runs read the same token. Set
     # before Ray is first imported (it reads the mode then).
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    from ray._private.authentication.authentication_token_setup import (
-        ensure_token_if_auth_enabled,
-    )
+    from tests import ray_auth
 
-    ensure_token_if_auth_enabled()
+    ray_auth.token_mode()
+    ray_auth.ensure_token()
 
     from tests.adversary.world import describe, world
 
