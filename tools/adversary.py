@@ -8,6 +8,8 @@ passed; the result in ``bench/results/<date>-adversary.json``.
     python -m tools.adversary --target DIR --python DIR/.venv/bin/python ...
                                                      drive another checkout's `relaytrain`
 
+A command still running after ``--command-limit`` seconds (600) is killed and judged hung.
+
 Every violation prints its seed and the command that replays it; ``--shrink`` then looks for
 the smallest history that still fails and writes it beside the result.
 """
@@ -87,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, action="append", default=[])
     parser.add_argument("--scenario", type=Path)
     parser.add_argument("--shrink", action="store_true")
+    parser.add_argument(
+        "--command-limit",
+        type=float,
+        default=600.0,
+        help="seconds a command may run before it is killed and judged hung (0: no bound)",
+    )
     parser.add_argument("--target", type=Path, default=REPO)
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--root", type=Path, help="where scenarios write (default: a temp dir)")
@@ -112,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     interrupted = False
     with world(root, args.target.resolve(), args.python) as w:
-        context = describe(w)
+        # The liveness oracle: a tiny scenario's command trains for seconds to a minute or two
+        # (retries and restarts included), so ten minutes is a hang, not a slow machine.
+        w.command_limit_s = args.command_limit or None
+        context = {"target": describe(w.target), "adversary": describe(REPO)}
         try:
             play_all(args, w, root, replaying, deadline, records)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was played is the result
@@ -179,8 +190,9 @@ def summarize(records: list[dict[str, Any]], context: dict[str, Any], args: Any)
         "schema": 1,
         "kind": "adversary",
         "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "target": context,
+        **context,
         "minutes": args.minutes,
+        "command_limit_s": args.command_limit or None,
         "scenarios": len(records),
         "actions": dict(actions),
         "faults": dict(faults),

@@ -47,6 +47,8 @@ class Outcome:
     committed_before: list[int] = field(default_factory=list)
     committed_after: list[int] = field(default_factory=list)
     left_running: list[str] = field(default_factory=list)
+    #: It ran past the campaign's liveness bound (``World.command_limit_s``) and was killed.
+    hung: bool = False
     detail: dict[str, Any] = field(default_factory=dict)
 
     def tail(self, lines: int = 30) -> str:
@@ -301,21 +303,45 @@ class Player:
     ) -> Outcome:
         before = self._state()
         process, marker, log = self._start(argv)
-        code = process.wait()
-        return self._record(index, kind, argv, code, log, marker, before, expect, fault, placed)
+        started = time.monotonic()
+        code, hung = self._wait(process, started)
+        outcome = self._record(index, kind, argv, code, log, marker, before, expect, fault, placed)
+        outcome.hung = hung
+        return outcome
+
+    def _wait(self, process: subprocess.Popen[bytes], started: float) -> tuple[int, bool]:
+        """The command's exit code, and whether it ran past the liveness bound (then its
+        process group is killed)."""
+        limit = self.world.command_limit_s
+        if limit is None:
+            return process.wait(), False
+        try:
+            return process.wait(timeout=max(0.0, started + limit - time.monotonic())), False
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            return process.wait(), True
 
     def _interrupted(self, index: int, kind: str, argv: list[str], fault: Fault) -> Outcome:
         """The command killed (``kill_flow``) or doubled (``second_flow``) once it has committed
         ``fault.at`` checkpoints; a command that ends first is recorded as it ended."""
         before = self._state()
         process, marker, log = self._start(argv)
+        started = time.monotonic()
+        limit = self.world.command_limit_s
         while process.poll() is None:
             new = [s for s in self.files.committed_steps() if s not in before[1]]
             if len(new) >= fault.at:
                 break
+            if limit is not None and time.monotonic() - started > limit:
+                break  # judged hung below, by the same bound
             time.sleep(0.2)
-        if process.poll() is not None:  # it ended before the fault could happen
-            outcome = self._record(index, kind, argv, process.returncode, log, marker, before)
+        if process.poll() is not None or (
+            limit is not None and time.monotonic() - started > limit
+        ):  # it ended (or hung) before the fault could happen
+            code, hung = self._wait(process, started)
+            outcome = self._record(index, kind, argv, code, log, marker, before)
+            outcome.hung = hung
             outcome.detail["fault_missed"] = fault.kind
             return outcome
         if fault.kind == "kill_flow":
@@ -326,8 +352,9 @@ class Player:
         second = self._command(index, "second_flow", argv, expect="lease_refused", fault=fault)
         if second.code == 0 and process.poll() is not None:
             second.expect = "ok"  # the first had ended meanwhile: the run was free to take
-        code = process.wait()
+        code, hung = self._wait(process, started)
         outcome = self._record(index, kind, argv, code, log, marker, before, "ok", None)
+        outcome.hung = hung
         outcome.detail["second"] = second.code
         return outcome
 

@@ -53,7 +53,15 @@ def judge(
 def commands(outcomes: list[Outcome]) -> list[Violation]:
     found = []
     for o in outcomes:
-        if o.expect == "ok" and o.code != 0:
+        if o.hung:
+            found.append(
+                Violation(
+                    "liveness",
+                    f"{o.kind} (action {o.index}) was still running after the campaign's bound "
+                    f"and was killed: {o.tail(8)}",
+                )
+            )
+        elif o.expect == "ok" and o.code != 0:
             found.append(
                 Violation("commands", f"{o.kind} (action {o.index}) exited {o.code}: {o.tail(12)}")
             )

@@ -35,6 +35,10 @@ class World:
     prefect_api: str
     s3: S3Server | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: The campaign's liveness bound: a command still running this long after it started is
+    #: killed and judged as hung (``oracles.commands``). None (the suite's fixed seeds): no
+    #: bound, pytest's own timeout stands.
+    command_limit_s: float | None = None
 
     def env(self, marker: str, storage: str) -> dict[str, str]:
         """A command's environment: the shared cluster and API, the offline defaults, the S3
@@ -91,10 +95,10 @@ def world(root: Path, target: Path | None = None, python: str | None = None) -> 
         )
 
 
-def describe(w: World) -> dict[str, Any]:
-    """What a campaign's result says of the checkout it drove: its commit, and whether its work
-    tree differed from it (no path of this machine's)."""
-    git = ["git", "-C", str(w.target)]
+def describe(checkout: Path) -> dict[str, Any]:
+    """What a campaign's result says of a checkout (the one it drove, and its own): its commit,
+    and whether its work tree differed from it (no path of this machine's)."""
+    git = ["git", "-C", str(checkout)]
     commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
     status = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True)
     return {

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import math
 import random
+import signal
+import subprocess
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -130,3 +133,22 @@ def test_the_score_oracle_reads_an_mlp_from_its_state_dict_as_torch_evaluates_it
     assert math.isclose(mean_squared_error(state, x, y), expected, rel_tol=1e-6)
     state["net.6.bias"] = state["net.6.bias"] + 1.0  # other weights score otherwise
     assert not math.isclose(mean_squared_error(state, x, y), expected, rel_tol=1e-3)
+
+
+def test_a_command_past_the_liveness_bound_is_killed_and_judged_hung(tmp_path):
+    from tests.adversary.drive import Outcome, Player
+    from tests.adversary.oracles import commands
+    from tests.adversary.world import World
+
+    w = World(tmp_path, tmp_path, "python3", "", "", command_limit_s=0.5)
+    player = Player(draw(1), w, tmp_path / "work", 4)
+    # A process that ignores SIGTERM and would sleep far past the bound, in a session of its
+    # own as the player's commands are.
+    process = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 300"], start_new_session=True)
+    code, hung = player._wait(process, time.monotonic())
+    assert hung and code == -signal.SIGKILL
+    verdicts = commands([Outcome(0, "run", [], code, str(tmp_path / "none.log"), hung=hung)])
+    assert [v.invariant for v in verdicts] == ["liveness"]
+    # Within the bound, a command is waited for to its end.
+    quick = subprocess.Popen(["sh", "-c", "exit 3"], start_new_session=True)
+    assert player._wait(quick, time.monotonic()) == (3, False)
