@@ -15,17 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import yaml
 
 from tests.adversary import data as tables
+from tests.adversary.processes import left_running, wait_bounded
 from tests.adversary.scenario import Action, Fault, Scenario, Shape
 from tests.adversary.store import RunFiles
 from tests.adversary.world import World
-
-#: How long the processes of a command that has ended may take to end after it (a Ray
-#: worker's loader, a Prefect log flusher) before they count as left running.
-LEFT_RUNNING_GRACE_S = 60.0
 
 
 @dataclass
@@ -303,45 +299,29 @@ class Player:
     ) -> Outcome:
         before = self._state()
         process, marker, log = self._start(argv)
-        started = time.monotonic()
-        code, hung = self._wait(process, started)
-        outcome = self._record(index, kind, argv, code, log, marker, before, expect, fault, placed)
-        outcome.hung = hung
-        return outcome
-
-    def _wait(self, process: subprocess.Popen[bytes], started: float) -> tuple[int, bool]:
-        """The command's exit code, and whether it ran past the liveness bound (then its
-        process group is killed)."""
-        limit = self.world.command_limit_s
-        if limit is None:
-            return process.wait(), False
-        try:
-            return process.wait(timeout=max(0.0, started + limit - time.monotonic())), False
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            return process.wait(), True
+        code, hung = wait_bounded(process, time.monotonic(), self.world.command_limit_s)
+        return self._record(
+            index, kind, argv, code, log, marker, before, expect, fault, placed, hung
+        )
 
     def _interrupted(self, index: int, kind: str, argv: list[str], fault: Fault) -> Outcome:
         """The command killed (``kill_flow``) or doubled (``second_flow``) once it has committed
         ``fault.at`` checkpoints; a command that ends first is recorded as it ended."""
         before = self._state()
         process, marker, log = self._start(argv)
-        started = time.monotonic()
-        limit = self.world.command_limit_s
-        while process.poll() is None:
+        started, limit = time.monotonic(), self.world.command_limit_s
+
+        def overdue() -> bool:  # past the liveness bound: judged hung by wait_bounded
+            return limit is not None and time.monotonic() - started > limit
+
+        while process.poll() is None and not overdue():
             new = [s for s in self.files.committed_steps() if s not in before[1]]
             if len(new) >= fault.at:
                 break
-            if limit is not None and time.monotonic() - started > limit:
-                break  # judged hung below, by the same bound
             time.sleep(0.2)
-        if process.poll() is not None or (
-            limit is not None and time.monotonic() - started > limit
-        ):  # it ended (or hung) before the fault could happen
-            code, hung = self._wait(process, started)
-            outcome = self._record(index, kind, argv, code, log, marker, before)
-            outcome.hung = hung
+        if process.poll() is not None or overdue():  # it ended (or hung) before the fault
+            code, hung = wait_bounded(process, started, limit)
+            outcome = self._record(index, kind, argv, code, log, marker, before, hung=hung)
             outcome.detail["fault_missed"] = fault.kind
             return outcome
         if fault.kind == "kill_flow":
@@ -352,9 +332,8 @@ class Player:
         second = self._command(index, "second_flow", argv, expect="lease_refused", fault=fault)
         if second.code == 0 and process.poll() is not None:
             second.expect = "ok"  # the first had ended meanwhile: the run was free to take
-        code, hung = self._wait(process, started)
-        outcome = self._record(index, kind, argv, code, log, marker, before, "ok", None)
-        outcome.hung = hung
+        code, hung = wait_bounded(process, started, limit)
+        outcome = self._record(index, kind, argv, code, log, marker, before, "ok", None, hung=hung)
         outcome.detail["second"] = second.code
         return outcome
 
@@ -373,6 +352,7 @@ class Player:
         expect: str = "ok",
         fault: Fault | None = None,
         placed: dict[str, Any] | None = None,
+        hung: bool = False,
     ) -> Outcome:
         after = self._state()
         outcome = Outcome(
@@ -388,28 +368,8 @@ class Player:
             committed_before=before[1],
             committed_after=after[1],
             left_running=left_running(marker),
+            hung=hung,
             **(placed or {}),
         )
         self.outcomes.append(outcome)
         return outcome
-
-
-def left_running(marker: str) -> list[str]:
-    """The processes a command started (its marker in their environment) still running once
-    ``LEFT_RUNNING_GRACE_S`` has passed since it ended."""
-
-    def ours() -> list[psutil.Process]:
-        found = []
-        for process in psutil.process_iter():
-            with contextlib.suppress(psutil.Error):
-                if process.environ().get("RELAYTRAIN_ADVERSARY") == marker:
-                    found.append(process)
-        return found
-
-    _, alive = psutil.wait_procs(ours(), timeout=LEFT_RUNNING_GRACE_S)
-    running = []
-    for process in alive:  # a zombie runs nothing: its reaper may just be late
-        with contextlib.suppress(psutil.Error):
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                running.append(f"{process.pid} {' '.join(process.cmdline()[:4])}")
-    return running

@@ -4,7 +4,9 @@ damage it does to data is damage pyarrow sees."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
 import signal
 import subprocess
@@ -136,19 +138,24 @@ def test_the_score_oracle_reads_an_mlp_from_its_state_dict_as_torch_evaluates_it
 
 
 def test_a_command_past_the_liveness_bound_is_killed_and_judged_hung(tmp_path):
-    from tests.adversary.drive import Outcome, Player
+    from tests.adversary.drive import Outcome
     from tests.adversary.oracles import commands
-    from tests.adversary.world import World
+    from tests.adversary.processes import wait_bounded
 
-    w = World(tmp_path, tmp_path, "python3", "", "", command_limit_s=0.5)
-    player = Player(draw(1), w, tmp_path / "work", 4)
     # A process that ignores SIGTERM and would sleep far past the bound, in a session of its
-    # own as the player's commands are.
+    # own as the player's commands are; killed at the end whatever the test found.
     process = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 300"], start_new_session=True)
-    code, hung = player._wait(process, time.monotonic())
+    try:
+        code, hung = wait_bounded(process, time.monotonic(), 0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
     assert hung and code == -signal.SIGKILL
     verdicts = commands([Outcome(0, "run", [], code, str(tmp_path / "none.log"), hung=hung)])
     assert [v.invariant for v in verdicts] == ["liveness"]
-    # Within the bound, a command is waited for to its end.
+    # Within the bound (or with none), a command is waited for to its end.
     quick = subprocess.Popen(["sh", "-c", "exit 3"], start_new_session=True)
-    assert player._wait(quick, time.monotonic()) == (3, False)
+    assert wait_bounded(quick, time.monotonic(), 600.0) == (3, False)
+    unbounded = subprocess.Popen(["sh", "-c", "exit 4"], start_new_session=True)
+    assert wait_bounded(unbounded, time.monotonic(), None) == (4, False)
