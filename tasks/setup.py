@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
 
 from tasks import credentials
+from trainer_core.checkpoint import verification
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.execution import cluster
 from trainer_core.run import jobs, lease, preflight
@@ -86,6 +87,16 @@ def refuse_bad_input(
     return checked
 
 
+def damaged_since(spec: RunSpec, run_dir: RunDirectory, stored: TrainingResult | None) -> list[str]:
+    """What rotted, since the run finished, in the checkpoints its stored result names (the
+    best and the latest, read whole again: finalize verified them, and nothing protects bytes
+    at rest); a user's own loop's Ray checkpoints carry no digests of ours."""
+    if stored is None or spec.ray_loop:
+        return []
+    named = [u for u in (stored.best_checkpoint_uri, stored.latest_checkpoint_uri) if u]
+    return verification.read_again(run_dir.checkpoint_location, run_dir.scan().committed, named)
+
+
 @task(name="setup", cache_policy=NO_CACHE)
 def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     """Refuse bad input before any worker starts; plan the attempt; hold the run."""
@@ -106,6 +117,14 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     lease.acquire(run_dir.location, owner=lease_owner)
     summary_seen = lease.summary_version(run_dir.location)  # under the lease: nobody writes it
     stored = read_stored_result(run_dir)
+    if is_finished(spec, stored) and (rotten := damaged_since(spec, run_dir, stored)):
+        logger.warning(
+            "run %s finished, but %s: it trains on from its newest sound checkpoint, and its "
+            "result is written again without them",
+            plan.run_name,
+            "; ".join(rotten),
+        )
+        stored = None
     if is_finished(spec, stored):
         logger.info(
             "run %s already finished (%s steps): returning its stored result",

@@ -89,11 +89,14 @@ def condemn(location: Location, reason: str) -> None:
     record(location, False, reason)
 
 
-def verify(location: Location, checkpoint: CheckpointInfo, keep: bool = True) -> str | None:
+def verify(
+    location: Location, checkpoint: CheckpointInfo, keep: bool = True, again: bool = False
+) -> str | None:
     """Read ``checkpoint`` (in ``location``) whole unless its verdict is kept: None when
     sound, else what is damaged. ``keep``: record the verdict (the run's holder; a reader that
-    holds no lease only reads)."""
-    verdict = stored_verdict(location)
+    holds no lease only reads). ``again``: read it whole whatever its verdict says (bytes can
+    rot after they were verified)."""
+    verdict = None if again else stored_verdict(location)
     if verdict is not None:
         return None if verdict.get("ok") else str(verdict.get("reason"))
     found = damage(checkpoint, lambda name: location.child(name).read_bytes())
@@ -125,3 +128,20 @@ def damage_found(location: Location) -> str | None:
     if verdict is None or verdict.get("ok"):
         return None
     return str(verdict.get("reason"))
+
+
+def read_again(
+    locate: Callable[[int], Location], committed: list[CheckpointInfo], uris: list[str]
+) -> list[str]:
+    """The checkpoints named by ``uris`` (a finished run's best and latest, before its stored
+    result is handed out again) read whole again, whatever their verdicts say: what is wrong
+    with each that is damaged (its new verdict kept) or no longer committed."""
+    by_uri = {c.uri: c for c in committed}
+    found = []
+    for uri in dict.fromkeys(uris):
+        checkpoint = by_uri.get(uri)
+        if checkpoint is None:
+            found.append(f"{uri} is no longer committed")
+        elif (damaged := verify(locate(checkpoint.step), checkpoint, again=True)) is not None:
+            found.append(f"{uri}: {damaged}")
+    return found
