@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 import signal
 import sys
@@ -156,6 +157,13 @@ def play_all(
         scenario = queue.pop(0) if queue else draw(seed)
         seed += 0 if replaying else 1
         record = play_one(scenario, w, root)
+        if scenario.shape.validation_file and "unknown key 'validation'" in record.get("error", ""):
+            # A target from before data.validation: the same scenario, its validation rows a
+            # hashed share of the table (drawn last, the knob leaves every other draw as it is).
+            shape = dataclasses.replace(scenario.shape, validation_file=False)
+            scenario = dataclasses.replace(scenario, shape=shape)
+            record = play_one(scenario, w, root)
+            record["adapted"] = "validation a hashed share: the target knows no data.validation"
         records.append(record)
         status = "VIOLATED" if record["violations"] else ("ERROR" if "error" in record else "ok")
         print(f"[{status}] {record['scenario']} ({record['seconds']} s)", flush=True)
