@@ -87,6 +87,10 @@ class OutageProxy:
             self.events.append((time.time(), "up"))
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
 
+    @property
+    def is_up(self) -> bool:
+        return self._listener is not None
+
     def down(self, why: str = "down") -> None:
         """Close the listener and every open connection, as a stopped server would."""
         with self._lock:

@@ -18,10 +18,22 @@ from typing import Any
 import yaml
 
 from tests.adversary import data as tables
+from tests.adversary import interrupt
 from tests.adversary.processes import left_running, wait_bounded
-from tests.adversary.scenario import Action, Fault, Scenario, Shape
+from tests.adversary.scenario import (
+    AFTER_COMMITS,
+    Action,
+    Fault,
+    Scenario,
+    Shape,
+    on_a_node_of_their_own,
+)
 from tests.adversary.store import RunFiles
-from tests.adversary.world import World
+from tests.adversary.world import NODE_RESOURCE, World
+
+#: A lost node's retry delay: past Ray's death of the node (``world.NODE_HEALTH_CHECKS``), before
+#: it is back (``scenario.NODE_AWAY_S``).
+NODE_RETRY_DELAY_S = 15
 
 
 @dataclass
@@ -33,7 +45,7 @@ class Outcome:
     argv: list[str]
     code: int | None
     log: str
-    expect: str = "ok"  # ok, killed, lease_refused, damaged_data
+    expect: str = "ok"  # ok, killed, lease_refused, damaged_data, store_full
     fault: Fault | None = None
     #: raise, kill_rank: the step it was placed at, and the attempt it was for.
     fault_step: int | None = None
@@ -147,7 +159,8 @@ class Player:
         self.storage = world.storage_uri(scenario.shape.storage, prefix)
         self.run_uri = child_uri(self.storage, self.name)
         creds = world.s3.credential_env() if world.s3 is not None else {}
-        self.files = RunFiles.at(self.run_uri, creds)
+        direct = world.storage_uri(scenario.shape.storage, prefix, direct=True)
+        self.files = RunFiles.at(child_uri(direct, self.name), creds)
         self.epochs = scenario.shape.epochs
         self.workers = scenario.shape.workers
         self.outcomes: list[Outcome] = []
@@ -159,6 +172,9 @@ class Player:
     def play(self) -> list[Outcome]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         tables.write(self.scenario.data, self.dataset)
+        if on_a_node_of_their_own(self.scenario):
+            assert self.world.node is not None, "lose_node needs the world's worker node"
+            self.world.node.ensure()
         if self.scenario.shape.validation_file:
             tables.write_validation(self.scenario.data, validation_directory(self.dataset))
         try:
@@ -166,7 +182,7 @@ class Player:
                 if action.kind in ("run", "rerun", "continue"):
                     self._train(index, action)
                 elif action.kind == "show":
-                    self._command(index, "show", ["show", self.run_uri, *action.option.split()])
+                    self.command(index, "show", ["show", self.run_uri, *action.option.split()])
                 elif action.kind == "export":
                     self._export(index, action)
         finally:  # a campaign stopped mid-command (Ctrl-C, SIGTERM) leaves none running
@@ -201,15 +217,15 @@ class Player:
             placed = {"fault_step": step, "fault_attempt": attempt}
         argv = self._run_argv(index, faults)
         expect = "damaged_data" if fault and fault.kind == "flip_data" else "ok"
-        if fault and fault.kind in ("kill_flow", "second_flow"):
-            outcome = self._interrupted(index, action.kind, argv, fault)
+        if fault and fault.kind in AFTER_COMMITS:
+            outcome = interrupt.interrupted(self, index, action.kind, argv, fault)
         else:
-            outcome = self._command(index, action.kind, argv, expect=expect, fault=fault, **placed)
+            outcome = self.command(index, action.kind, argv, expect=expect, fault=fault, **placed)
         if restore is not None:  # the operator restores the file from its source, runs again
             restore()
-            self._command(index, "again", argv)
-        elif outcome.expect == "killed":
-            self._command(index, "again", argv)
+            self.command(index, "again", argv)
+        elif outcome.expect in ("killed", "store_full"):  # space freed, for a full store
+            self.command(index, "again", argv)
 
     def _run_argv(self, index: int, faults: list[dict[str, Any]]) -> list[str]:
         raw = spec_raw(
@@ -221,13 +237,17 @@ class Player:
             workers=self.workers,
             faults=faults,
         )
+        if on_a_node_of_their_own(self.scenario):  # the group on the node it loses, and a
+            # user's retries whose next attempt comes once Ray counts the node dead
+            raw["scaling"]["resources_per_worker"] = {"CPU": 1, NODE_RESOURCE: 1}
+            raw["retries"].update(in_place=0, delay_s=NODE_RETRY_DELAY_S)
         path = self.workdir / f"spec-{index}-{len(self.outcomes)}.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
         return ["run", "--config", str(path), "--result-json", str(path.with_suffix(".json"))]
 
     def _export(self, index: int, action: Action) -> None:
         out = self.workdir / f"export-{index}.pt"
-        outcome = self._command(
+        outcome = self.command(
             index, "export", ["export", self.run_uri, f"--{action.option}", str(out)]
         )
         summary = self.files.summary() or {}
@@ -271,7 +291,7 @@ class Player:
 
     # -- commands -------------------------------------------------------------------------------
 
-    def _start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], str, Path]:
+    def start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], str, Path]:
         self._count += 1
         marker = f"{self.name}-{os.getpid()}-{self._count}"
         log = self.workdir / f"command-{self._count:02d}-{argv[0]}.log"
@@ -288,7 +308,7 @@ class Player:
         self._started.append(process)
         return process, marker, log
 
-    def _command(
+    def command(
         self,
         index: int,
         kind: str,
@@ -297,50 +317,17 @@ class Player:
         fault: Fault | None = None,
         **placed: Any,
     ) -> Outcome:
-        before = self._state()
-        process, marker, log = self._start(argv)
+        before = self.state()
+        process, marker, log = self.start(argv)
         code, hung = wait_bounded(process, time.monotonic(), self.world.command_limit_s)
-        return self._record(
+        return self.record(
             index, kind, argv, code, log, marker, before, expect, fault, placed, hung
         )
 
-    def _interrupted(self, index: int, kind: str, argv: list[str], fault: Fault) -> Outcome:
-        """The command killed (``kill_flow``) or doubled (``second_flow``) once it has committed
-        ``fault.at`` checkpoints; a command that ends first is recorded as it ended."""
-        before = self._state()
-        process, marker, log = self._start(argv)
-        started, limit = time.monotonic(), self.world.command_limit_s
-
-        def overdue() -> bool:  # past the liveness bound: judged hung by wait_bounded
-            return limit is not None and time.monotonic() - started > limit
-
-        while process.poll() is None and not overdue():
-            new = [s for s in self.files.committed_steps() if s not in before[1]]
-            if len(new) >= fault.at:
-                break
-            time.sleep(0.2)
-        if process.poll() is not None or overdue():  # it ended (or hung) before the fault
-            code, hung = wait_bounded(process, started, limit)
-            outcome = self._record(index, kind, argv, code, log, marker, before, hung=hung)
-            outcome.detail["fault_missed"] = fault.kind
-            return outcome
-        if fault.kind == "kill_flow":
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            code = process.wait()
-            return self._record(index, kind, argv, code, log, marker, before, "killed", fault)
-        second = self._command(index, "second_flow", argv, expect="lease_refused", fault=fault)
-        if second.code == 0 and process.poll() is not None:
-            second.expect = "ok"  # the first had ended meanwhile: the run was free to take
-        code, hung = wait_bounded(process, started, limit)
-        outcome = self._record(index, kind, argv, code, log, marker, before, "ok", None, hung=hung)
-        outcome.detail["second"] = second.code
-        return outcome
-
-    def _state(self) -> tuple[int, list[int]]:
+    def state(self) -> tuple[int, list[int]]:
         return len(self.files.attempts()), self.files.committed_steps()
 
-    def _record(
+    def record(
         self,
         index: int,
         kind: str,
@@ -354,7 +341,7 @@ class Player:
         placed: dict[str, Any] | None = None,
         hung: bool = False,
     ) -> Outcome:
-        after = self._state()
+        after = self.state()
         outcome = Outcome(
             index=index,
             kind=kind,

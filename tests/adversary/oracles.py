@@ -87,23 +87,34 @@ def commands(outcomes: list[Outcome]) -> list[Violation]:
                         f"group: {o.tail(8)}",
                     )
                 )
+        elif o.expect == "store_full" and o.code != 0:  # 0: it ended before it wrote again
+            text = Path(o.log).read_text(errors="replace")
+            if "run.storage" not in text or "full" not in text.lower():
+                found.append(
+                    Violation(
+                        "commands",
+                        f"a full store failed the run (exit {o.code}) without naming it and "
+                        f"run.storage: {o.tail(8)}",
+                    )
+                )
     return found
 
 
 def damage_contained(outcomes: list[Outcome]) -> list[Violation]:
-    """A run stopped by damage it cannot train past (a damaged data page) spends at most one
-    attempt (none when setup's own read finds it) and no retry, and deletes no committed
-    checkpoint, unless it committed newer ones from the rows before the damage (then retention
-    keeps ``keep_last``, as after any commit)."""
+    """A run stopped by what it cannot train past (a damaged data page, a full store) spends at
+    most one attempt (none when setup's own read finds it) and no retry, and deletes no
+    committed checkpoint, unless it committed newer ones from the rows before the damage (then
+    retention keeps ``keep_last``, as after any commit)."""
     found = []
     for o in outcomes:
-        if o.expect != "damaged_data" or o.code == 0:
+        if o.expect not in ("damaged_data", "store_full") or o.code == 0:
             continue
+        what = "damaged data" if o.expect == "damaged_data" else "a full store"
         if o.attempts_after - o.attempts_before > 1:
             found.append(
                 Violation(
                     "damage",
-                    f"damaged data took {o.attempts_after - o.attempts_before} attempts "
+                    f"{what} took {o.attempts_after - o.attempts_before} attempts "
                     "(retries spent on it)",
                 )
             )
@@ -113,7 +124,7 @@ def damage_contained(outcomes: list[Outcome]) -> list[Violation]:
             found.append(
                 Violation(
                     "damage",
-                    f"committed checkpoints {gone} deleted by a run that damaged data stopped",
+                    f"committed checkpoints {gone} deleted by a run that {what} stopped",
                 )
             )
     return found

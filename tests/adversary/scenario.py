@@ -25,7 +25,12 @@ ACTIONS = ("run", "rerun", "continue", "show", "export")
 #:   ``kill_rank`` (a worker process SIGKILLed as a step begins: a restart in place),
 #:   ``kill_flow`` (the command's whole process group SIGKILLed once a checkpoint is committed;
 #:   the operator runs the command again), ``second_flow`` (the same command started again
-#:   while the first trains: refused, the first goes on);
+#:   while the first trains: refused, the first goes on), ``outage`` (object storage goes away
+#:   for some seconds once a checkpoint is committed, and comes back: the run goes on),
+#:   ``store_full`` (object storage answers every write as a full store from then on: the
+#:   command stops naming it, on no retry; the operator frees space and runs it again),
+#:   ``lose_node`` (the node the workers run on lost once a checkpoint is committed, back only
+#:   some seconds after Ray counts it dead: the run waits for it and goes on);
 #: - before a command: ``flip_checkpoint`` (a byte of the newest committed checkpoint's model
 #:   flipped while no flow runs: the resume must not read it), ``flip_best`` (the same to the
 #:   best checkpoint of a finished run, which then continues: it must not stay the best),
@@ -38,20 +43,31 @@ FAULTS = (
     "kill_rank",
     "kill_flow",
     "second_flow",
+    "outage",
+    "store_full",
+    "lose_node",
     "flip_checkpoint",
     "flip_best",
     "flip_data",
     "add_file",
 )
 #: The faults that fire while the command trains (the others damage storage before it).
-DURING = ("raise", "kill_rank", "kill_flow", "second_flow")
+DURING = ("raise", "kill_rank", "kill_flow", "second_flow", "outage", "store_full", "lose_node")
+#: The faults that come once the command has committed ``at`` checkpoints (the others during a
+#: command are placed at a step).
+AFTER_COMMITS = ("kill_flow", "second_flow", "outage", "store_full", "lose_node")
+#: The faults of object storage, and what each plays: seconds away; which store's answer.
+STORAGE_FAULTS = {"outage": ("2", "5", "10"), "store_full": ("minio", "ceph")}
+#: lose_node: the seconds the node stays away once Ray counts it dead (the retry comes before
+#: it is back: ``drive.NODE_RETRY_DELAY_S``).
+NODE_AWAY_S = ("10", "20")
 ADDED_FILES = ("valid", "half_written", "other_schema")
 
 #: The seeds `make test` plays (tests/integration/test_adversary_seeds.py): together they touch
 #: every action and fault kind. Picked by ``cheapest_cover`` over seeds 1-2999: the set of the
 #: fewest training commands (their references' included) that covers every kind, among the
 #: scenarios every oracle can judge (``fully_judged``).
-SUITE_SEEDS = (21, 420, 455, 2650)
+SUITE_SEEDS = (15, 231, 276, 1733, 2570, 2650)
 
 
 @dataclass(frozen=True)
@@ -59,10 +75,13 @@ class Fault:
     kind: str
     #: raise, kill_rank: where among the command's steps it fires, in thousandths (the step
     #: itself is placed once the steps of an epoch are known: ``drive.fault_step``);
-    #: kill_flow, second_flow: the checkpoints the command commits before it happens.
+    #: kill_flow, second_flow, outage, store_full: the checkpoints the command commits before
+    #: it happens.
     at: int = 0
     rank: int = 0
-    #: add_file: which file lands (``ADDED_FILES``); flip_data: which dataset file.
+    #: add_file: which file lands (``ADDED_FILES``); flip_data: which dataset file; outage:
+    #: its seconds; store_full: the store whose answer it plays (``STORAGE_FAULTS``);
+    #: lose_node: its seconds away (``NODE_AWAY_S``).
     what: str = ""
 
 
@@ -155,6 +174,9 @@ class Scenario:
                     "kill_rank": f"rank {f.rank} at {f.at / 10:.1f}% of its steps",
                     "kill_flow": f"after {f.at} commits",
                     "second_flow": f"after {f.at} commits",
+                    "outage": f"of {f.what} s after {f.at} commits",
+                    "store_full": f"({f.what}) after {f.at} commits",
+                    "lose_node": f"after {f.at} commits, back {f.what} s after it is dead",
                     "add_file": f.what,
                     "flip_data": f"file {f.what}",
                 }.get(f.kind, "")
@@ -225,6 +247,9 @@ def draw(seed: int) -> Scenario:
     # Drawn last, so that every earlier draw of a seed is what it was before these knobs.
     shape = dataclasses.replace(shape, validation_file=shape.validation and rng.random() < 0.5)
     history = _best_damaged_before_reruns(rng, history)
+    if shape.storage == "s3":
+        history = _storage_faults(rng, history)
+    history = _lost_nodes(rng, history)
     return Scenario(seed, shape, data, tuple(history))
 
 
@@ -241,6 +266,37 @@ def _best_damaged_before_reruns(rng: random.Random, history: list[Action]) -> li
             action = dataclasses.replace(action, fault=Fault("flip_best"))
         drawn.append(action)
     return drawn
+
+
+def _storage_faults(rng: random.Random, history: list[Action]) -> list[Action]:
+    """Object storage failing under some of the commands that train with no fault of their
+    own (drawn after everything else: earlier draws stand)."""
+    drawn = []
+    for action in history:
+        if action.kind in ("run", "continue") and action.fault is None and rng.random() < 0.4:
+            kind = rng.choice(sorted(STORAGE_FAULTS))
+            fault = Fault(kind, at=rng.randint(1, 2), what=rng.choice(STORAGE_FAULTS[kind]))
+            action = dataclasses.replace(action, fault=fault)
+        drawn.append(action)
+    return drawn
+
+
+def _lost_nodes(rng: random.Random, history: list[Action]) -> list[Action]:
+    """The node under some of the commands that train with no fault of their own lost (drawn
+    after everything else: earlier draws stand)."""
+    drawn = []
+    for action in history:
+        if action.kind in ("run", "continue") and action.fault is None and rng.random() < 0.15:
+            fault = Fault("lose_node", at=rng.randint(1, 2), what=rng.choice(NODE_AWAY_S))
+            action = dataclasses.replace(action, fault=fault)
+        drawn.append(action)
+    return drawn
+
+
+def on_a_node_of_their_own(scenario: Scenario) -> bool:
+    """Whether the scenario's workers run on the world's worker node (the one it loses), not on
+    the head."""
+    return any(a.fault and a.fault.kind == "lose_node" for a in scenario.history)
 
 
 def _during(rng: random.Random, shape: Shape) -> Fault | None:
@@ -280,10 +336,12 @@ def commands_cost(scenario: Scenario) -> float:
             cost += 1
         else:
             cost += 0.4
-        if a.fault and a.fault.kind in ("kill_flow", "flip_data"):
+        if a.fault and a.fault.kind in ("kill_flow", "flip_data", "store_full"):
             cost += 1
         elif a.fault and a.fault.kind == "second_flow":
             cost += 0.5
+        elif a.fault and a.fault.kind == "lose_node":  # Ray's health checks, the node away
+            cost += 2
     shape = scenario.shape
     longer = 1 + 0.3 * (shape.workers - 1) + 0.2 * (shape.epochs - 2)
     return cost * longer * (1.1 if shape.storage == "s3" else 1.0)
@@ -306,7 +364,7 @@ def fully_judged(scenario: Scenario) -> bool:
 def cheapest_cover(seeds: range) -> list[int]:
     """The fully judged seeds among ``seeds`` whose scenarios together touch every action and
     fault kind at the least ``commands_cost`` (a set cover, exact: dynamic programming over the
-    subsets of the 13 kinds; equal costs go to the lower seeds)."""
+    subsets of the 16 kinds; equal costs go to the lower seeds)."""
     kinds = [*ACTIONS, *FAULTS]
     full = (1 << len(kinds)) - 1
     cheapest: dict[int, tuple[float, int]] = {}  # kinds touched -> the cheapest seed touching them

@@ -1,7 +1,10 @@
 """What a campaign's scenarios share, as users have it: a Ray cluster started with
 `ray start --head` (the commands reach it through ``RAY_ADDRESS``), a `prefect server start`
 (``PREFECT_API_URL``), and a moto S3 server for the scenarios that keep their runs in object
-storage. Started once, stopped at the end whatever happened."""
+storage, which the commands reach through a proxy that can play an outage or a full store (the
+adversary itself reads storage directly); and, for the scenarios that lose a node, a worker node
+of its own (`ray start --address`) that only their workers ask for. Started once (the node when
+first needed), stopped at the end whatever happened."""
 
 from __future__ import annotations
 
@@ -14,14 +17,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.outage_proxy import OutageProxy
 from tests.prefect_server import PrefectServer
-from tests.ray_start import RayStartHead
+from tests.ray_start import RayStartHead, RayStartNode
 from tests.s3 import S3Server, moto_s3
 
 #: A secret every command holds in its environment, as a tracking or database password would
 #: be, that nothing it writes may contain (nor the S3 secret key, for S3 storage).
 CANARY = "adversary-canary-5b1c0e7d"
 CANARY_ENV = "RELAYTRAIN_ADVERSARY_CANARY_PASSWORD"
+#: The resource only the world's worker node has: a spec that asks each worker for one places
+#: its group there (two workers at most).
+NODE_RESOURCE = "adversary_node"
+#: Ray's health checks of its nodes, as a cluster's operator may set them: a node whose raylet
+#: misses ten checks a second apart (two seconds each) is dead, about 10 s after it is lost
+#: (Ray's defaults take 15-25 s), with no false death on a loaded machine.
+NODE_HEALTH_CHECKS = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "10",
+}
 
 
 @dataclass
@@ -34,6 +49,10 @@ class World:
     ray_address: str
     prefect_api: str
     s3: S3Server | None = None
+    #: In front of ``s3`` for the commands: what ``outage`` and ``store_full`` act through.
+    proxy: OutageProxy | None = None
+    #: The worker node ``lose_node`` loses (``NODE_RESOURCE``), started when first needed.
+    node: RayStartNode | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     #: The campaign's liveness bound: a command still running this long after it started is
     #: killed and judged as hung (``oracles.commands``). None (the suite's fixed seeds): no
@@ -65,9 +84,12 @@ class World:
         """What no file of a run may hold."""
         return [CANARY, *([self.s3.secret_access_key] if self.s3 is not None else [])]
 
-    def storage_uri(self, storage: str, prefix: str) -> str:
+    def storage_uri(self, storage: str, prefix: str, direct: bool = False) -> str:
+        """Where a scenario's runs go: for S3, through the proxy (the commands' way), or to the
+        server itself (``direct``: the adversary's reads, through any outage it plays)."""
         if storage == "s3" and self.s3 is not None:
-            return self.s3.uri(prefix)
+            proxied = self.proxy is not None and not direct
+            return self.s3.uri(prefix, port=self.proxy.port if proxied else None)
         return str(self.root / "storage" / prefix)
 
 
@@ -78,6 +100,7 @@ def world(root: Path, target: Path | None = None, python: str | None = None) -> 
     target = target or Path(__file__).resolve().parents[2]
     with contextlib.ExitStack() as stack:
         head = RayStartHead(num_cpus=4)
+        head.env.update(NODE_HEALTH_CHECKS)
         stack.callback(head.stop)  # also when it is stopped while starting
         head.start()
         prefect = PrefectServer(root / "prefect", head.address)
@@ -85,6 +108,9 @@ def world(root: Path, target: Path | None = None, python: str | None = None) -> 
         stack.callback(prefect.stop)
         prefect.start()
         s3 = stack.enter_context(moto_s3(root))
+        proxy = stack.enter_context(OutageProxy(s3.port))
+        node = RayStartNode(head, num_cpus=2, resources={NODE_RESOURCE: 2})
+        stack.callback(node.kill)
         yield World(
             root=root,
             target=target,
@@ -92,6 +118,8 @@ def world(root: Path, target: Path | None = None, python: str | None = None) -> 
             ray_address=head.address,
             prefect_api=prefect.api,
             s3=s3,
+            proxy=proxy,
+            node=node,
         )
 
 
