@@ -13,6 +13,7 @@ import yaml
 
 from tests.conftest import ONE_WORKER, tiny_raw
 from tests.recovery import (
+    assert_recovered,
     assert_same_tensors,
     fail_then_resume,
     final_state,
@@ -105,6 +106,33 @@ def test_kill_mid_epoch_then_resume(reference, tmp_path):
     run_dir = run_dir_of(spec)
     assert_same_tensors(final_state(run_dir), reference["state"])
     assert losses(run_dir) == reference["losses"]
+
+
+def test_the_only_rank_killed_ends_the_attempt_and_its_lost_steps_are_counted(
+    uninterrupted_one_worker, tmp_path
+):
+    """With restarts in place off, the only rank is SIGKILLed as step 23 begins: nobody is left
+    to say how far it got, and its metric rows stop at its last push. The next attempt's rank,
+    on the same node, reads the step the killed rank marked (22), so the failed attempt lost
+    exactly the steps after the resume point (20, or 13 when the kill took step 20's write in
+    flight): the fault's step is the oracle. (The adversary's seed 276 met it: 0 steps lost
+    recorded where 3 were.)"""
+    spec = build_spec(
+        tiny_raw(
+            tmp_path,
+            "alone",
+            scaling=ONE_WORKER,
+            retries={"in_place": 0},
+            faults=[{"kind": "kill", "at_step": 23, "rank": 0}],
+        )
+    )
+    with pytest.raises(InfrastructureError):
+        run_attempt(spec)
+    run_attempt(spec)
+    attempts = assert_recovered(
+        run_dir_of(spec), uninterrupted_one_worker, interval=10, write_lost=True, fault_step=23
+    )
+    assert attempts[0]["last_step"] == 22
 
 
 def _flip_a_byte(path: Path) -> None:

@@ -7,10 +7,12 @@ nothing, and when it is the only rank, or every rank on a lost node, nobody else
 outlives it: the write is a ``pwrite`` of 8 bytes into the page cache (no ``fsync``; a process's
 death does not drop the page cache, only the node's would), about a microsecond a step. The
 restarted group's ranks read the marks the ended group left on their node and tell the driver,
-which records the step for the restart that ended that group (``live_state``).
+which records the step for the restart that ended that group (``live_state``); when the failure
+ended the attempt instead, the next attempt's first group reads them, and the driver records
+the step in the earlier attempt's record (``engine``).
 
-Marks are named by the attempt's relay actor (one per attempt), the group and the rank, so
-another attempt or run on the node never reads them; a mark is removed when it is read or its
+Marks are named by a key the driver draws for each attempt (kept in its record), the group and
+the rank, so another run on the node never reads them; a mark is removed when it is read or its
 rank finishes, and marks older than a week (an attempt that ended with its group) are swept.
 """
 
@@ -20,6 +22,7 @@ import contextlib
 import os
 import re
 import struct
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -82,3 +85,9 @@ def take_earlier(key: str, group: int, directory: Path = DIRECTORY) -> dict[int,
             if len(data) == _STEP.size:
                 found[earlier] = max(found.get(earlier, 0), _STEP.unpack(data)[0])
     return found
+
+
+def take_all(key: str, directory: Path = DIRECTORY) -> dict[int, int]:
+    """Every mark that attempt ``key``'s groups left on this node (an attempt that ended), by
+    group; removed as they are read."""
+    return take_earlier(key, sys.maxsize, directory)

@@ -135,6 +135,8 @@ def _worker_config(spec: RunSpec, plan: Any, relay: Any) -> WorkerConfig:
         watch_preemption=watches_preemption(),
         dataset=plan.dataset,
         lease_owner=plan.lease_owner,
+        marks=plan.marks,
+        earlier_marks=plan.earlier_marks,
     )
 
 

@@ -27,6 +27,11 @@ class WorkerConfig:
     dataset: dict[str, Any] | None = None
     #: The flow's lease owner: every commit and deletion checks it still holds the run.
     lease_owner: str | None = None
+    #: The key this attempt's ranks mark their last completed step by on their nodes
+    #: (``step_marks``), and the key of the attempt before it: a rank that finds that attempt's
+    #: marks on its node tells the driver how far a rank killed outright got. None: no marks.
+    marks: str | None = None
+    earlier_marks: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``train_loop_config``: plain values only, because Ray Train's controller

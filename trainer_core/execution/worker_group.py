@@ -33,7 +33,14 @@ class Relay:
     #: training thread (``flush_before_shutdown``).
     of_this_process: Relay | None = None
 
-    def __init__(self, handle: Any, rank: int, interval_s: float = 1.0):
+    def __init__(
+        self,
+        handle: Any,
+        rank: int,
+        marks: str | None = None,
+        earlier_marks: str | None = None,
+        interval_s: float = 1.0,
+    ):
         self.handle = handle if rank == 0 else None
         self.rank = rank
         self.driver = handle  # every rank's, for what only a rank that outlived rank 0 knows
@@ -45,11 +52,12 @@ class Relay:
         #: The last step this rank completed (the loop sets it): what it tells the driver when
         #: its group ends from outside (``flush_before_shutdown``).
         self.completed_step = 0
-        #: Where this rank keeps its last completed step for a restarted group to find, should
-        #: it be killed outright (``step_marks``); none without a relay actor to name it by.
+        #: Where this rank keeps its last completed step for a restarted group, or the next
+        #: attempt, to find, should it be killed outright (``step_marks``), under the attempt's
+        #: key (``marks``; None: no marks); and the key of the attempt before this one.
         self.mark: step_marks.StepMark | None = None
-        actor_id = getattr(handle, "_actor_id", None)
-        self.mark_key = actor_id.hex() if actor_id is not None else None
+        self.mark_key = marks if handle is not None else None
+        self.earlier_marks = earlier_marks
         self.lock = threading.Lock()  # the checkpoint thread sends too
         Relay.of_this_process = self
 
@@ -87,9 +95,28 @@ class Relay:
         try:  # best effort: a temp dir this process cannot write costs only the count
             for earlier, step in sorted(step_marks.take_earlier(self.mark_key, group).items()):
                 self.tell_last_step(step, earlier)
+            if group == 0 and self.earlier_marks:
+                self._tell_earlier_attempts_step()
             self.mark = step_marks.StepMark(self.mark_key, group, self.rank)
         except OSError as e:
             logger.warning("no step mark in %s: %s", step_marks.DIRECTORY, e)
+
+    def _tell_earlier_attempts_step(self) -> None:
+        """The attempt before this one ended with ranks that left marks on this node (killed
+        outright, or ended by Ray): tell the driver the furthest step they marked, which the
+        earlier attempt's record may not know (its rank 0's rows lag; when rank 0 itself was
+        killed, or was the only rank, nobody could say)."""
+        assert self.earlier_marks is not None and self.driver is not None
+        marked = step_marks.take_all(self.earlier_marks)
+        if marked:
+            self.driver.push.remote(
+                {
+                    "kind": "earlier_last_step",
+                    "time": time.time(),
+                    "rank": self.rank,
+                    "last_step": max(marked.values()),
+                }
+            )
 
     def finished(self, **payload: Any) -> None:
         """This rank's loop finished (every rank says so): its step mark is no longer needed,

@@ -48,6 +48,9 @@ class AttemptRecord:
     resume_exact: bool | None = None
     resume_note: str | None = None
     last_step: int | None = None
+    #: The key its ranks marked their last completed steps by on their nodes (``step_marks``):
+    #: the next attempt's ranks read the marks of a rank killed outright.
+    marks: str | None = None
     #: When the workers last relayed progress (a metric row): a failure is noticed after it.
     last_progress_at: float | None = None
     #: In-place restarts of the worker group within the attempt (resizes of an elastic run):
@@ -126,6 +129,10 @@ class AttemptRecord:
             error_message="this attempt ended without recording how: its driver died (flow "
             "process killed, machine lost) or storage refused the record",
         )
+
+    def reached(self, step: int) -> AttemptRecord:
+        """A step its ranks completed, heard of later (the next attempt found their marks)."""
+        return dataclasses.replace(self, last_step=max(self.last_step or 0, step))
 
     def decided(self, reason: str) -> AttemptRecord:
         return dataclasses.replace(self, retry_decision=reason)

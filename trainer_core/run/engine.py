@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import platform
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -96,10 +97,18 @@ def run_attempt(
         # From step 0 when nothing is committed; a user's loop from what only its workers know.
         start = plan.resume_step if plan.resume_step is not None or spec.ray_loop else 0
         record = attempts.AttemptRecord.opened(plan.attempt, plan.reason, start)
+        record = replace(record, marks=uuid.uuid4().hex[:16])
+        earlier = _ended_before(run_dir, plan.attempt)
+        plan = replace(plan, marks=record.marks, earlier_marks=earlier.marks if earlier else None)
         attempts.write(run_dir, record)
         live = LiveState(step=plan.resume_step or 0, resumed_from=start)
 
         def handle(event: dict[str, Any]) -> None:
+            nonlocal earlier
+            if event["kind"] == "earlier_last_step" and earlier is not None:
+                # how far a rank killed outright got in the attempt before: its own record
+                earlier = earlier.reached(event["last_step"])
+                attempts.write_quietly(run_dir, earlier)
             if live.apply(event):  # a worker group began or ended: the record says so now
                 attempts.write(run_dir, record.running(live.outcome()))
             if on_event is not None:
@@ -123,6 +132,13 @@ def run_attempt(
         result = _result(plan, run_dir, live, started)
         attempts.write(run_dir, record.completed(live.outcome(), result.steps_completed))
         return result
+
+
+def _ended_before(run_dir: RunDirectory, attempt: int) -> attempts.AttemptRecord | None:
+    """The record of the attempt before ``attempt`` if it failed: its ranks may have left
+    step marks that this attempt's ranks find."""
+    earlier = [r for r in attempts.read(run_dir) if r.attempt == attempt - 1]
+    return earlier[0] if earlier and earlier[0].status == "failed" else None
 
 
 def _prepare_run_directory(

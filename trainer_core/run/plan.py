@@ -35,6 +35,9 @@ class Plan:
     ray_datasets: dict[str, list[str]] | None = None
     #: The lease owner the attempt's commits are fenced by (None: no lease, e.g. a test).
     lease_owner: str | None = None
+    #: The step marks' keys of this attempt and of the one before it (``WorkerConfig.marks``).
+    marks: str | None = None
+    earlier_marks: str | None = None
 
 
 def canonical_storage_uri(uri: str) -> str:

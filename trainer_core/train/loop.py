@@ -66,7 +66,7 @@ class BuiltinLoop:
         self.spec = RunSpec.model_validate(config.spec)
         assert self.spec.model and self.spec.data and self.spec.schedule
         self.run_dir = RunDirectory.of(config.storage_uri, config.run_name, config.lease_owner)
-        self.relay = Relay(config.relay, self.rank)
+        self.relay = Relay(config.relay, self.rank, config.marks, config.earlier_marks)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.data_spec = self.spec.data.resolved()
         info = self._build_data()

@@ -80,7 +80,7 @@ class OwnLoop:
         self.spec = RunSpec.model_validate(config.spec)
         assert self.spec.data is not None and self.spec.schedule is not None
         self.run_dir = RunDirectory.of(config.storage_uri, config.run_name, config.lease_owner)
-        self.relay = Relay(config.relay, self.rank)
+        self.relay = Relay(config.relay, self.rank, config.marks, config.earlier_marks)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
         self.timings = Timings()
         self.windows = ReportWindows(self.device, self.timings, self.relay, self.rank)

@@ -54,7 +54,7 @@ class ReportHook:
         self.config = config
         self.spec = RunSpec.model_validate(config.spec)
         self.faults = Faults(list(self.spec.faults), config.attempt, self.rank)
-        self.relay = Relay(config.relay, self.rank)
+        self.relay = Relay(config.relay, self.rank, config.marks, config.earlier_marks)
         self.run_dir = RunDirectory.of(config.storage_uri, config.run_name)
         #: The run's reports so far, and the history key of the last one (known once reported,
         #: or resumed from a report record).
