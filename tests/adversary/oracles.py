@@ -232,7 +232,8 @@ def history(player: Player, reference: Reference, upto: int | None = None) -> li
 def steps_lost(player: Player) -> list[Violation]:
     """Each placed raise or kill that fired: the failure it caused records the steps between
     the checkpoint it resumed from and the fault's step as lost (the fault fires as its step
-    begins: ``step - 1 - resumed_from``)."""
+    begins: ``step - 1 - resumed_from``). A raise ends its attempt; a kill is restarted in
+    place, or ends its attempt where restarts in place are off (a lost node's scenario)."""
     summary = player.files.summary() or {}
     attempts = summary.get("attempts") or []
     found = []
@@ -242,7 +243,7 @@ def steps_lost(player: Player) -> list[Violation]:
         record = next((a for a in attempts if a["attempt"] == o.fault_attempt), None)
         if record is None:
             continue
-        if o.fault.kind == "raise":
+        if o.fault.kind == "raise" or (record["status"] == "failed" and not record["restarts"]):
             failures = [record] if record["status"] == "failed" else []
             resumed = [a for a in attempts if a["attempt"] == o.fault_attempt + 1]
             pairs = (
