@@ -34,6 +34,9 @@ from tests.adversary.world import NODE_RESOURCE, World
 #: A lost node's retry delay: past Ray's death of the node (``world.NODE_HEALTH_CHECKS``), before
 #: it is back (``scenario.NODE_AWAY_S``).
 NODE_RETRY_DELAY_S = 15
+#: The seconds each step of a command takes at least while storage or a node is to fail under
+#: it: a tiny run trains its steps in a second or two, over before the fault could land.
+STRAGGLER_STEP_S = 0.2
 
 
 @dataclass
@@ -215,6 +218,15 @@ class Player:
             rank = min(fault.rank, self.workers - 1)
             faults.append({"kind": kind, "at_step": step, "rank": rank, "attempt": attempt})
             placed = {"fault_step": step, "fault_attempt": attempt}
+        elif fault and fault.kind in ("outage", "store_full", "lose_node"):
+            # every rank a straggler (relaytrain's slow fault: a sleep in each step, the bits
+            # unchanged), so that the fault lands while the command trains, not after it
+            attempt = len(self.files.attempts()) + 1
+            faults += [
+                {"kind": "slow", "at_step": first + 1, "rank": r, "attempt": attempt}
+                | {"seconds": STRAGGLER_STEP_S}
+                for r in range(self.workers)
+            ]
         argv = self._run_argv(index, faults)
         expect = "damaged_data" if fault and fault.kind == "flip_data" else "ok"
         if fault and fault.kind in AFTER_COMMITS:
