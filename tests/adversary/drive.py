@@ -33,7 +33,7 @@ from tests.adversary.world import NODE_RESOURCE, World
 
 #: A lost node's retry delay: past Ray's death of the node (``world.NODE_HEALTH_CHECKS``), before
 #: it is back (``scenario.NODE_AWAY_S``).
-NODE_RETRY_DELAY_S = 15
+NODE_RETRY_DELAY_S = 25
 #: The seconds each step of a command takes at least while storage or a node is to fail under
 #: it: a tiny run trains its steps in a second or two, over before the fault could land.
 STRAGGLER_STEP_S = 0.2

@@ -60,7 +60,7 @@ AFTER_COMMITS = ("kill_flow", "second_flow", "outage", "store_full", "lose_node"
 STORAGE_FAULTS = {"outage": ("2", "5", "10"), "store_full": ("minio", "ceph")}
 #: lose_node: the seconds the node stays away once Ray counts it dead (the retry comes before
 #: it is back: ``drive.NODE_RETRY_DELAY_S``).
-NODE_AWAY_S = ("20", "30")
+NODE_AWAY_S = ("30", "40")
 ADDED_FILES = ("valid", "half_written", "other_schema")
 
 #: The seeds `make test` plays (tests/integration/test_adversary_seeds.py): together they touch
@@ -341,7 +341,7 @@ def commands_cost(scenario: Scenario) -> float:
         elif a.fault and a.fault.kind == "second_flow":
             cost += 0.5
         elif a.fault and a.fault.kind == "lose_node":  # Ray's health checks, the node away
-            cost += 2.5
+            cost += 3
     shape = scenario.shape
     longer = 1 + 0.3 * (shape.workers - 1) + 0.2 * (shape.epochs - 2)
     return cost * longer * (1.1 if shape.storage == "s3" else 1.0)

@@ -30,8 +30,9 @@ CANARY_ENV = "RELAYTRAIN_ADVERSARY_CANARY_PASSWORD"
 #: its group there (two workers at most).
 NODE_RESOURCE = "adversary_node"
 #: Ray's health checks of its nodes, as a cluster's operator may set them: a node whose raylet
-#: misses five checks a second apart (two seconds each) is dead, 5-10 s after it is lost (Ray's
-#: defaults take 15-25 s); a raylet on a loaded machine still answers one check in five.
+#: misses five checks a second apart (two seconds each) is dead, 9-15 s after it is lost on
+#: this machine (Ray's defaults take 15-25 s); a raylet on a loaded machine still answers one
+#: check in five.
 NODE_HEALTH_CHECKS = {
     "RAY_health_check_period_ms": "1000",
     "RAY_health_check_timeout_ms": "2000",
