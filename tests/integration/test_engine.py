@@ -17,6 +17,7 @@ from tests.recovery import (
     assert_same_tensors,
     fail_then_resume,
     final_state,
+    flip_a_byte,
     losses,
     record_matrix_row,
     run_dir_of,
@@ -135,12 +136,6 @@ def test_the_only_rank_killed_ends_the_attempt_and_its_lost_steps_are_counted(
     assert attempts[0]["last_step"] == 22
 
 
-def _flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # same size: only the digest can tell
-    path.write_bytes(bytes(data))
-
-
 def test_a_damaged_newest_checkpoint_never_pushes_sound_ones_out(
     uninterrupted_one_worker, tmp_path, capsys
 ):
@@ -167,7 +162,7 @@ def test_a_damaged_newest_checkpoint_never_pushes_sound_ones_out(
     with pytest.raises(TrainingCodeError):
         run_attempt(spec, attempt=1)
     assert [c.step for c in run_dir.scan().committed] == [20]
-    _flip_a_byte(tmp_path / "rot" / "checkpoint-000000020" / "model.pt")
+    flip_a_byte(tmp_path / "rot" / "checkpoint-000000020" / "model.pt")
     with pytest.raises(TrainingCodeError):
         run_attempt(spec, attempt=2)
     third = run_attempt(spec, attempt=3)
@@ -175,7 +170,7 @@ def test_a_damaged_newest_checkpoint_never_pushes_sound_ones_out(
     assert_same_tensors(final_state(run_dir), uninterrupted_one_worker["state"])
     assert losses(run_dir) == uninterrupted_one_worker["losses"]
 
-    _flip_a_byte(tmp_path / "rot" / "checkpoint-000000039" / "optimizer.pt")
+    flip_a_byte(tmp_path / "rot" / "checkpoint-000000039" / "optimizer.pt")
     result = finalize_run(spec, run_dir, spec.run.storage, "completed")
     # The sound one left is 13 (attempt 3 resumed from it, so retention kept it).
     assert [c.step for c in run_dir.scan().committed] == [13]

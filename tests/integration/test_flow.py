@@ -31,6 +31,7 @@ from tests.recovery import (
     assert_same_tensors,
     expected_retention,
     final_state,
+    flip_a_byte,
     losses,
     measure_checkpoints,
     record_matrix_row,
@@ -144,12 +145,6 @@ def test_finished_run_returns_stored_result_unless_more_epochs(happy):
     assert result.attempts[1].resumed_from_step == 39
 
 
-def _flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # same size: only the digest can tell
-    path.write_bytes(bytes(data))
-
-
 def test_a_finished_run_whose_checkpoints_rot_is_not_returned_as_it_was(
     relaytrain_prefect, uninterrupted_one_worker, tmp_path
 ):
@@ -165,7 +160,7 @@ def test_a_finished_run_whose_checkpoints_rot_is_not_returned_as_it_was(
     newest = run_dir.checkpoint_location(39).uri
     assert first.best_checkpoint_uri != newest  # max of val_loss: an early checkpoint
     best_dir = Path(first.best_checkpoint_uri)
-    _flip_a_byte(best_dir / "model.pt")
+    flip_a_byte(best_dir / "model.pt")
 
     again = training(spec, return_state=True)
     result = again.result()
@@ -176,7 +171,7 @@ def test_a_finished_run_whose_checkpoints_rot_is_not_returned_as_it_was(
     assert cli.main(["export", run_dir.uri, str(out), "--best"]) == 0
     assert_same_tensors(torch.load(out, weights_only=True), final_state(run_dir)["model"])
 
-    _flip_a_byte(tmp_path / "flow-rot" / "checkpoint-000000039" / "model.pt")
+    flip_a_byte(tmp_path / "flow-rot" / "checkpoint-000000039" / "model.pt")
     third = training(spec)
     assert not third.attempts[-1].resumed_from_step  # no sound checkpoint: from step 0
     assert third.steps_completed == 39 and third.steps_computed == 39 + 39
