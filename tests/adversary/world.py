@@ -89,8 +89,8 @@ class World:
         """Where a scenario's runs go: for S3, through the proxy (the commands' way), or to the
         server itself (``direct``: the adversary's reads, through any outage it plays)."""
         if storage == "s3" and self.s3 is not None:
-            proxied = self.proxy is not None and not direct
-            return self.s3.uri(prefix, port=self.proxy.port if proxied else None)
+            port = self.proxy.port if self.proxy is not None and not direct else None
+            return self.s3.uri(prefix, port=port)
         return str(self.root / "storage" / prefix)
 
 

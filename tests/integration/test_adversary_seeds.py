@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.adversary.scenario import SUITE_SEEDS, draw
+from tests.adversary.cover import SUITE_SEEDS
+from tests.adversary.scenario import draw
 from tests.adversary.world import World, world
 from tools.adversary import play_one
 

@@ -18,15 +18,9 @@ import pytest
 import torch
 
 from tests.adversary import data as tables
+from tests.adversary.cover import SUITE_SEEDS, cheapest_cover
 from tests.adversary.drive import child_uri, fault_step
-from tests.adversary.scenario import (
-    ACTIONS,
-    FAULTS,
-    SUITE_SEEDS,
-    Scenario,
-    cheapest_cover,
-    draw,
-)
+from tests.adversary.scenario import ACTIONS, FAULTS, Scenario, draw
 from tests.adversary.scoring import mean_squared_error
 from tests.adversary.shrink import shrink, smaller
 

@@ -1,0 +1,89 @@
+"""Which seeds `make test` plays: the cheapest set of scenarios that together touch every action
+and fault kind, by what each costs to play (``commands_cost``), among the scenarios every oracle
+can judge (``fully_judged``)."""
+
+from __future__ import annotations
+
+from tests.adversary.scenario import ACTIONS, FAULTS, Scenario, draw
+
+#: The seeds `make test` plays (tests/integration/test_adversary_seeds.py): together they touch
+#: every action and fault kind. Picked by ``cheapest_cover`` over seeds 1-2999: the set of the
+#: fewest training commands (their references' included) that covers every kind, among the
+#: scenarios every oracle can judge (``fully_judged``).
+SUITE_SEEDS = (15, 231, 276, 1733, 2570, 2650)
+
+
+def commands_cost(scenario: Scenario) -> float:
+    """About what playing ``scenario`` costs, in training commands: each run or continue and
+    its reference's, each rerun, the command again after a kill or a repair; reads count less,
+    and more workers, more epochs and object storage (moto's server in every read and write)
+    make each command longer."""
+    cost = 0.0
+    for a in scenario.history:
+        if a.kind in ("run", "continue"):
+            cost += 2
+        elif a.kind == "rerun":
+            cost += 1
+        else:
+            cost += 0.4
+        if a.fault and a.fault.kind in ("kill_flow", "flip_data", "store_full"):
+            cost += 1
+        elif a.fault and a.fault.kind == "second_flow":
+            cost += 0.5
+        elif a.fault and a.fault.kind == "lose_node":  # Ray's health checks, the node away
+            cost += 3
+    shape = scenario.shape
+    longer = 1 + 0.3 * (shape.workers - 1) + 0.2 * (shape.epochs - 2)
+    return cost * longer * (1.1 if shape.storage == "s3" else 1.0)
+
+
+def fully_judged(scenario: Scenario) -> bool:
+    """Whether every oracle can judge ``scenario``: not when a checkpoint damaged before a
+    continue may move its resume back under a cosine schedule (the final state is then not the
+    reference's by the schedule's rule: ``oracles.retrained_toward_another_end``)."""
+    history = scenario.history
+    damaged = any(
+        a.fault
+        and a.fault.kind in ("flip_checkpoint", "flip_best")
+        and any(later.kind == "continue" for later in history[i:])
+        for i, a in enumerate(history)
+    )
+    return not (damaged and scenario.shape.cosine)
+
+
+def cheapest_cover(seeds: range) -> list[int]:
+    """The fully judged seeds among ``seeds`` whose scenarios together touch every action and
+    fault kind at the least ``commands_cost`` (a set cover, exact: dynamic programming over the
+    subsets of the 16 kinds; equal costs go to the lower seeds)."""
+    kinds = [*ACTIONS, *FAULTS]
+    full = (1 << len(kinds)) - 1
+    cheapest: dict[int, tuple[float, int]] = {}  # kinds touched -> the cheapest seed touching them
+    for seed in seeds:
+        scenario = draw(seed)
+        if not fully_judged(scenario):
+            continue
+        touched = scenario.kinds()
+        mask = sum(
+            1 << i for i, k in enumerate(kinds) if k in touched["actions"] or k in touched["faults"]
+        )
+        cost = commands_cost(scenario) + seed * 1e-9  # ties to the lower seed
+        if mask not in cheapest or cheapest[mask][0] > cost:
+            cheapest[mask] = (cost, seed)
+    best: list[float] = [float("inf")] * (full + 1)
+    came: list[tuple[int, int] | None] = [None] * (full + 1)
+    best[0] = 0.0
+    for state in range(full + 1):
+        if best[state] == float("inf"):
+            continue
+        for mask, (cost, seed) in cheapest.items():
+            grown = state | mask
+            if grown != state and best[state] + cost < best[grown]:
+                best[grown], came[grown] = best[state] + cost, (state, seed)
+    picked, state = [], full
+    while state:
+        step = came[state]
+        if step is None:
+            raise ValueError(f"seeds {seeds} do not touch every action and fault kind")
+        state, seed = step
+        picked.append(seed)
+    return sorted(picked)
