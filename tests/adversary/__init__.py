@@ -6,13 +6,15 @@ rules (after FoundationDB's simulation tests, TigerBeetle's VOPR and Jepsen).
   operator actions, each with at most one fault or damage), as plain values that print and
   replay;
 - ``data``: the Parquet table a scenario trains on, and the damage done to it;
-- ``world``: what scenarios share (a Prefect server, a Ray head, a moto S3 server);
+- ``world``: what scenarios share (a Prefect server, a Ray head and a worker node to lose, a
+  moto S3 server behind a proxy that plays an outage or a full store);
 - ``drive``: the history played against ``relaytrain run/show/export``, as a user's shell
-  would, and what each command did;
+  would, and what each command did (``interrupt``: the faults that come while a command runs);
 - ``reference``: the same history without its faults, once per scenario shape (cached);
 - ``oracles``: what must hold after a scenario, each a check of its own (``scoring``: the
   checkpoints' weights scored on a validation file; ``verdict``: what a broken one reports);
-- ``shrink``: the smallest history that still breaks a guarantee.
+- ``shrink``: the smallest history that still breaks a guarantee;
+- ``cover``: the seeds `make test` plays, the cheapest that touch every action and fault.
 
 ``tools/adversary.py`` runs a campaign (``make adversary``) and replays one seed.
 """
