@@ -10,11 +10,15 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
 
 from tasks import credentials
-from trainer_core.checkpoint import verification
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.execution import cluster
 from trainer_core.run import jobs, lease, preflight
-from trainer_core.run.summary import TrainingResult, read_stored_result, sync_tracking
+from trainer_core.run.summary import (
+    TrainingResult,
+    damaged_since,
+    read_stored_result,
+    sync_tracking,
+)
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.tracking import mlflow_state
 
@@ -85,16 +89,6 @@ def refuse_bad_input(
     else:
         cluster.check_capacity(spec)
     return checked
-
-
-def damaged_since(spec: RunSpec, run_dir: RunDirectory, stored: TrainingResult | None) -> list[str]:
-    """What rotted, since the run finished, in the checkpoints its stored result names (the
-    best and the latest, read whole again: finalize verified them, and nothing protects bytes
-    at rest); a user's own loop's Ray checkpoints carry no digests of ours."""
-    if stored is None or spec.ray_loop:
-        return []
-    named = [u for u in (stored.best_checkpoint_uri, stored.latest_checkpoint_uri) if u]
-    return verification.read_again(run_dir.checkpoint_location, run_dir.scan().committed, named)
 
 
 @task(name="setup", cache_policy=NO_CACHE)

@@ -385,5 +385,16 @@ def read_stored_result(run_dir: RunDirectory) -> TrainingResult | None:
     return TrainingResult.model_validate(data)
 
 
+def damaged_since(spec: RunSpec, run_dir: RunDirectory, stored: TrainingResult | None) -> list[str]:
+    """What rotted, since the run finished, in the checkpoints its stored result names (the
+    best and the latest, read whole again: finalize verified them, and nothing protects bytes
+    at rest), each found damaged condemned; a user's own loop's Ray checkpoints carry no
+    digests of ours."""
+    if stored is None or spec.ray_loop:
+        return []
+    named = [u for u in (stored.best_checkpoint_uri, stored.latest_checkpoint_uri) if u]
+    return verification.read_again(run_dir.checkpoint_location, run_dir.scan().committed, named)
+
+
 def _clean(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if isinstance(v, int | float | str) and k != "time"}
