@@ -64,14 +64,6 @@ def by_position(optimizer: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def flip_a_byte(path: Path) -> None:
-    """A byte in the middle of ``path`` flipped: the same size, so only a digest can tell (a
-    checkpoint file rotting in storage)."""
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def assert_same_tensors(a: Any, b: Any) -> None:
     if isinstance(a, torch.Tensor):
         assert torch.equal(a, b)

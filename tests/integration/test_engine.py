@@ -17,7 +17,6 @@ from tests.recovery import (
     assert_same_tensors,
     fail_then_resume,
     final_state,
-    flip_a_byte,
     losses,
     record_matrix_row,
     run_dir_of,
@@ -134,54 +133,6 @@ def test_the_only_rank_killed_ends_the_attempt_and_its_lost_steps_are_counted(
         run_dir_of(spec), uninterrupted_one_worker, interval=10, write_lost=True, fault_step=23
     )
     assert attempts[0]["last_step"] == 22
-
-
-def test_a_damaged_newest_checkpoint_never_pushes_sound_ones_out(
-    uninterrupted_one_worker, tmp_path, capsys
-):
-    """keep_last 1: attempt 1 fails at step 23 leaving only step 20, whose model.pt then rots.
-    Attempt 2 cannot use it, starts fresh and commits 10 and 13 before failing at 17: they
-    must stay (the damaged 20 is not "the newest"), so attempt 3 resumes from 13, the commit
-    before the fault. The run ends as the uninterrupted one. Then the final checkpoint rots
-    too: finalize publishes no damaged checkpoint, and export refuses, naming it."""
-    from flows import cli
-    from trainer_core.run.summary import finalize_run
-
-    raw = tiny_raw(
-        tmp_path,
-        "rot",
-        scaling=ONE_WORKER,
-        checkpoint={"keep_last": 1, "keep_best": 0},
-        faults=[
-            {"kind": "raise", "at_step": 23, "attempt": 1},
-            {"kind": "raise", "at_step": 17, "attempt": 2},
-        ],
-    )
-    spec = build_spec(raw)
-    run_dir = run_dir_of(spec)
-    with pytest.raises(TrainingCodeError):
-        run_attempt(spec, attempt=1)
-    assert [c.step for c in run_dir.scan().committed] == [20]
-    flip_a_byte(tmp_path / "rot" / "checkpoint-000000020" / "model.pt")
-    with pytest.raises(TrainingCodeError):
-        run_attempt(spec, attempt=2)
-    third = run_attempt(spec, attempt=3)
-    assert third.resumed_from_step == 13
-    assert_same_tensors(final_state(run_dir), uninterrupted_one_worker["state"])
-    assert losses(run_dir) == uninterrupted_one_worker["losses"]
-
-    flip_a_byte(tmp_path / "rot" / "checkpoint-000000039" / "optimizer.pt")
-    result = finalize_run(spec, run_dir, spec.run.storage, "completed")
-    # The sound one left is 13 (attempt 3 resumed from it, so retention kept it).
-    assert [c.step for c in run_dir.scan().committed] == [13]
-    assert result.latest_checkpoint_uri.endswith("/checkpoint-000000013")
-    assert result.best_checkpoint_uri.endswith("/checkpoint-000000013")
-    assert (tmp_path / "rot" / "checkpoint-000000039" / "COMMITTED").exists()  # kept, not deleted
-    capsys.readouterr()
-    assert cli.main(["export", run_dir.uri, str(tmp_path / "out.pt"), "--step", "39"]) == 2
-    assert "optimizer.pt does not match its manifest" in capsys.readouterr().err
-    assert cli.main(["export", run_dir.uri, str(tmp_path / "out.pt"), "--latest"]) == 0
-    assert "checkpoint-000000013" in capsys.readouterr().out
 
 
 def test_corrupt_newest_checkpoint_falls_back(reference, tmp_path):

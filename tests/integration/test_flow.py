@@ -14,11 +14,9 @@ from operator import methodcaller
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from prefect.client.orchestration import get_client
 
-from flows import cli
 from flows.pytest_plugin import tiny_spec_dict, with_fault
 from flows.training import training
 from tests.conftest import ONE_WORKER
@@ -31,7 +29,6 @@ from tests.recovery import (
     assert_same_tensors,
     expected_retention,
     final_state,
-    flip_a_byte,
     losses,
     measure_checkpoints,
     record_matrix_row,
@@ -143,41 +140,6 @@ def test_finished_run_returns_stored_result_unless_more_epochs(happy):
     result = more.result()
     assert result.steps_completed == 52 and len(result.attempts) == 2
     assert result.attempts[1].resumed_from_step == 39
-
-
-def test_a_finished_run_whose_checkpoints_rot_is_not_returned_as_it_was(
-    relaytrain_prefect, uninterrupted_one_worker, tmp_path
-):
-    """A finished run's checkpoints were verified when it finalized; then bytes rot while no
-    flow runs. Run again, the flow must not return the stored result naming them: first the
-    best (not the newest) rots, and the rerun's best is the sound newest, trained nothing;
-    then the newest rots too, and with no sound checkpoint left the rerun trains the run
-    again, to the uninterrupted run's weights. The damaged directories stay for a person."""
-    policy = {"keep_last": 1, "keep_best": 1, "best_metric": "val_loss", "best_mode": "max"}
-    spec = build_spec(tiny_spec_dict(tmp_path, "flow-rot", checkpoint=policy, scaling=ONE_WORKER))
-    first = training(spec)
-    run_dir = run_dir_of(spec)
-    newest = run_dir.checkpoint_location(39).uri
-    assert first.best_checkpoint_uri != newest  # max of val_loss: an early checkpoint
-    best_dir = Path(first.best_checkpoint_uri)
-    flip_a_byte(best_dir / "model.pt")
-
-    again = training(spec, return_state=True)
-    result = again.result()
-    assert result.best_checkpoint_uri == newest and result.steps_completed == 39
-    assert result.steps_computed == 39  # nothing trained again
-    assert (best_dir / "COMMITTED").exists()  # kept, not deleted
-    out = tmp_path / "best.pt"
-    assert cli.main(["export", run_dir.uri, str(out), "--best"]) == 0
-    assert_same_tensors(torch.load(out, weights_only=True), final_state(run_dir)["model"])
-
-    flip_a_byte(tmp_path / "flow-rot" / "checkpoint-000000039" / "model.pt")
-    third = training(spec)
-    assert not third.attempts[-1].resumed_from_step  # no sound checkpoint: from step 0
-    assert third.steps_completed == 39 and third.steps_computed == 39 + 39
-    assert third.best_checkpoint_uri == first.best_checkpoint_uri  # written again, sound
-    assert cli.main(["export", run_dir.uri, str(out), "--best"]) == 0
-    assert_same_tensors(final_state(run_dir), uninterrupted_one_worker["state"])
 
 
 def test_raise_fault_is_retried_and_resume_is_exact(relaytrain_prefect, uninterrupted, tmp_path):
