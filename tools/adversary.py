@@ -43,6 +43,7 @@ def play_one(scenario: Any, w: Any, root: Path) -> dict[str, Any]:
     record.update(scenario.kinds())
     try:
         ref = reference(scenario, w, root / "references")
+        record["reference_seconds"] = round(time.monotonic() - started, 1)
         root.mkdir(parents=True, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(dir=root, prefix=f"seed-{scenario.seed}-"))
         player = Player(scenario, w, workdir, ref.steps_per_epoch)
@@ -50,7 +51,13 @@ def play_one(scenario: Any, w: Any, root: Path) -> dict[str, Any]:
         checks, violations = judge(player, ref, w.secrets())
         record["checks"] = checks
         record["commands"] = [
-            {"kind": o.kind, "code": o.code, "expect": o.expect, "log": relative(o.log, root)}
+            {
+                "kind": o.kind,
+                "code": o.code,
+                "expect": o.expect,
+                "seconds": o.seconds,
+                "log": relative(o.log, root),
+            }
             for o in player.outcomes
         ]
         record["violations"] = [v.as_dict() for v in violations]

@@ -60,6 +60,8 @@ class Outcome:
     left_running: list[str] = field(default_factory=list)
     #: It ran past the campaign's liveness bound (``World.command_limit_s``) and was killed.
     hung: bool = False
+    #: Its wall time, from its start to its end (what the campaign's time goes to).
+    seconds: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict)
 
     def tail(self, lines: int = 30) -> str:
@@ -169,6 +171,7 @@ class Player:
         self.outcomes: list[Outcome] = []
         self._count = 0
         self._started: list[subprocess.Popen[bytes]] = []
+        self._began: dict[str, float] = {}  # each command's log: when it started
 
     # -- the history ----------------------------------------------------------------------------
 
@@ -318,6 +321,7 @@ class Player:
                 start_new_session=True,
             )
         self._started.append(process)
+        self._began[str(log)] = time.monotonic()
         return process, marker, log
 
     def command(
@@ -368,6 +372,7 @@ class Player:
             committed_after=after[1],
             left_running=left_running(marker),
             hung=hung,
+            seconds=round(time.monotonic() - self._began.get(str(log), time.monotonic()), 1),
             **(placed or {}),
         )
         self.outcomes.append(outcome)
