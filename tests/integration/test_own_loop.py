@@ -17,6 +17,7 @@ from tests.recovery import assert_same_tensors, final_state, losses, run_dir_of
 from trainer_core.checkpoint import training_state
 from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.run.engine import run_attempt
+from trainer_core.run.summary import build_result
 from trainer_core.spec.overrides import build_spec
 from trainer_core.step_time import PARTS
 from trainer_core.train import evaluate
@@ -253,6 +254,10 @@ def test_an_own_loop_that_accumulates_gradients_resumes_bit_for_bit(relaytrain_r
     resumed = run_attempt(spec)
     assert resumed.resumed_from_step == 15 and resumed.steps_completed == 22
     run_dir, reference_dir = run_dir_of(spec), run_dir_of(reference)
+    # The fault fired as step 17 began: step 16 was the last trained, one step lost.
+    summary = build_result(spec, run_dir, spec.run.storage, "completed")
+    assert summary.attempts[0].steps_lost == 17 - 1 - 15
+    assert summary.steps_computed == 22 + 1
     assert_same_tensors(final_state(run_dir), final_state(reference_dir))
     assert losses(run_dir) == losses(reference_dir)
     history = read_metrics_history(run_dir)

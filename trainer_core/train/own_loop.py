@@ -244,7 +244,8 @@ class OwnLoop:
                     "iterate over each epoch's dataloader() to its end"
                 )
             self._end_step()
-            if not self._open:  # the step's first batch
+            if not self._open:  # the step's first batch: the step begins
+                self.faults.check(self.ledger.step + 1)
                 self._open, self._metrics = True, {}
             self.place = place
             with self.windows.clock.part("h2d"):
@@ -314,7 +315,6 @@ class OwnLoop:
         ledger, place = self.ledger, self.place
         ledger.step += 1
         self.relay.completed(ledger.step)
-        self.faults.check(ledger.step)
         if ledger.step == ledger.resumed_from + 1:  # the optimizer state exists now
             self.checkpoints.reserve()
         if self.checkpoints.failed():
