@@ -196,10 +196,12 @@ def play_all(
 def summarize(records: list[dict[str, Any]], context: dict[str, Any], args: Any) -> dict[str, Any]:
     actions: collections.Counter[str] = collections.Counter()
     faults: collections.Counter[str] = collections.Counter()
+    shapes: collections.Counter[str] = collections.Counter()
     checks: collections.Counter[str] = collections.Counter()
     for r in records:
         actions.update(r.get("actions", []))
         faults.update(r.get("faults", []))
+        shapes.update(r.get("shapes", []))
         checks.update(r.get("checks", []))
     return {
         "schema": 1,
@@ -211,6 +213,7 @@ def summarize(records: list[dict[str, Any]], context: dict[str, Any], args: Any)
         "scenarios": len(records),
         "actions": dict(actions),
         "faults": dict(faults),
+        "shapes": dict(shapes),
         "invariants_checked": dict(checks),
         "violations": [
             {

@@ -29,11 +29,11 @@ from tests.adversary.scenario import (
     on_a_node_of_their_own,
 )
 from tests.adversary.store import RunFiles
-from tests.adversary.world import NODE_RESOURCE, World
+from tests.adversary.world import NODE_RESOURCE, USER_MODULE, World
 
-#: A lost node's retry delay: past Ray's death of the node (``world.NODE_HEALTH_CHECKS``), before
-#: it is back (``scenario.NODE_AWAY_S``).
-NODE_RETRY_DELAY_S = 25
+#: A lost node's retry delay: past Ray's death of the node (9-15 s after it is lost:
+#: ``world.NODE_HEALTH_CHECKS``), before it is back (``scenario.NODE_AWAY_S`` after its death).
+NODE_RETRY_DELAY_S = 18
 #: The seconds each step of a command takes at least while storage or a node is to fail under
 #: it: a tiny run trains its steps in a second or two, over before the fault could land.
 STRAGGLER_STEP_S = 0.2
@@ -119,6 +119,27 @@ def spec_raw(
     }
     if shape.validation_file:  # beside the table's directory: what data.validation reads
         raw["data"]["validation"] = str(validation_directory(dataset))
+    if shape.precision != "fp32":
+        raw["precision"] = shape.precision
+    if shape.form == "columns":  # the user's transform makes each batch: x and labels
+        for key in ("features", "label"):
+            del raw["data"][key]
+        raw["data"].update(columns=["x", "y"], transform=f"{USER_MODULE}:row")
+        kwargs = {"inputs": scenario.data.features, **raw["model"]["kwargs"]}
+        raw["model"] = {"name": f"{USER_MODULE}:mlp", "kwargs": kwargs}
+    elif shape.form == "own_loop":  # the user's loop builds its model, optimizer, schedule
+        del raw["model"], raw["optimizer"]
+        raw["schedule"] = {"epochs": epochs}
+        raw["train_loop"] = f"{USER_MODULE}:train"
+        raw["train_loop_api"] = "relaytrain"
+        raw["train_loop_config"] = {
+            "inputs": scenario.data.features,
+            "hidden": list(shape.hidden),
+            "dropout": 0.1,
+            "optimizer": shape.optimizer,
+            "cosine": shape.cosine,
+            "validation": shape.validation,
+        }
     return raw
 
 
@@ -230,7 +251,7 @@ class Player:
                 | {"seconds": STRAGGLER_STEP_S}
                 for r in range(self.workers)
             ]
-        argv = self._run_argv(index, faults)
+        argv = self._run_argv(index, faults, loses_node=bool(fault and fault.kind == "lose_node"))
         expect = "damaged_data" if fault and fault.kind == "flip_data" else "ok"
         if fault and fault.kind in AFTER_COMMITS:
             outcome = interrupt.interrupted(self, index, action.kind, argv, fault)
@@ -242,7 +263,9 @@ class Player:
         elif outcome.expect in ("killed", "store_full"):  # space freed, for a full store
             self.command(index, "again", argv)
 
-    def _run_argv(self, index: int, faults: list[dict[str, Any]]) -> list[str]:
+    def _run_argv(
+        self, index: int, faults: list[dict[str, Any]], loses_node: bool = False
+    ) -> list[str]:
         raw = spec_raw(
             self.scenario,
             name=self.name,
@@ -252,9 +275,10 @@ class Player:
             workers=self.workers,
             faults=faults,
         )
-        if on_a_node_of_their_own(self.scenario):  # the group on the node it loses, and a
-            # user's retries whose next attempt comes once Ray counts the node dead
+        if on_a_node_of_their_own(self.scenario):  # the group on the node it loses
             raw["scaling"]["resources_per_worker"] = {"CPU": 1, NODE_RESOURCE: 1}
+        if loses_node:  # a user's retries whose next attempt comes once Ray counts it dead
+            # (the others keep the default: a killed rank restarts in place, not 18 s later)
             raw["retries"].update(in_place=0, delay_s=NODE_RETRY_DELAY_S)
         path = self.workdir / f"spec-{index}-{len(self.outcomes)}.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False))

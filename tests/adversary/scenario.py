@@ -60,8 +60,18 @@ AFTER_COMMITS = ("kill_flow", "second_flow", "outage", "store_full", "lose_node"
 STORAGE_FAULTS = {"outage": ("2", "5", "10"), "store_full": ("minio", "ceph")}
 #: lose_node: the seconds the node stays away once Ray counts it dead (the retry comes before
 #: it is back: ``drive.NODE_RETRY_DELAY_S``).
-NODE_AWAY_S = ("30", "40")
+NODE_AWAY_S = ("15", "25")
 ADDED_FILES = ("valid", "half_written", "other_schema")
+#: How the spec trains: the tabular form (``data.features``, ``data.label``) on the built-in
+#: MLP; the columns form (``data.columns``) with a user's transform and model builder; or a
+#: user's loop of its own on relaytrain's API (``train_loop_api: relaytrain``). The user's code
+#: is ``tests/adversary/user/adversary_user.py``.
+FORMS = ("tabular", "columns", "own_loop")
+#: The built-in loop's precision (a loop of one's own sets its own): fp32, or autocast to bf16.
+PRECISIONS = ("fp32", "bf16")
+#: The shapes a campaign counts (and the suite's seeds touch): the forms and precision past the
+#: tabular form in fp32.
+SHAPES = ("columns", "own_loop", "bf16")
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,8 @@ class Shape:
     #: With ``validation``: the validation rows are a file of their own (``data.validation``),
     #: which the oracles score each checkpoint's weights on, rather than a hashed share.
     validation_file: bool = False
+    form: str = "tabular"  # FORMS
+    precision: str = "fp32"  # PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -145,10 +157,13 @@ class Scenario:
         return Scenario(raw["seed"], shape, Data(**raw["data"]), history)
 
     def kinds(self) -> dict[str, list[str]]:
-        """The action and fault kinds this scenario exercises (the campaign's coverage)."""
+        """The action and fault kinds this scenario exercises, and the spec's shapes past the
+        tabular form in fp32 (``SHAPES``): the campaign's coverage."""
+        shape = self.shape
         return {
             "actions": sorted({a.kind for a in self.history}),
             "faults": sorted({a.fault.kind for a in self.history if a.fault}),
+            "shapes": sorted({shape.form, shape.precision} & set(SHAPES)),
         }
 
     def describe(self) -> str:
@@ -177,8 +192,11 @@ class Scenario:
                 words.append(f"[{f.kind}{' ' + detail if detail else ''}]")
             steps.append(" ".join(words))
         s = self.shape
+        how = "" if s.form == "tabular" else f"{s.form.replace('_', ' ')}, "
+        how += "" if s.precision == "fp32" else f"{s.precision}, "
         return (
-            f"seed {self.seed}: {s.workers} worker(s), batch {s.batch_size}x{s.accumulation}, "
+            f"seed {self.seed}: {how}{s.workers} worker(s), "
+            f"batch {s.batch_size}x{s.accumulation}, "
             f"{s.epochs} epochs, checkpoint every {s.every}, "
             f"{_validation(s)}, keep_last {s.keep_last}, "
             f"keep_best {s.keep_best}, {s.storage} storage; {self.data.files} file(s) of "
@@ -244,6 +262,12 @@ def draw(seed: int) -> Scenario:
     if shape.storage == "s3":
         history = _storage_faults(rng, history)
     history = _lost_nodes(rng, history)
+    # A loop of one's own steps once a batch: relaytrain's API gained accumulation
+    # (``ends_step``) after dc43134, a checkout the adversary must still drive.
+    own = ("own_loop",) if shape.accumulation == 1 else ("tabular",)
+    form = rng.choice(("tabular", "tabular", "columns", *own))
+    precision = "bf16" if form != "own_loop" and rng.random() < 0.3 else "fp32"
+    shape = dataclasses.replace(shape, form=form, precision=precision)
     return Scenario(seed, shape, data, tuple(history))
 
 

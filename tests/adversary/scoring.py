@@ -1,7 +1,10 @@
 """The oracle that scores weights: a scenario with a validation file of its own has each verified
 checkpoint's recorded val_loss recomputed from its ``model.pt`` in plain torch, and its best
 checkpoint scoring no worse than any other. Nothing of relaytrain's: the network is read from the
-state dict's layer names."""
+state dict's layer names (the built-in MLP's and the user's own, ``adversary_user.Net``, alike).
+
+Under bf16 the weights are scored as autocast computes them (the linear layers in bf16, the
+error in fp32), to bf16's precision: the rows' order in a batch moves the last bits."""
 
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ def scores(player: Player) -> list[Violation]:
         np.stack(table.column("x").to_numpy(zero_copy_only=False)).astype(np.float32)
     )
     labels = torch.from_numpy(table.column("y").to_numpy().astype(np.float32))
+    bf16 = player.scenario.shape.precision == "bf16"
+    tolerance = 2e-2 if bf16 else 1e-4  # relative: bf16 keeps 8 bits of mantissa
     found, measured = [], {}
     for step in files.committed_steps():
         if not files.verified(step):
@@ -37,8 +42,9 @@ def scores(player: Player) -> list[Violation]:
         recorded = files.manifest(step).get("metrics", {}).get("val_loss")
         if recorded is None:  # a checkpoint between validations
             continue
-        measured[step] = mean_squared_error(files.tensors(step, "model.pt"), features, labels)
-        if not math.isclose(recorded, measured[step], rel_tol=1e-4, abs_tol=1e-7):
+        weights = files.tensors(step, "model.pt")
+        measured[step] = mean_squared_error(weights, features, labels, bf16)
+        if not math.isclose(recorded, measured[step], rel_tol=tolerance, abs_tol=1e-7):
             found.append(
                 Violation(
                     "scores",
@@ -50,7 +56,8 @@ def scores(player: Player) -> list[Violation]:
     uri = (summary.get("best_checkpoint_uri") or "").split("?")[0].rstrip("/")
     if uri and measured:
         step = int(uri.rsplit("checkpoint-", 1)[-1])
-        better = {s: v for s, v in measured.items() if v < measured.get(step, math.inf) - 1e-6}
+        bar = measured.get(step, math.inf)
+        better = {s: v for s, v in measured.items() if v < bar - max(1e-6, tolerance * bar)}
         if step in measured and better:
             found.append(
                 Violation(
@@ -62,16 +69,19 @@ def scores(player: Player) -> list[Violation]:
     return found
 
 
-def mean_squared_error(state: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> float:
+def mean_squared_error(
+    state: dict[str, Any], x: torch.Tensor, y: torch.Tensor, bf16: bool = False
+) -> float:
     """The MLP of ``state`` (``net.<i>.weight`` and ``.bias`` of its linear layers, ReLU
-    between them; dropout is off in evaluation) on ``x``, against ``y``."""
+    between them; dropout is off in evaluation) on ``x``, against ``y``; under CPU autocast to
+    bf16 with ``bf16``."""
     layers = sorted(
         {int(k.split(".")[1]) for k in state if k.startswith("net.") and k.endswith(".weight")}
     )
     out = x
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         for n, i in enumerate(layers):
             out = torch.nn.functional.linear(out, state[f"net.{i}.weight"], state[f"net.{i}.bias"])
             if n < len(layers) - 1:
                 out = torch.relu(out)
-        return float(torch.mean((out.squeeze(-1) - y) ** 2))
+    return float(torch.mean((out.float().squeeze(-1) - y) ** 2))

@@ -29,6 +29,11 @@ CANARY_ENV = "RELAYTRAIN_ADVERSARY_CANARY_PASSWORD"
 #: The resource only the world's worker node has: a spec that asks each worker for one places
 #: its group there (two workers at most).
 NODE_RESOURCE = "adversary_node"
+#: A user's own code (the columns form's model and transform, a loop of one's own), installed
+#: on every node as a team installs its package: its directory on the path of `ray start` and
+#: of every command, so it is the same module whichever checkout the adversary drives.
+USER_CODE = Path(__file__).resolve().parent / "user"
+USER_MODULE = "adversary_user"
 #: Ray's health checks of its nodes, as a cluster's operator may set them: a node whose raylet
 #: misses five checks a second apart (two seconds each) is dead, 9-15 s after it is lost on
 #: this machine (Ray's defaults take 15-25 s); a raylet on a loaded machine still answers one
@@ -71,7 +76,7 @@ class World:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "RAY_USAGE_STATS_ENABLED": "0",
             "RELAYTRAIN_ADVERSARY": marker,
-            "PYTHONPATH": str(self.target),
+            "PYTHONPATH": os.pathsep.join([str(self.target), str(USER_CODE)]),
             CANARY_ENV: CANARY,
             **self.extra_env,
         }
@@ -102,6 +107,9 @@ def world(root: Path, target: Path | None = None, python: str | None = None) -> 
     with contextlib.ExitStack() as stack:
         head = RayStartHead(num_cpus=4)
         head.env.update(NODE_HEALTH_CHECKS)
+        head.env["PYTHONPATH"] = os.pathsep.join(
+            [str(USER_CODE), *filter(None, [head.env.get("PYTHONPATH")])]
+        )
         stack.callback(head.stop)  # also when it is stopped while starting
         head.start()
         prefect = PrefectServer(root / "prefect", head.address)

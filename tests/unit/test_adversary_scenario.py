@@ -5,6 +5,7 @@ damage it does to data is damage pyarrow sees."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import random
@@ -20,9 +21,10 @@ import torch
 from tests.adversary import data as tables
 from tests.adversary.cover import SUITE_SEEDS, cheapest_cover
 from tests.adversary.drive import child_uri, fault_step
-from tests.adversary.scenario import ACTIONS, FAULTS, Scenario, draw
+from tests.adversary.scenario import ACTIONS, FAULTS, SHAPES, Scenario, draw
 from tests.adversary.scoring import mean_squared_error
 from tests.adversary.shrink import shrink, smaller
+from tests.adversary.world import USER_CODE, USER_MODULE
 
 
 def test_a_seed_is_one_scenario_that_survives_json():
@@ -34,14 +36,20 @@ def test_a_seed_is_one_scenario_that_survives_json():
     assert len({draw(seed).to_json() for seed in range(50)}) == 50
 
 
-def test_the_seeds_reach_every_action_and_fault():
-    actions, faults = set(), set()
-    for seed in range(300):
-        kinds = draw(seed).kinds()
-        actions.update(kinds["actions"])
-        faults.update(kinds["faults"])
-    assert actions == set(ACTIONS)
-    assert faults == set(FAULTS)
+def touched(seeds) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {"actions": set(), "faults": set(), "shapes": set()}
+    for seed in seeds:
+        for what, kinds in draw(seed).kinds().items():
+            found[what].update(kinds)
+    return found
+
+
+def test_the_seeds_reach_every_action_fault_and_shape():
+    assert touched(range(300)) == {
+        "actions": set(ACTIONS),
+        "faults": set(FAULTS),
+        "shapes": set(SHAPES),
+    }
 
 
 def test_shrinking_drops_actions_and_faults_but_never_the_first_run():
@@ -100,35 +108,30 @@ def test_the_damage_is_what_a_parquet_reader_meets(tmp_path):
     assert pq.read_schema(valid) == pq.read_schema(paths[0])
 
 
-def test_the_suites_seeds_are_the_cheapest_to_touch_every_action_and_fault():
-    actions, faults = set(), set()
-    for seed in SUITE_SEEDS:
-        kinds = draw(seed).kinds()
-        actions.update(kinds["actions"])
-        faults.update(kinds["faults"])
-    assert actions == set(ACTIONS)
-    assert faults == set(FAULTS)
+def test_the_suites_seeds_are_the_cheapest_to_touch_every_action_fault_and_shape():
+    assert touched(SUITE_SEEDS) == {
+        "actions": set(ACTIONS),
+        "faults": set(FAULTS),
+        "shapes": set(SHAPES),
+    }
     assert cheapest_cover(range(1, 3000)) == sorted(SUITE_SEEDS)
 
 
-def test_the_score_oracle_reads_an_mlp_from_its_state_dict_as_torch_evaluates_it():
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_score_oracle_reads_an_mlp_from_its_state_dict_as_torch_evaluates_it(bf16):
+    # The user's own network (the columns form's, the own loop's): the built-in MLP's layout.
+    user = importlib.util.spec_from_file_location(USER_MODULE, USER_CODE / f"{USER_MODULE}.py")
+    module = importlib.util.module_from_spec(user)
+    user.loader.exec_module(module)
     torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(5, 12),
-        torch.nn.ReLU(),
-        torch.nn.Dropout(0.1),
-        torch.nn.Linear(12, 8),
-        torch.nn.ReLU(),
-        torch.nn.Dropout(0.1),
-        torch.nn.Linear(8, 1),
-    ).eval()
+    net = module.Net(5, [12, 8], dropout=0.1).eval()
     x, y = torch.randn(40, 5), torch.randn(40)
-    state = {f"net.{k}": v for k, v in net.state_dict().items()}
-    with torch.no_grad():
-        expected = torch.nn.functional.mse_loss(net(x).squeeze(-1), y).item()
-    assert math.isclose(mean_squared_error(state, x, y), expected, rel_tol=1e-6)
+    state = net.state_dict()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        expected = torch.nn.functional.mse_loss(net(x).float().squeeze(-1), y).item()
+    assert math.isclose(mean_squared_error(state, x, y, bf16), expected, rel_tol=1e-6)
     state["net.6.bias"] = state["net.6.bias"] + 1.0  # other weights score otherwise
-    assert not math.isclose(mean_squared_error(state, x, y), expected, rel_tol=1e-3)
+    assert not math.isclose(mean_squared_error(state, x, y, bf16), expected, rel_tol=1e-3)
 
 
 def test_a_command_past_the_liveness_bound_is_killed_and_judged_hung(tmp_path):
