@@ -13,7 +13,7 @@ PREFECT_HOST ?= 127.0.0.1
 PREFECT_PORT ?= 4200
 API_URL := http://$(PREFECT_HOST):$(PREFECT_PORT)/api
 
-.PHONY: install system test lint run clean server worker deploy serve bench chaos adversary
+.PHONY: install system test lint run clean server worker deploy serve bench chaos adversary adversary-mutations
 
 $(STAMP): pyproject.toml
 	@PYTHON=$(PYTHON) tools/install.sh venv
@@ -59,6 +59,12 @@ chaos: $(STAMP)
 # --shrink; --seed N replays one).
 adversary: $(STAMP)
 	$(PY) -m tools.adversary $(ADVERSARY_ARGS)
+
+# The adversary's mutation check (tools/adversary_mutations.py): each fix it found reversed on a
+# scratch worktree of HEAD (bench/mutations/*.diff) and the seeds that found it replayed there;
+# each reverse must fail. The result in bench/results/<date>-adversary-mutations.json.
+adversary-mutations: $(STAMP)
+	$(PY) -m tools.adversary_mutations
 
 # A Prefect server with its UI on http://127.0.0.1:4200 (SQLite under ~/.prefect by default;
 # PostgreSQL with PREFECT_SERVER_DATABASE_CONNECTION_URL=postgresql+asyncpg://user:pw@host/db).
