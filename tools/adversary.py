@@ -57,8 +57,15 @@ def play_one(scenario: Any, w: Any, root: Path) -> dict[str, Any]:
                 "expect": o.expect,
                 "seconds": o.seconds,
                 "log": relative(o.log, root),
+                **(
+                    {"fault_missed": o.detail["fault_missed"]} if "fault_missed" in o.detail else {}
+                ),
             }
             for o in player.outcomes
+        ]
+        # A fault due after commits that the command ended before: drawn, never done.
+        record["faults_missed"] = [
+            c["fault_missed"] for c in record["commands"] if "fault_missed" in c
         ]
         record["violations"] = [v.as_dict() for v in violations]
     except Exception as e:  # the adversary's own failure is reported, not a verdict
@@ -173,7 +180,9 @@ def play_all(
             record["adapted"] = "validation a hashed share: the target knows no data.validation"
         records.append(record)
         status = "VIOLATED" if record["violations"] else ("ERROR" if "error" in record else "ok")
-        print(f"[{status}] {record['scenario']} ({record['seconds']} s)", flush=True)
+        missed = record.get("faults_missed")
+        note = f"; missed: {', '.join(missed)}, the command ended first" if missed else ""
+        print(f"[{status}] {record['scenario']} ({record['seconds']} s{note})", flush=True)
         for v in record["violations"]:
             print(f"    {v['invariant']}: {v['what']}", flush=True)
         if record.get("error"):
@@ -197,11 +206,13 @@ def summarize(records: list[dict[str, Any]], context: dict[str, Any], args: Any)
     actions: collections.Counter[str] = collections.Counter()
     faults: collections.Counter[str] = collections.Counter()
     shapes: collections.Counter[str] = collections.Counter()
+    missed: collections.Counter[str] = collections.Counter()
     checks: collections.Counter[str] = collections.Counter()
     for r in records:
         actions.update(r.get("actions", []))
         faults.update(r.get("faults", []))
         shapes.update(r.get("shapes", []))
+        missed.update(r.get("faults_missed", []))
         checks.update(r.get("checks", []))
     return {
         "schema": 1,
@@ -213,6 +224,8 @@ def summarize(records: list[dict[str, Any]], context: dict[str, Any], args: Any)
         "scenarios": len(records),
         "actions": dict(actions),
         "faults": dict(faults),
+        # Of those, the ones a command ended before (a fault due after commits: never done).
+        "faults_missed": dict(missed),
         "shapes": dict(shapes),
         "invariants_checked": dict(checks),
         "violations": [
