@@ -87,6 +87,19 @@ def commands(outcomes: list[Outcome]) -> list[Violation]:
                         f"group: {o.tail(8)}",
                     )
                 )
+        elif o.fault is not None and o.fault.kind == "lose_node":
+            # The node is lost, not too small: what the command says while it waits must not
+            # send the user to change a spec that ran (the spec's knobs: "Lower scaling...").
+            text = Path(o.log).read_text(errors="replace")
+            advice = [line for line in text.splitlines() if "lower scaling." in line.lower()]
+            if advice:
+                found.append(
+                    Violation(
+                        "commands",
+                        "a lost node's wait told the user to change the spec that ran on it: "
+                        f"{advice[0][-300:]}",
+                    )
+                )
         elif o.expect == "store_full" and o.code != 0:  # 0: it ended before it wrote again
             text = Path(o.log).read_text(errors="replace")
             if "run.storage" not in text or "full" not in text.lower():

@@ -230,7 +230,21 @@ def node_types() -> list[NodeType] | None:
         ]
     if _has_autoscaler() is not False:
         return None
-    return [NodeType(n["NodeID"], dict(n.get("Resources", {}))) for n in ray.nodes()]
+    return [NodeType(node_id, resources) for node_id, resources in _every_node_had()]
+
+
+def _every_node_had() -> list[tuple[str, dict[str, float]]]:
+    """Each node the cluster has had, alive or lost, with its total resources: from the GCS's
+    node table, which keeps a lost node's (``ray.nodes()`` gives a dead node none, and a lost
+    node's kind would be taken for one the cluster can never have)."""
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # compiled, unstubbed
+
+    try:
+        gcs = GcsClient(address=ray.get_runtime_context().gcs_address)
+        table = gcs.get_all_node_info(timeout=30)
+        return [(node_id.hex(), dict(n.resources_total)) for node_id, n in table.items()]
+    except Exception:  # a GCS that did not answer: the nodes ray.nodes() gives
+        return [(n["NodeID"], dict(n.get("Resources", {}))) for n in ray.nodes()]
 
 
 def most_nodes() -> list[dict[str, float]] | None:
