@@ -10,6 +10,8 @@ rules (after FoundationDB's simulation tests, TigerBeetle's VOPR and Jepsen).
   moto S3 server behind a proxy that plays an outage or a full store);
 - ``drive``: the history played against ``relaytrain run/show/export``, as a user's shell
   would, and what each command did (``interrupt``: the faults that come while a command runs);
+- ``spec``: the run spec a scenario's commands run, its shape as the YAML a user writes (and
+  ``user/adversary_user.py``: the user's own model, transform and loop it names);
 - ``reference``: the same history without its faults, once per scenario shape (cached);
 - ``oracles``: what must hold after a scenario, each a check of its own (``scoring``: the
   checkpoints' weights scored on a validation file; ``verdict``: what a broken one reports);

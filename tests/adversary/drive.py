@@ -25,11 +25,11 @@ from tests.adversary.scenario import (
     Action,
     Fault,
     Scenario,
-    Shape,
     on_a_node_of_their_own,
 )
+from tests.adversary.spec import spec_raw, validation_directory
 from tests.adversary.store import RunFiles
-from tests.adversary.world import NODE_RESOURCE, USER_MODULE, World
+from tests.adversary.world import NODE_RESOURCE, World
 
 #: A lost node's retry delay: past Ray's death of the node (9-15 s after it is lost:
 #: ``world.NODE_HEALTH_CHECKS``), before it is back (``scenario.NODE_AWAY_S`` after its death).
@@ -68,83 +68,6 @@ class Outcome:
         with contextlib.suppress(OSError):
             return "\n".join(Path(self.log).read_text(errors="replace").splitlines()[-lines:])
         return ""
-
-
-def spec_raw(
-    scenario: Scenario,
-    *,
-    name: str,
-    storage: str,
-    dataset: Path,
-    epochs: int,
-    workers: int,
-    faults: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """The run spec of the scenario's shape at ``epochs`` on ``workers``: the tabular form of a
-    small MLP with dropout on the scenario's Parquet files (``tests/adversary/data.py``)."""
-    shape: Shape = scenario.shape
-    optimizer: dict[str, Any] = {"name": shape.optimizer, "lr": 0.01}
-    if shape.optimizer == "sgd":
-        optimizer.update(lr=0.05, momentum=0.9)
-    if shape.accumulation != 1:
-        optimizer["grad_accumulation"] = shape.accumulation
-    schedule: dict[str, Any] = {"epochs": epochs}
-    if shape.cosine:
-        schedule.update(lr_schedule="cosine", warmup_steps=3)
-    raw: dict[str, Any] = {
-        "run": {"name": name, "storage": storage, "seed": shape.seed},
-        "model": {"name": "mlp", "kwargs": {"hidden": list(shape.hidden), "dropout": 0.1}},
-        "data": {
-            "dataset": str(dataset),
-            "features": "x",
-            "label": "y",
-            "task": "regression",
-            "batch_size": shape.batch_size,
-            "validation_fraction": 0.25 if shape.validation and not shape.validation_file else 0,
-            "shuffle_window": 64,
-            "partitions": 2,
-        },
-        "optimizer": optimizer,
-        "schedule": schedule,
-        "scaling": {"num_workers": workers},
-        "checkpoint": {
-            "every": shape.every,
-            "keep_last": shape.keep_last,
-            "keep_best": shape.keep_best,
-            "best_metric": "val_loss" if shape.validation else "loss",
-        },
-        "report": {"every": 5},
-        "retries": {"infrastructure": 2, "code": 1, "delay_s": 0, "jitter": 0},
-        "faults": faults or [],
-    }
-    if shape.validation_file:  # beside the table's directory: what data.validation reads
-        raw["data"]["validation"] = str(validation_directory(dataset))
-    if shape.precision != "fp32":
-        raw["precision"] = shape.precision
-    if shape.form == "columns":  # the user's transform makes each batch: x and labels
-        for key in ("features", "label"):
-            del raw["data"][key]
-        raw["data"].update(columns=["x", "y"], transform=f"{USER_MODULE}:row")
-        kwargs = {"inputs": scenario.data.features, **raw["model"]["kwargs"]}
-        raw["model"] = {"name": f"{USER_MODULE}:mlp", "kwargs": kwargs}
-    elif shape.form == "own_loop":  # the user's loop builds its model, optimizer, schedule
-        del raw["model"], raw["optimizer"]
-        raw["schedule"] = {"epochs": epochs}
-        raw["train_loop"] = f"{USER_MODULE}:train"
-        raw["train_loop_api"] = "relaytrain"
-        raw["train_loop_config"] = {
-            "inputs": scenario.data.features,
-            "hidden": list(shape.hidden),
-            "dropout": 0.1,
-            "optimizer": shape.optimizer,
-            "cosine": shape.cosine,
-            "validation": shape.validation,
-        }
-    return raw
-
-
-def validation_directory(dataset: Path) -> Path:
-    return dataset.parent / "validation"
 
 
 def child_uri(storage: str, name: str) -> str:

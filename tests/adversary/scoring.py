@@ -15,7 +15,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from tests.adversary.drive import Player, validation_directory
+from tests.adversary.drive import Player
+from tests.adversary.spec import validation_directory
 from tests.adversary.verdict import Violation
 
 
