@@ -13,9 +13,10 @@ the flow with it, and one whose head came back as a new cluster may block for go
   restarted without GCS fault tolerance: the attempt's workers went with the old one), the head
   is lost.
 
-The watch then leaves the cluster (``ray.shutdown``, what the blocked calls return from), so the
-attempt fails on the infrastructure budget with an error that names the lost head, and the next
-``ray_cluster()`` (the retry's) starts a new local cluster, or waits up to
+The watch then leaves the cluster (``ray.shutdown``, what the blocked calls return from; of a
+local cluster it ends the agents the dead raylet left behind too), so the attempt fails on the
+infrastructure budget with an error that names the lost head, and the next ``ray_cluster()``
+(the retry's) starts a new local cluster, or waits up to
 ``RELAYTRAIN_RAY_HEAD_WAIT_S`` for the address to answer again; either resumes from the newest
 committed checkpoint.
 """
@@ -33,6 +34,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import ray
 import ray._raylet
 from ray._private import services
@@ -54,6 +56,8 @@ SILENCE_S = 10.0
 #: one, and Ray must not end the process before the watch has left.
 RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 RECONNECT_S = 600
+#: How long the agents a lost local cluster's raylet left behind are given to end once killed.
+AGENTS_END_S = 10.0
 #: How long leaving a lost cluster (``ray.shutdown``) may take before the log shows every
 #: thread's stack.
 LEAVE_SLOW_S = 90.0
@@ -140,6 +144,7 @@ class HeadWatch:
             logger.warning("leaving the lost cluster: %s: %s", type(e).__name__, e)
         finally:
             slow.cancel()
+        self.head.end_rest()
 
 
 def _say_leaving_is_slow(since: float) -> None:
@@ -169,6 +174,25 @@ class StartedHead:
             for kind in HEAD_PROCESSES
             for info in node.all_processes.get(kind, [])
         ]
+        #: What the raylet started before it registered (its dashboard and runtime env
+        #: agents): ``ray.shutdown`` ends only what this process started, and an agent whose
+        #: raylet died lives on until its last word to the dead GCS times out (60 s).
+        self.agents = [
+            child
+            for _, process in self.processes
+            if process.poll() is None
+            for child in _children(process.pid)
+        ]
+
+    def end_rest(self) -> None:
+        """Once this process has left the lost cluster: end the agents its dead raylet left
+        behind (psutil's ``Process`` knows a reused pid for another process)."""
+        for agent in self.agents:
+            with contextlib.suppress(psutil.Error):
+                agent.kill()
+        deadline = time.monotonic() + AGENTS_END_S
+        while any(map(_running, self.agents)) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def probe(self) -> str | None:
         dead = [(kind, p) for kind, p in self.processes if p.poll() is not None]
@@ -182,6 +206,20 @@ class StartedHead:
         )
 
     confirm = probe
+
+
+def _running(process: psutil.Process) -> bool:
+    """Not ended: a zombie has (it waits only for its new parent to reap it)."""
+    with contextlib.suppress(psutil.Error):
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    return False
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:  # ended already: the watch finds it so
+        return []
 
 
 class ConnectedHead:
@@ -225,6 +263,9 @@ class ConnectedHead:
             message = self.probe(patience_s)
             if message is not None or self.silent_since is None:
                 return message
+
+    def end_rest(self) -> None:
+        """A cluster at an address is not this process's to end."""
 
     def _message(self, what: str) -> str:
         return (
