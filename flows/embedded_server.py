@@ -19,7 +19,6 @@ import subprocess
 from collections.abc import Iterator
 from typing import Any
 
-from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
 
 STARTUP_TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
@@ -53,7 +52,7 @@ def embedded_server() -> Iterator[str | None]:
     if settings.api.url or not settings.server.ephemeral.enabled:
         yield None
         return
-    server = _DeafToCtrlC()  # Prefect's client finds this one running (one per process)
+    server = _deaf_to_ctrl_c()  # Prefect's client finds this one running (one per process)
     timeout_s = startup_timeout_s()
     try:
         server.start(timeout=timeout_s)
@@ -101,14 +100,20 @@ def _did_not_start(timeout_s: int, exit_code: int | None, error: Exception) -> s
     )
 
 
-class _DeafToCtrlC(SubprocessASGIServer):
+def _deaf_to_ctrl_c() -> Any:
     """Prefect's embedded server, its process started with SIGINT blocked: a blocked signal
     stays blocked across exec, and uvicorn only installs handlers, so the terminal's Ctrl-C
-    never reaches it; ``stop()`` ends it with SIGTERM."""
+    never reaches it; ``stop()`` ends it with SIGTERM. Prefect's server modules are imported
+    here, only when the command starts one: with PREFECT_API_URL set (a deployment, a team's
+    server) they are 1.4 s of every command's start for nothing."""
+    from prefect.server.api.server import SubprocessASGIServer
 
-    def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            return super()._run_uvicorn_command()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    class DeafToCtrlC(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    return DeafToCtrlC()
