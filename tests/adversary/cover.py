@@ -13,7 +13,7 @@ from tests.adversary.scenario import ACTIONS, FAULTS, SHAPES, Scenario, draw
 #: every action and fault kind and every shape. Picked by ``cheapest_cover`` over seeds 1-2999:
 #: the set of the fewest training commands (their references' included) that covers every kind,
 #: among the scenarios every oracle can judge (``fully_judged``).
-SUITE_SEEDS = (21, 50, 195, 455, 1733, 2570, 2650)
+SUITE_SEEDS = (21, 195, 392, 455, 1733, 2570, 2650)
 
 
 def commands_cost(scenario: Scenario) -> float:
@@ -43,7 +43,7 @@ def commands_cost(scenario: Scenario) -> float:
 def fully_judged(scenario: Scenario) -> bool:
     """Whether every oracle can judge ``scenario``: not when a checkpoint damaged before a
     continue may move its resume back under a cosine schedule (the final state is then not the
-    reference's by the schedule's rule: ``oracles.retrained_toward_another_end``)."""
+    reference's by the schedule's rule: ``departures.retrained_toward_another_end``)."""
     history = scenario.history
     damaged = any(
         a.fault

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tests.adversary import scoring
+from tests.adversary import departures, scoring
 from tests.adversary.drive import Outcome, Player
 from tests.adversary.reference import Reference, losses
 from tests.adversary.verdict import Violation
@@ -21,12 +21,11 @@ from tests.adversary.verdict import Violation
 def judge(
     player: Player, reference: Reference, secrets: list[str]
 ) -> tuple[list[str], list[Violation]]:
-    """Every check on a played scenario: the names of those run, and what was violated. Where a
-    continue resumed before the step its run had reached under a cosine schedule
-    (``retrained_toward_another_end``), the final state is not judged and the losses only up to
-    that step."""
+    """Every check on a played scenario: the names of those run, and what was violated. From
+    the step where the run parted from its reference by a documented rule (``departures``),
+    the final state is not judged and the losses only up to that step."""
     outcomes = player.outcomes
-    moved = retrained_toward_another_end(player)
+    moved = departures.parted(player)
     checks: dict[str, Callable[[], list[Violation]]] = {
         "commands_end_as_their_faults_call_for": lambda: commands(outcomes),
         "damage_spends_no_retry_and_deletes_nothing": lambda: damage_contained(outcomes),
@@ -183,45 +182,9 @@ def differ(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
 
 
-def retrained_toward_another_end(player: Player) -> int | None:
-    """The step a continue resumed from when a damaged checkpoint moved its resume before the
-    step its run had reached, under a cosine schedule; None when no continue did.
-
-    The steps between are then trained again toward the continue's new total: relaytrain's
-    schedule starts a segment at the step resumed from, where the reference's (undamaged)
-    history started it at the step the run had reached. From that step on the two cannot agree,
-    which is the schedule's documented rule, not a broken resume."""
-    if not player.scenario.shape.cosine:
-        return None
-    attempts = player.files.attempts()
-    for o in player.outcomes:
-        if player.scenario.history[o.index].kind != "continue" or o.kind not in (
-            "continue",
-            "again",
-        ):
-            continue
-        before = attempts[: o.attempts_before]
-        reached = max(
-            [a.get("last_step") or 0 for a in before]
-            + [r.get("last_step") or 0 for a in before for r in a.get("restarts") or []],
-            default=0,
-        )
-        first = next(
-            (
-                a["resumed_from_step"]
-                for a in attempts[o.attempts_before : o.attempts_after]
-                if a.get("resumed_from_step") is not None
-            ),
-            None,
-        )
-        if first is not None and first < reached:  # else a later continue may have moved back
-            return first
-    return None
-
-
 def history(player: Player, reference: Reference, upto: int | None = None) -> list[Violation]:
     """One row per step, the reference's steps, each loss the reference's (up to ``upto``:
-    ``retrained_toward_another_end``)."""
+    ``departures.parted``)."""
     got = losses(player.files)
     steps = [s for s, _ in got]
     found = []

@@ -1,8 +1,8 @@
 """The reference a scenario is judged against: its history without faults, damage, reruns or
-reads (each ``run`` and ``continue`` as the same command, uninterrupted), on local storage, over
-the scenario's files as written. Computed once per shape (data, spec knobs and the epochs and
-worker counts of its commands) and cached by that key, as the fault matrix caches its
-uninterrupted runs."""
+reads (each ``run`` and ``continue`` as the same command, uninterrupted, on a fixed number of
+workers), on local storage, over the scenario's files as written. Computed once per shape (data,
+spec knobs and the epochs and worker counts of its commands) and cached by that key, as the
+fault matrix caches its uninterrupted runs."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def fault_free(scenario: Scenario) -> Scenario:
         for a in scenario.history
         if a.kind in ("run", "continue")
     )
-    shape = dataclasses.replace(scenario.shape, storage="local")
+    # An elastic shape's reference is the fixed group's: a group that got every worker it
+    # asked for trains the bits a fixed one does.
+    shape = dataclasses.replace(scenario.shape, storage="local", elastic=False)
     return dataclasses.replace(scenario, shape=shape, history=history)
 
 

@@ -70,8 +70,8 @@ FORMS = ("tabular", "columns", "own_loop")
 #: The built-in loop's precision (a loop of one's own sets its own): fp32, or autocast to bf16.
 PRECISIONS = ("fp32", "bf16")
 #: The shapes a campaign counts (and the suite's seeds touch): the forms and precision past the
-#: tabular form in fp32.
-SHAPES = ("columns", "own_loop", "bf16")
+#: tabular form in fp32, and elastic capacity (``scaling.num_workers: [1, N]``).
+SHAPES = ("columns", "own_loop", "bf16", "elastic")
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,9 @@ class Shape:
     validation_file: bool = False
     form: str = "tabular"  # FORMS
     precision: str = "fp32"  # PRECISIONS
+    #: Each command on more than one worker asks for ``[1, N]`` (Ray Train's elastic scaling:
+    #: as many as the cluster holds) rather than N.
+    elastic: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,9 @@ class Scenario:
         return {
             "actions": sorted({a.kind for a in self.history}),
             "faults": sorted({a.fault.kind for a in self.history if a.fault}),
-            "shapes": sorted({shape.form, shape.precision} & set(SHAPES)),
+            "shapes": sorted(
+                {shape.form, shape.precision, "elastic" if shape.elastic else ""} & set(SHAPES)
+            ),
         }
 
     def describe(self) -> str:
@@ -194,6 +199,7 @@ class Scenario:
         s = self.shape
         how = "" if s.form == "tabular" else f"{s.form.replace('_', ' ')}, "
         how += "" if s.precision == "fp32" else f"{s.precision}, "
+        how += "elastic, " if s.elastic else ""
         return (
             f"seed {self.seed}: {how}{s.workers} worker(s), "
             f"batch {s.batch_size}x{s.accumulation}, "
@@ -268,7 +274,11 @@ def draw(seed: int) -> Scenario:
     form = rng.choice(("tabular", "tabular", "columns", *own))
     precision = "bf16" if form != "own_loop" and rng.random() < 0.3 else "fp32"
     shape = dataclasses.replace(shape, form=form, precision=precision)
-    return Scenario(seed, shape, data, tuple(history))
+    # Elastic capacity where more than one worker trains, not where the node is lost (the
+    # group's resource is on that node alone: an elastic group has no size to go on with).
+    scenario = Scenario(seed, shape, data, tuple(history))
+    elastic = shape.workers > 1 and not on_a_node_of_their_own(scenario) and rng.random() < 0.3
+    return dataclasses.replace(scenario, shape=dataclasses.replace(shape, elastic=elastic))
 
 
 def _best_damaged_before_reruns(rng: random.Random, history: list[Action]) -> list[Action]:

@@ -21,9 +21,10 @@ def spec_raw(
     workers: int,
     faults: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The run spec of the scenario's shape at ``epochs`` on ``workers``, over the scenario's
-    Parquet files (``tests/adversary/data.py``): a small MLP with dropout in the tabular form,
-    the user's model and transform in the columns form, or the user's own loop."""
+    """The run spec of the scenario's shape at ``epochs`` on ``workers`` (up to ``workers`` for
+    an elastic shape), over the scenario's Parquet files (``tests/adversary/data.py``): a small
+    MLP with dropout in the tabular form, the user's model and transform in the columns form,
+    or the user's own loop."""
     shape: Shape = scenario.shape
     optimizer: dict[str, Any] = {"name": shape.optimizer, "lr": 0.01}
     if shape.optimizer == "sgd":
@@ -48,7 +49,7 @@ def spec_raw(
         },
         "optimizer": optimizer,
         "schedule": schedule,
-        "scaling": {"num_workers": workers},
+        "scaling": {"num_workers": [1, workers] if shape.elastic and workers > 1 else workers},
         "checkpoint": {
             "every": shape.every,
             "keep_last": shape.keep_last,
