@@ -12,7 +12,7 @@ import pytest
 
 from tests.net import free_port
 from trainer_core.errors import InfrastructureError, SpecError
-from trainer_core.execution import ray_head
+from trainer_core.execution import ray_address, ray_head
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def lost(monkeypatch):
 def test_a_lost_head_that_never_answers_fails_on_the_infrastructure_budget_naming_it(
     lost, monkeypatch, caplog
 ):
-    monkeypatch.setenv(ray_head.HEAD_WAIT_ENV, "1")
+    monkeypatch.setenv(ray_address.HEAD_WAIT_ENV, "1")
     with (
         caplog.at_level(logging.WARNING, "relaytrain.engine"),
         pytest.raises(InfrastructureError) as raised,
@@ -35,12 +35,12 @@ def test_a_lost_head_that_never_answers_fails_on_the_infrastructure_budget_namin
         ray_head.await_head("head:6379", poll_s=0.2)
     message = str(raised.value)
     assert "the Ray cluster at head:6379" in message and f"127.0.0.1:{lost}" in message
-    assert ray_head.HEAD_WAIT_ENV in message  # the fix: wait longer
+    assert ray_address.HEAD_WAIT_ENV in message  # the fix: wait longer
     assert "waiting up to 1 s (RELAYTRAIN_RAY_HEAD_WAIT_S)" in caplog.text
 
 
 def test_a_lost_head_that_answers_again_is_waited_for(lost, monkeypatch, caplog):
-    monkeypatch.setenv(ray_head.HEAD_WAIT_ENV, "60")
+    monkeypatch.setenv(ray_address.HEAD_WAIT_ENV, "60")
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 
@@ -65,7 +65,7 @@ def test_a_first_contact_where_no_cluster_answers_is_refused_naming_the_fix(lost
     """Another address than the lost one is a first contact: where nothing accepts connections
     it is refused (a SpecError, no retry) after ``first_contact_s``, not waited for as a lost
     head (``RELAYTRAIN_RAY_HEAD_WAIT_S``, 60 s here), nor retried by ``ray.init`` for minutes."""
-    monkeypatch.setenv(ray_head.HEAD_WAIT_ENV, "60")
+    monkeypatch.setenv(ray_address.HEAD_WAIT_ENV, "60")
     dead = f"127.0.0.1:{free_port()}"
     with pytest.raises(SpecError) as raised:
         ray_head.await_head(dead, poll_s=0.2, first_contact_s=1)

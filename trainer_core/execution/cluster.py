@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from trainer_core.errors import ClusterCapacityError
-from trainer_core.execution import data_capacity, ray_head
+from trainer_core.execution import data_capacity, ray_address, ray_head
 from trainer_core.execution.capacity import (
     CapacityDecision,
     Fits,
@@ -73,7 +73,7 @@ def ray_cluster(num_cpus: int | None = None, address: str | None = None) -> Iter
     kwargs: dict[str, Any] = {"log_to_driver": False}
     if address and address != "local":
         ray_head.await_head(address)  # a lost head waited for; an address of none refused
-        with ray_head.driver_settings():  # Ray must not end the driver before the watch leaves
+        with ray_address.driver_settings():  # Ray must not end the driver before the watch leaves
             ray.init(address=address, **kwargs)
         ray_head.watch_connected_cluster(address)  # its head lost: leave it, not block or end
     else:

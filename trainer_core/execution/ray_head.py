@@ -25,21 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 import psutil
 import ray
-import ray._raylet
-from ray._private import services
 
-from trainer_core.errors import InfrastructureError, LeaseLostError, SpecError
+from trainer_core.errors import InfrastructureError, LeaseLostError
+from trainer_core.execution import ray_address
 
 logger = logging.getLogger("relaytrain.engine")
 
@@ -50,35 +46,17 @@ HEAD_PROCESSES = ("gcs_server", "raylet")
 #: How long the GCS of a cluster at an address may be silent before the attempt leaves it; a
 #: head restarted with GCS fault tolerance within it is reconnected to by Ray itself.
 SILENCE_S = 10.0
-#: Ray's own bound for a driver whose GCS is silent (``gcs_rpc_server_reconnect_timeout_s``,
-#: 60 s), raised for the driver of a cluster at an address (unless the user set it): leaving a
-#: dead cluster (``ray.shutdown``) took from 5 s on an idle machine to over 40 s on a loaded
-#: one, and Ray must not end the process before the watch has left.
-RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
-RECONNECT_S = 600
 #: How long the agents a lost local cluster's raylet left behind are given to end once killed.
 AGENTS_END_S = 10.0
 #: How long leaving a lost cluster (``ray.shutdown``) may take before the log shows every
 #: thread's stack.
 LEAVE_SLOW_S = 90.0
-#: How long ``ray_cluster()`` waits for an address whose head this process lost to answer again
-#: (the job path's bound as well).
-HEAD_WAIT_ENV = "RELAYTRAIN_RAY_HEAD_WAIT_S"
-HEAD_WAIT_S = 120.0
-#: How long a first contact with an address waits for its GCS to accept a connection before it
-#: is refused (``ray.init`` alone retries for many minutes).
-FIRST_CONTACT_S = 10.0
-
 _lock = threading.Lock()
 _watch: HeadWatch | None = None
 #: The node of the last watch that fired and what it saw (None: none has).
 _lost: tuple[Any, str] | None = None
 #: The address and GCS address of a cluster whose head was lost, until connected to again.
 _lost_address: tuple[str, str] | None = None
-
-
-def head_wait_s() -> float:
-    return float(os.environ.get(HEAD_WAIT_ENV) or HEAD_WAIT_S)
 
 
 class HeadWatch:
@@ -270,8 +248,9 @@ class ConnectedHead:
     def _message(self, what: str) -> str:
         return (
             f"the Ray cluster at {self.address} lost its head: {what}. The attempt left that "
-            f"cluster; the retry waits up to {head_wait_s():.0f} s ({HEAD_WAIT_ENV}) for "
-            f"{self.address} to answer and resumes from the newest committed checkpoint"
+            f"cluster; the retry waits up to {ray_address.head_wait_s():.0f} s "
+            f"({ray_address.HEAD_WAIT_ENV}) for {self.address} to answer and resumes from the "
+            "newest committed checkpoint"
         )
 
 
@@ -296,96 +275,14 @@ def watch_connected_cluster(address: str) -> None:
         _watch = HeadWatch(node, head).start()
 
 
-def await_head(address: str, poll_s: float = 2.0, first_contact_s: float = FIRST_CONTACT_S) -> None:
-    """Before ``ray.init(address)``, which retries a GCS that does not answer for many minutes:
-
-    - if this process lost that cluster's head, wait up to ``RELAYTRAIN_RAY_HEAD_WAIT_S`` until
-      its GCS accepts connections (said once in the log), else an InfrastructureError naming
-      the address (the infrastructure budget's);
-    - else (a first contact) refuse an address where nothing accepts connections within
-      ``first_contact_s``: a SpecError naming it and the fix, on no retry budget.
-
-    A Ray Client address (``ray://``) and ``auto`` are left to ``ray.init``."""
+def await_head(
+    address: str, poll_s: float = 2.0, first_contact_s: float = ray_address.FIRST_CONTACT_S
+) -> None:
+    """Before ``ray.init(address)``: ``ray_address.await_address``, told whether this process
+    lost that cluster's head (and its GCS address then)."""
     lost_address = _lost_address
-    if lost_address is not None and lost_address[0] == address:
-        _await_lost(address, lost_address[1], poll_s)
-        return
-    if address.startswith("ray://") or address == "auto":
-        return
-    try:
-        gcs_address = services.canonicalize_bootstrap_address(address)
-    except Exception as e:  # ValueError: not host:port; OSError: the host does not resolve
-        raise SpecError(
-            f"RAY_ADDRESS={address!r} is not the address of a Ray cluster ({e}): set it to the "
-            "head node's GCS address, host:port (`ray start --head` prints it; port 6379 by "
-            "default), or unset it to start a local cluster"
-        ) from e
-    if gcs_address is None:
-        return
-    deadline = time.monotonic() + first_contact_s
-    while not _accepts(gcs_address):
-        if time.monotonic() >= deadline:
-            raise SpecError(
-                f"no Ray cluster answers at RAY_ADDRESS={address!r}: nothing accepted a "
-                f"connection at {gcs_address} for {first_contact_s:.0f} s. Start the cluster "
-                "(`ray start --head`) or fix RAY_ADDRESS (the head node's GCS address, "
-                "host:port), or unset it to start a local cluster"
-            )
-        time.sleep(min(poll_s, 1.0))
-
-
-@contextlib.contextmanager
-def driver_settings() -> Iterator[None]:
-    """Around ``ray.init(address)``: Ray's reconnect bound raised for this driver (``RECONNECT_S``)
-    unless the user set it, read as the driver connects, and the environment as it was after
-    (a local cluster started later must not inherit it).
-
-    Ray reads its settings from the environment once, as ``ray`` is imported, and again only as
-    a core worker starts. The GCS client ``ray.init`` makes before its core worker (the
-    driver's ``gcs_client``, what Ray's internal KV calls go through) would keep the bound of
-    the import, 60 s: a call on it pending when the head died ended the flow then, the watch
-    still leaving. So Ray's settings are read again here, with the bound in the environment."""
-    ours = RECONNECT_ENV not in os.environ
-    if ours:
-        os.environ[RECONNECT_ENV] = str(RECONNECT_S)
-    try:
-        ray._raylet.Config.initialize("")  # type: ignore[attr-defined]  # read again, now
-        yield
-    finally:
-        if ours:
-            os.environ.pop(RECONNECT_ENV, None)
-
-
-def _await_lost(address: str, gcs_address: str, poll_s: float) -> None:
-    deadline = time.monotonic() + head_wait_s()
-    said = False
-    while not _accepts(gcs_address):
-        if not said:
-            logger.warning(
-                "the Ray cluster at %s does not answer (its head restarting?): waiting up to "
-                "%.0f s (%s)",
-                address,
-                head_wait_s(),
-                HEAD_WAIT_ENV,
-            )
-            said = True
-        if time.monotonic() >= deadline:
-            raise InfrastructureError(
-                f"the Ray cluster at {address} (GCS {gcs_address}) did not answer for "
-                f"{head_wait_s():.0f} s after its head was lost. The retry waits for it again "
-                f"and resumes from the newest committed checkpoint; set {HEAD_WAIT_ENV} to "
-                "wait longer"
-            )
-        time.sleep(poll_s)
-
-
-def _accepts(gcs_address: str) -> bool:
-    host, _, port = gcs_address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1.0):
-            return True
-    except OSError:
-        return False
+    lost_gcs = lost_address[1] if lost_address is not None and lost_address[0] == address else None
+    ray_address.await_address(address, lost_gcs, poll_s, first_contact_s)
 
 
 def check_now() -> None:

@@ -39,7 +39,7 @@ from typing import Any
 from trainer_core import errors
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import InfrastructureError, LeaseLostError, RelaytrainError, SpecError
-from trainer_core.execution import cluster, ray_head
+from trainer_core.execution import cluster, ray_address
 from trainer_core.run import attempts, engine, job_entry, lease
 from trainer_core.run.plan import canonical_storage_uri
 from trainer_core.spec.run_spec import RunSpec
@@ -50,7 +50,7 @@ JOB_ADDRESS_ENV = "RELAYTRAIN_RAY_JOB_ADDRESS"
 #: How long an attempt waits for a job server that answered this run before (a head node
 #: restarting, a network cut) to answer again, then fails on the infrastructure budget: the
 #: bound a driver's lost head is waited for too.
-HEAD_WAIT_ENV = ray_head.HEAD_WAIT_ENV
+HEAD_WAIT_ENV = ray_address.HEAD_WAIT_ENV
 EVENT_TAG = job_entry.EVENT_TAG
 OUTCOME_TAG = job_entry.OUTCOME_TAG
 RUN_KEY = "relaytrain_run_uri"
@@ -104,7 +104,7 @@ def _while_restarting(
     that names the address (retried, where a first contact's SpecError is not). ``final(e)``:
     the error to raise at once instead of waiting (None: wait)."""
     deadline: float | None = None
-    wait_s = ray_head.head_wait_s()
+    wait_s = ray_address.head_wait_s()
     while True:
         try:
             return call()
