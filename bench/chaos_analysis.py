@@ -63,10 +63,12 @@ def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
                     "resumed_at": restart.get("resumed_at"),
                     "resumed_from_step": restart.get("resumed_from_step"),
                     "restore_s": restart.get("restore_s"),
+                    "checkpoint_created_at": restart.get("checkpoint_created_at"),
                 }
             )
         if record.status == "failed":
             following = records[index + 1] if index + 1 < len(records) else None
+            restore = (following.restore if following else None) or {}
             found.append(
                 {
                     "at": record.ended_at or record.started_at,
@@ -74,9 +76,8 @@ def failures(records: list[AttemptRecord]) -> list[dict[str, Any]]:
                     "error_class": record.error_class,
                     "resumed_at": following.resumed_at if following else None,
                     "resumed_from_step": following.resumed_from_step if following else None,
-                    "restore_s": (
-                        (following.restore or {}).get("restore_s") if following else None
-                    ),
+                    "restore_s": restore.get("restore_s"),
+                    "checkpoint_created_at": restore.get("checkpoint_created_at"),
                     # when the attempt is known to have run (DriverLost: no ended_at); the
                     # next one's start is when its driver opened its record (``recovery``)
                     "between": (record.started_at, following.started_at if following else None),
@@ -257,17 +258,23 @@ def judge_failures(
             per_kind[fault.kind].append(recovery(failure, fault))
         for step, at in corrupted:
             # an attempt that failed before its workers resumed holds the planned step only
-            if failure["resumed_from_step"] == step and read_after(failure, at):
+            if failure["resumed_from_step"] == step and read_damaged(failure, at):
                 problems.append(f"a resume read the damaged checkpoint of step {step}")
     return problems, per_kind
 
 
-def read_after(failure: dict[str, Any], damaged_at: float) -> bool:
-    """Whether the resume after ``failure`` began reading its checkpoint after ``damaged_at``:
-    its workers loaded it (``resumed_at``) ``restore_s`` after they began. A resume that began
-    before (a group that resumed, then failed after the damage; its resume heard late) read
-    the checkpoint whole, as the final state's comparison proves."""
+def read_damaged(failure: dict[str, Any], damaged_at: float) -> bool:
+    """Whether the resume after ``failure`` read the damaged checkpoint of its step: it began
+    reading after ``damaged_at`` (its workers loaded it, ``resumed_at``, ``restore_s`` after
+    they began), a checkpoint written before it. A resume that began before (a group that
+    resumed, then failed after the damage; its resume heard late) read the checkpoint whole,
+    as the final state's comparison proves; one that read the step written again (a resume
+    fell past the damaged one and trained the step anew) read the new commit. Where the
+    record does not say when its checkpoint was written, the step alone judges."""
     if failure["resumed_at"] is None:
+        return False
+    written = failure.get("checkpoint_created_at")
+    if written is not None and written > damaged_at:
         return False
     return failure["resumed_at"] - (failure.get("restore_s") or 0.0) > damaged_at
 

@@ -13,6 +13,7 @@ test_engine.py.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import subprocess
@@ -126,7 +127,8 @@ def test_corrupt_newest_checkpoint_falls_back(
 ):
     """Attempt 1 fails at step 25 and, in the retry delay, its newest checkpoint (20) is
     truncated: attempt 2 resumes from 13. It fails at step 35 and its newest (30) loses its
-    commit marker: attempt 3 resumes from 26, and the run ends as the uninterrupted one."""
+    commit marker: attempt 3 resumes from 26, and the run ends as the uninterrupted one. Each
+    resume's record says when the checkpoint it read was written: by the attempt before it."""
     # One worker: which checkpoint a retry resumes from does not depend on how many ranks train.
     raw = tiny_raw(tmp_path, "matrix-corrupt", scaling=ONE_WORKER)
     raw["retries"] = {**raw["retries"], "code": 2, "delay_s": 4}  # damage between attempts
@@ -150,6 +152,10 @@ def test_corrupt_newest_checkpoint_falls_back(
     attempts = assert_recovered(run_dir, uninterrupted_one_worker, interval=20, committed_before=13)
     # past the damaged step 20, then past the unmarked step 30
     assert [a.get("resumed_from_step") for a in attempts[1:]] == [13, 26]
+    # each read the checkpoint the attempt before it wrote (when, its record says)
+    for before, resumed in itertools.pairwise(attempts):
+        written = resumed["restore"]["checkpoint_created_at"]
+        assert before["started_at"] < written < before["ended_at"], (before, resumed)
     for how in ("truncated", "missing marker"):
         record_matrix_row(f"6 newest checkpoint corrupted ({how})", run_dir)
 

@@ -201,6 +201,29 @@ def test_a_resume_that_began_reading_before_the_damage_read_it_whole():
     assert "damaged checkpoint of step 20" in problem
 
 
+def test_a_resume_of_the_damaged_step_written_again_read_the_new_commit():
+    """A resume that fell past the damaged checkpoint trains its step again and commits it
+    anew: a later resume of that step reads the new commit, written after the damage. CI's
+    chaos campaign (2026-12-07, stop 75) flagged such a resume of step 20: its optimizer.pt
+    was damaged at 02:16:56, a worker killed at 02:17:18 made the group start over from the
+    beginning and commit step 20 again, and the flow run after a damaged data file resumed
+    from that commit, its final state bit-identical to the uninterrupted run's. Judged by when
+    the checkpoint read was written (``checkpoint_created_at``); unknown, by its step."""
+    from bench.chaos_analysis import judge_failures
+    from bench.chaos_kinds import Fault
+
+    corrupt = Fault("corrupt", 100.0, {"step": 20, "file": "optimizer.pt"})
+    damaged = Fault("data_damaged", 150.0, {"file": "part-3.parquet"})
+    failure = {"at": 160.0, "budget": "none", "error_class": "DataFileDamagedError",
+               "resumed_at": 200.0, "restore_s": 1.0, "resumed_from_step": 20}  # fmt: skip
+    faults = [corrupt, damaged]
+    rewritten = dict(failure, checkpoint_created_at=140.0)
+    assert judge_failures(faults, faults, [rewritten])[0] == []
+    for read in (dict(failure, checkpoint_created_at=90.0), failure):
+        (problem,) = judge_failures(faults, faults, [read])[0]
+        assert "damaged checkpoint of step 20" in problem
+
+
 def test_a_lost_driver_failed_when_its_flow_went():
     """An attempt whose record a later launch closed (DriverLost, no end time) counted as
     failing when it started: the 40-fault campaign of 2026-11-28 found no fault in the 30 s

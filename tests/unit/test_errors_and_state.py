@@ -215,6 +215,26 @@ def test_rows_rank_0_held_back_count_for_the_restart_whichever_event_comes_first
         assert live.restarts[0]["resumed_from_step"] == 20 and live.step == 21
 
 
+def test_a_resume_says_when_the_checkpoint_it_read_was_written():
+    """A step's checkpoint may be committed again (a resume fell past it when it was damaged,
+    and trained the step anew): the record of each resume, the attempt's and each restart's,
+    keeps when the checkpoint it read was written, from its manifest."""
+    from trainer_core.run.live_state import LiveState
+
+    live = LiveState()
+    for event in [
+        {"kind": "resumed", "time": 5.0, "step": 20, "group": 0, "restore_s": 0.5,
+         "bytes_read": 10, "checkpoint_created_at": 3.0},
+        restarting_after("rank 1 died"),
+        {"kind": "resumed", "time": 9.0, "step": 20, "group": 1, "restore_s": 0.4,
+         "checkpoint_created_at": 7.5},
+    ]:  # fmt: skip
+        live.apply(event)
+    outcome = live.outcome()
+    assert outcome["restore"]["checkpoint_created_at"] == 3.0
+    assert outcome["restarts"][0]["checkpoint_created_at"] == 7.5
+
+
 def test_a_group_that_failed_while_starting_shifts_no_step_onto_another_restart():
     """A fault during a recovery: the group Ray started after restart 1 died before it ran a
     step (before it asked the relay for its number), so the next group to run is the relay's

@@ -41,7 +41,7 @@ class AttemptRecord:
     #: When the workers had loaded it (worker clock): training resumed here.
     resumed_at: float | None = None
     #: What loading it cost: ``bytes_read`` from storage by the whole group, and the slowest
-    #: rank's ``restore_s``.
+    #: rank's ``restore_s``; when the checkpoint it read was written (``checkpoint_created_at``).
     restore: dict[str, Any] | None = None
     #: A user's Ray loop: whether each resume restored every rank's RNG as its checkpoint saved
     #: it, so it trains on as the uninterrupted run would (None: no such resume), and why not.

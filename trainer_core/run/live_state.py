@@ -6,6 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: What a resume's record keeps of its load: bytes the group read from storage, the slowest
+#: rank's seconds, and when the checkpoint read was written (its manifest's ``created_at``: a
+#: step's checkpoint is written again when a resume fell past it damaged and trained it anew).
+RESTORE_KEYS = ("bytes_read", "restore_s", "checkpoint_created_at")
+
 
 @dataclass
 class LiveState:
@@ -17,7 +22,7 @@ class LiveState:
     resumed_from: int | None = None
     #: When the workers had loaded their start point (worker clock): training resumes here.
     resumed_at: float | None = None
-    #: What loading it cost: bytes the group read from storage, the slowest rank's seconds.
+    #: What loading it cost, and when its checkpoint was written (``RESTORE_KEYS``).
     restore: dict[str, Any] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     checkpoint_uri: str | None = None
@@ -105,7 +110,7 @@ class LiveState:
         elif kind == "resumed":
             self.resumed_from = event.get("step")
             self.resumed_at = event.get("time")
-            self.restore = {k: event[k] for k in ("bytes_read", "restore_s") if k in event}
+            self.restore = {k: event[k] for k in RESTORE_KEYS if k in event}
         elif kind == "fresh_start":
             self.resumed_from = 0  # known: from the beginning (None means unknown)
             self.resumed_at = event.get("time")
@@ -153,8 +158,9 @@ class LiveState:
         self.restarts[-1]["resumed_from_step"] = event.get("step", 0)
         self.restarts[-1]["resumed_at"] = event.get("time")
         self.restarts[-1]["world_size_after"] = event.get("world_size")
-        if "restore_s" in event:  # what loading it took: the read began that long before
-            self.restarts[-1]["restore_s"] = event["restore_s"]
+        for key in ("restore_s", "checkpoint_created_at"):  # the read began restore_s before
+            if key in event:
+                self.restarts[-1][key] = event[key]
 
     def _ends_the_group(self) -> None:
         """The restart about to be recorded ends the newest group that began, unless an earlier

@@ -182,6 +182,7 @@ class BuiltinLoop:
                 skipped=loaded.skipped,
                 bytes_read=int(read),
                 restore_s=round(seconds, 4),
+                checkpoint_created_at=manifest.get("created_at"),
                 group=self.group,
                 world_size=self.world_size,
             )

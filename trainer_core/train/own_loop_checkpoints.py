@@ -76,6 +76,7 @@ class StepLedger:
             skipped=loaded.skipped,
             bytes_read=int(all_reduce([float(loaded.bytes_read)])[0]),
             restore_s=round(loaded.seconds, 4),
+            checkpoint_created_at=checkpoint.manifest.get("created_at"),
             group=group,
             world_size=world_size,
         )
