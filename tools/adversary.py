@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -41,13 +42,22 @@ def play_one(scenario: Any, w: Any, root: Path) -> dict[str, Any]:
     started = time.monotonic()
     record: dict[str, Any] = {"seed": scenario.seed, "scenario": scenario.describe()}
     record.update(scenario.kinds())
-    try:
-        ref = reference(scenario, w, root / "references")
+
+    def referenced() -> Any:
+        made = reference(scenario, w, root / "references")
         record["reference_seconds"] = round(time.monotonic() - started, 1)
+        return made
+
+    try:
         root.mkdir(parents=True, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(dir=root, prefix=f"seed-{scenario.seed}-"))
-        player = Player(scenario, w, workdir, ref.steps_per_epoch)
-        player.play()
+        # The reference runs beside the scenario (its own storage, on the cluster's spare
+        # CPUs): its commands wait on Ray, Prefect and storage as much as they compute.
+        with concurrent.futures.ThreadPoolExecutor(1) as beside:
+            pending = beside.submit(referenced)
+            player = Player(scenario, w, workdir, lambda: pending.result().steps_per_epoch)
+            player.play()
+            ref = pending.result()
         checks, violations = judge(player, ref, w.secrets())
         record["checks"] = checks
         record["commands"] = [

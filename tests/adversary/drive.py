@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,20 +88,22 @@ def fault_step(at: int, first: int, last: int) -> int:
 
 class Player:
     """Plays ``scenario`` in ``workdir`` against ``world``'s `relaytrain`; ``steps_per_epoch``
-    (the reference run's) places the faults."""
+    (the reference run's, asked for when a fault is to be placed at a step: the reference may
+    still be running beside the scenario) places the faults."""
 
     def __init__(
         self,
         scenario: Scenario,
         world: World,
         workdir: Path,
-        steps_per_epoch: int,
+        steps_per_epoch: Callable[[], int],
         label: str = "adv",
     ):
         self.scenario = scenario
         self.world = world
         self.workdir = workdir
         self.steps_per_epoch = steps_per_epoch
+        self.label = label
         self.rng = random.Random(scenario.seed * 7919 + 1)  # where damage lands in a file
         self.name = f"adversary-{scenario.seed}"
         self.dataset = workdir / "data"
@@ -149,28 +152,29 @@ class Player:
                 process.wait()
 
     def _train(self, index: int, action: Action) -> None:
-        first = self.epochs * self.steps_per_epoch if action.kind != "run" else 0
+        epochs_before = self.epochs if action.kind != "run" else 0
         if action.kind == "continue":
             self.epochs += action.epochs
             self.workers = action.workers or self.workers
-        last = self.epochs * self.steps_per_epoch
         fault = action.fault
         restore = self._damage(fault) if fault else None
         faults: list[dict[str, Any]] = []
         placed: dict[str, Any] = {}
         if fault and fault.kind in ("raise", "kill_rank"):
-            step = fault_step(fault.at, first, last)
+            per_epoch = self.steps_per_epoch()
+            step = fault_step(fault.at, epochs_before * per_epoch, self.epochs * per_epoch)
             attempt = len(self.files.attempts()) + 1
             kind = "raise" if fault.kind == "raise" else "kill"
             rank = min(fault.rank, self.workers - 1)
             faults.append({"kind": kind, "at_step": step, "rank": rank, "attempt": attempt})
             placed = {"fault_step": step, "fault_attempt": attempt}
         elif fault and fault.kind in ("outage", "store_full", "lose_node"):
-            # every rank a straggler (relaytrain's slow fault: a sleep in each step, the bits
-            # unchanged), so that the fault lands while the command trains, not after it
+            # every rank a straggler in each step the attempt trains (relaytrain's slow fault: a
+            # sleep in each step from at_step on, the bits unchanged), so that the fault lands
+            # while the command trains, not after it
             attempt = len(self.files.attempts()) + 1
             faults += [
-                {"kind": "slow", "at_step": first + 1, "rank": r, "attempt": attempt}
+                {"kind": "slow", "at_step": 1, "rank": r, "attempt": attempt}
                 | {"seconds": STRAGGLER_STEP_S}
                 for r in range(self.workers)
             ]
@@ -255,7 +259,7 @@ class Player:
 
     def start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], str, Path]:
         self._count += 1
-        marker = f"{self.name}-{os.getpid()}-{self._count}"
+        marker = f"{self.label}-{self.name}-{os.getpid()}-{self._count}"
         log = self.workdir / f"command-{self._count:02d}-{argv[0]}.log"
         command = [self.world.python, "-m", "flows.cli", *argv]
         with log.open("wb") as out:

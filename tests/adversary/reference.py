@@ -64,7 +64,7 @@ def reference(scenario: Scenario, world: World, cache: Path) -> Reference:
     if path.exists():
         return Reference(**torch.load(path, weights_only=True))
     plain = fault_free(scenario)
-    player = Player(plain, world, cache / f"{key(scenario)}-run", 0, label="ref")
+    player = Player(plain, world, cache / f"{key(scenario)}-run", lambda: 0, label="ref")
     outcomes = player.play()
     failed = [o for o in outcomes if o.code != 0]
     if failed:
