@@ -8,6 +8,7 @@ first needed), stopped at the end whatever happened."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import subprocess
@@ -111,12 +112,16 @@ def world(root: Path, target: Path | None = None, python: str | None = None) -> 
             [str(USER_CODE), *filter(None, [head.env.get("PYTHONPATH")])]
         )
         stack.callback(head.stop)  # also when it is stopped while starting
-        head.start()
         prefect = PrefectServer(root / "prefect", head.address)
         (root / "prefect").mkdir(exist_ok=True)
         stack.callback(prefect.stop)
-        prefect.start()
-        s3 = stack.enter_context(moto_s3(root))
+        # The servers start side by side: each waits on its own process's start (Prefect's
+        # about 15 s, Ray's head and moto's some seconds each on 2 cores).
+        with concurrent.futures.ThreadPoolExecutor(1) as beside:
+            starting = beside.submit(prefect.start)
+            head.start()
+            s3 = stack.enter_context(moto_s3(root))
+            starting.result()
         proxy = stack.enter_context(OutageProxy(s3.port))
         node = RayStartNode(head, num_cpus=2, resources={NODE_RESOURCE: 2})
         stack.callback(node.kill)
