@@ -43,7 +43,10 @@ def test_only_the_seam_imports_ray():
 
 
 def test_the_controllers_part_imports_no_torch():
-    probe = "import sys, trainer_core.execution.controller; print('torch' in sys.modules)"
+    probe = (
+        "import sys, trainer_core.execution.controller, trainer_core.execution.elastic_capacity;"
+        " print('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"

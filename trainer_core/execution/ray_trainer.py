@@ -34,11 +34,11 @@ from ray.train.v2._internal.constants import (
 from trainer_core.execution.cluster import PREEMPTION_WATCHER_ENV
 from trainer_core.execution.controller import (
     CredentialedController,
-    CurrentCapacityPolicy,
     InPlacePolicy,
     PlacementGroupsToDriver,
     RelayFlushBeforeShutdown,
 )
+from trainer_core.execution.elastic_capacity import CurrentCapacityPolicy
 from trainer_core.execution.worker_start import FIRST_GROUP_WAIT_ENV
 
 
