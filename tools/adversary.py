@@ -52,9 +52,14 @@ def play_one(scenario: Any, w: Any, root: Path) -> dict[str, Any]:
         root.mkdir(parents=True, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(dir=root, prefix=f"seed-{scenario.seed}-"))
         # The reference runs beside the scenario (its own storage, on the cluster's spare
-        # CPUs): its commands wait on Ray, Prefect and storage as much as they compute.
+        # CPUs): its commands wait on Ray, Prefect and storage as much as they compute. Not
+        # where the scenario crowds the cluster: its commands would hold the CPUs the crowd
+        # leaves the scenario, or wait for them.
+        crowds = any(a.fault and a.fault.kind == "crowd" for a in scenario.history)
         with concurrent.futures.ThreadPoolExecutor(1) as beside:
             pending = beside.submit(referenced)
+            if crowds:
+                pending.result()
             player = Player(scenario, w, workdir, lambda: pending.result().steps_per_epoch)
             player.play()
             ref = pending.result()

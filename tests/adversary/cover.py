@@ -13,12 +13,19 @@ from tests.adversary.scenario import ACTIONS, FAULTS, SHAPES, Scenario, draw
 #: every action and fault kind and every shape. Picked by ``cheapest_cover`` over seeds 1-2999:
 #: the set of the fewest training commands (their references' included) that covers every kind,
 #: among the scenarios every oracle can judge (``fully_judged``).
-SUITE_SEEDS = (21, 195, 392, 455, 1733, 2570, 2650)
+SUITE_SEEDS = (21, 50, 195, 398, 455, 1733, 2570, 2650)
+#: Seeds whose scenarios found a defect in relaytrain, played by `make test` whatever the cover
+#: picks (each its smallest failing history): 398, an elastic run ``[1, 2]`` started while other
+#: work held every CPU of the cluster but one, never started (Ray's elastic policy sized the
+#: group to the nodes, not to what was free: three 60-s group start timeouts an attempt, every
+#: retry spent, 0 steps).
+FOUND_SEEDS = (398,)
 
 
 def commands_cost(scenario: Scenario) -> float:
     """About what playing ``scenario`` costs, in training commands: each run or continue and
-    its reference's, each rerun, the command again after a kill or a repair; reads count less,
+    its reference's, each rerun, the command again after a kill or a repair, a reference that
+    cannot run beside its crowded scenario; reads count less,
     and more workers, more epochs and object storage (moto's server in every read and write)
     make each command longer."""
     cost = 0.0
@@ -29,7 +36,8 @@ def commands_cost(scenario: Scenario) -> float:
             cost += 1
         else:
             cost += 0.4
-        if a.fault and a.fault.kind in ("kill_flow", "flip_data", "store_full"):
+        # a crowd's reference runs before its scenario, not beside it
+        if a.fault and a.fault.kind in ("kill_flow", "flip_data", "store_full", "crowd"):
             cost += 1
         elif a.fault and a.fault.kind == "second_flow":
             cost += 0.5

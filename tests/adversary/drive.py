@@ -168,10 +168,10 @@ class Player:
             rank = min(fault.rank, self.workers - 1)
             faults.append({"kind": kind, "at_step": step, "rank": rank, "attempt": attempt})
             placed = {"fault_step": step, "fault_attempt": attempt}
-        elif fault and fault.kind in ("outage", "store_full", "lose_node"):
-            # every rank a straggler in each step the attempt trains (relaytrain's slow fault: a
-            # sleep in each step from at_step on, the bits unchanged), so that the fault lands
-            # while the command trains, not after it
+        elif fault and fault.kind in ("outage", "store_full", "lose_node", "crowd"):
+            # every rank a straggler in each step the attempt's first group trains (relaytrain's
+            # slow fault: a sleep in each step from at_step on, the bits unchanged), so that the
+            # fault lands while the command trains, not after it
             attempt = len(self.files.attempts()) + 1
             faults += [
                 {"kind": "slow", "at_step": 1, "rank": r, "attempt": attempt}

@@ -1,7 +1,8 @@
 """The faults that come while a command runs, once it has committed ``fault.at`` checkpoints:
 its process group killed (``kill_flow``), the same command started beside it (``second_flow``),
 its object storage gone for a while (``outage``) or full (``store_full``), the node its workers
-run on lost (``lose_node``). Each plays the fault from outside, as the world does it to a user,
+run on lost (``lose_node``), the cluster's CPUs held by other work from before it starts until
+then (``crowd``). Each plays the fault from outside, as the world does it to a user,
 and records what the command did (``Player.record``)."""
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tests.adversary.crowd import crowded
 from tests.adversary.processes import wait_bounded
 from tests.adversary.scenario import Fault
 
@@ -23,7 +26,27 @@ if TYPE_CHECKING:
 
 def interrupted(player: Player, index: int, kind: str, argv: list[str], fault: Fault) -> Outcome:
     """The command started, and ``fault`` done to it once it has committed ``fault.at``
-    checkpoints; a command that ends first is recorded as it ended."""
+    checkpoints; a command that ends first is recorded as it ended. A crowd holds the
+    cluster's CPUs from before the command starts."""
+    if fault.kind != "crowd":
+        return _after_commits(player, index, kind, argv, fault)
+    with contextlib.ExitStack() as crowd:
+        held = crowd.enter_context(crowded(player.world, f"crowd-{player.name}"))
+        outcome = _after_commits(player, index, kind, argv, fault, crowd.close)
+    outcome.detail["cpus_held"] = held
+    return outcome
+
+
+def _after_commits(
+    player: Player,
+    index: int,
+    kind: str,
+    argv: list[str],
+    fault: Fault,
+    free: Callable[[], None] = lambda: None,
+) -> Outcome:
+    """The command started, and ``fault`` done to it once it has committed ``fault.at``
+    checkpoints (``free``: what ends a crowd)."""
     before = player.state()
     process, marker, log = player.start(argv)
     started, limit = time.monotonic(), player.world.command_limit_s
@@ -50,6 +73,10 @@ def interrupted(player: Player, index: int, kind: str, argv: list[str], fault: F
         return _storage_fails(player, index, kind, argv, fault, (process, marker, log), before)
     if fault.kind == "lose_node":
         return _node_lost(player, index, kind, argv, fault, (process, marker, log), before)
+    if fault.kind == "crowd":  # the CPUs free: Ray's resize monitor grows the group
+        free()
+        code, hung = wait_bounded(process, started, limit)
+        return player.record(index, kind, argv, code, log, marker, before, "ok", fault, hung=hung)
     second = player.command(index, "second_flow", argv, expect="lease_refused", fault=fault)
     if second.code == 0 and process.poll() is not None:
         second.expect = "ok"  # the first had ended meanwhile: the run was free to take

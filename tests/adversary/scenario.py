@@ -30,7 +30,10 @@ ACTIONS = ("run", "rerun", "continue", "show", "export")
 #:   ``store_full`` (object storage answers every write as a full store from then on: the
 #:   command stops naming it, on no retry; the operator frees space and runs it again),
 #:   ``lose_node`` (the node the workers run on lost once a checkpoint is committed, back only
-#:   some seconds after Ray counts it dead: the run waits for it and goes on);
+#:   some seconds after Ray counts it dead: the run waits for it and goes on), ``crowd``
+#:   (an elastic command starts while other work holds every CPU of the cluster but one, and
+#:   gets them once it has committed checkpoints: the run starts on fewer workers than it asks
+#:   for and grows back, each resize from its newest committed checkpoint);
 #: - before a command: ``flip_checkpoint`` (a byte of the newest committed checkpoint's model
 #:   flipped while no flow runs: the resume must not read it), ``flip_best`` (the same to the
 #:   best checkpoint of a finished run, which then continues: it must not stay the best),
@@ -46,16 +49,26 @@ FAULTS = (
     "outage",
     "store_full",
     "lose_node",
+    "crowd",
     "flip_checkpoint",
     "flip_best",
     "flip_data",
     "add_file",
 )
 #: The faults that fire while the command trains (the others damage storage before it).
-DURING = ("raise", "kill_rank", "kill_flow", "second_flow", "outage", "store_full", "lose_node")
+DURING = (
+    "raise",
+    "kill_rank",
+    "kill_flow",
+    "second_flow",
+    "outage",
+    "store_full",
+    "lose_node",
+    "crowd",
+)
 #: The faults that come once the command has committed ``at`` checkpoints (the others during a
 #: command are placed at a step).
-AFTER_COMMITS = ("kill_flow", "second_flow", "outage", "store_full", "lose_node")
+AFTER_COMMITS = ("kill_flow", "second_flow", "outage", "store_full", "lose_node", "crowd")
 #: The faults of object storage, and what each plays: seconds away; which store's answer.
 STORAGE_FAULTS = {"outage": ("2", "5", "10"), "store_full": ("minio", "ceph")}
 #: lose_node: the seconds the node stays away once Ray counts it dead (the retry comes before
@@ -79,8 +92,8 @@ class Fault:
     kind: str
     #: raise, kill_rank: where among the command's steps it fires, in thousandths (the step
     #: itself is placed once the steps of an epoch are known: ``drive.fault_step``);
-    #: kill_flow, second_flow, outage, store_full: the checkpoints the command commits before
-    #: it happens.
+    #: kill_flow, second_flow, outage, store_full, lose_node: the checkpoints the command
+    #: commits before it happens; crowd: before the CPUs held are freed.
     at: int = 0
     rank: int = 0
     #: add_file: which file lands (``ADDED_FILES``); flip_data: which dataset file; outage:
@@ -191,6 +204,7 @@ class Scenario:
                     "outage": f"of {f.what} s after {f.at} commits",
                     "store_full": f"({f.what}) after {f.at} commits",
                     "lose_node": f"after {f.at} commits, back {f.what} s after it is dead",
+                    "crowd": f"freed after {f.at} commits",
                     "add_file": f.what,
                     "flip_data": f"file {f.what}",
                 }.get(f.kind, "")
@@ -278,7 +292,9 @@ def draw(seed: int) -> Scenario:
     # group's resource is on that node alone: an elastic group has no size to go on with).
     scenario = Scenario(seed, shape, data, tuple(history))
     elastic = shape.workers > 1 and not on_a_node_of_their_own(scenario) and rng.random() < 0.3
-    return dataclasses.replace(scenario, shape=dataclasses.replace(shape, elastic=elastic))
+    scenario = dataclasses.replace(scenario, shape=dataclasses.replace(shape, elastic=elastic))
+    # Drawn last, and only for an elastic shape: every other seed's scenario is what it was.
+    return _crowded(rng, scenario) if elastic else scenario
 
 
 def _best_damaged_before_reruns(rng: random.Random, history: list[Action]) -> list[Action]:
@@ -319,6 +335,20 @@ def _lost_nodes(rng: random.Random, history: list[Action]) -> list[Action]:
             action = dataclasses.replace(action, fault=fault)
         drawn.append(action)
     return drawn
+
+
+def _crowded(rng: random.Random, scenario: Scenario) -> Scenario:
+    """Other work holding the cluster as some of an elastic scenario's commands that train on
+    more than one worker, with no fault of their own, start."""
+    drawn = []
+    workers = scenario.shape.workers
+    for action in scenario.history:
+        workers = action.workers or workers
+        crowded = action.kind in ("run", "continue") and action.fault is None and workers > 1
+        if crowded and rng.random() < 0.5:
+            action = dataclasses.replace(action, fault=Fault("crowd", at=rng.randint(1, 2)))
+        drawn.append(action)
+    return dataclasses.replace(scenario, history=tuple(drawn))
 
 
 def on_a_node_of_their_own(scenario: Scenario) -> bool:

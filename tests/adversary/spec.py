@@ -60,6 +60,9 @@ def spec_raw(
         "retries": {"infrastructure": 2, "code": 1, "delay_s": 0, "jitter": 0},
         "faults": faults or [],
     }
+    if shape.elastic and workers > 1:  # a group short of workers grows within seconds of
+        # the CPUs coming free (a crowd), within the tiny run's steps, not after a minute
+        raw["scaling"]["resize_interval_s"] = 1
     if shape.validation_file:  # beside the table's directory: what data.validation reads
         raw["data"]["validation"] = str(validation_directory(dataset))
     if shape.precision != "fp32":

@@ -1,8 +1,8 @@
 """The adversary's fixed seeds (``SUITE_SEEDS``, tests/adversary): scenarios that together touch
-every operator action and every fault kind, each played against the `relaytrain` command on a
-cluster of `ray start`, a `prefect server start` and a moto S3 server, and judged by the
-adversary's oracles. A failure names the seed and the command that replays it; the campaign
-(`make adversary`) draws many more."""
+every operator action and every fault kind, and those that found a defect (``FOUND_SEEDS``).
+Each is played against the `relaytrain` command on a cluster of `ray start`, a `prefect server
+start` and a moto S3 server, and judged by the adversary's oracles. A failure names the seed
+and the command that replays it; the campaign (`make adversary`) draws many more."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.adversary.cover import SUITE_SEEDS
+from tests.adversary.cover import FOUND_SEEDS, SUITE_SEEDS
 from tests.adversary.scenario import draw
 from tests.adversary.world import World, world
 from tools.adversary import play_one
@@ -24,7 +24,7 @@ def adversary_world(tmp_path_factory) -> Iterator[World]:
         yield w
 
 
-@pytest.mark.parametrize("seed", SUITE_SEEDS)
+@pytest.mark.parametrize("seed", sorted({*SUITE_SEEDS, *FOUND_SEEDS}))
 def test_a_fixed_seed_breaks_no_guarantee(adversary_world, seed):
     scenario = draw(seed)
     record = play_one(scenario, adversary_world, adversary_world.root)
