@@ -41,6 +41,7 @@ from ray.train.v2._internal.execution.failure_handling import FailureDecision, F
 from ray.train.v2._internal.util import TrainingFramework
 
 from trainer_core.execution.classify import classify, name_preemption_now
+from trainer_core.execution.elastic_capacity import CurrentCapacityPolicy
 from trainer_core.execution.worker_start import PooledWorkerGroup
 
 logger = logging.getLogger("relaytrain.engine")
@@ -215,8 +216,9 @@ class ProcessGroupBackend(Backend):
 class CredentialedController(TrainController):
     """Ray Train's controller, with the storage credentials set before it touches storage
     (its constructor already reads the run directory), that tells the relay when its elastic
-    scaling policy resizes a healthy worker group (a failed one is the failure policy's), and
-    starts its workers in idle processes where it can (``worker_start``)."""
+    scaling policy resizes a healthy worker group (a failed one is the failure policy's), ends
+    an elastic run's failed group before the next is sized, and starts its workers in idle
+    processes where it can (``worker_start``)."""
 
     worker_group_cls = PooledWorkerGroup
 
@@ -234,6 +236,20 @@ class CredentialedController(TrainController):
         apply_credentials(storage_credentials)
         self._relay = relay
         super().__init__(**kwargs)
+
+    def _make_and_handle_scaling_decision_for_non_running_worker_group(
+        self, controller_state: Any
+    ) -> Any:
+        # The group that failed ends before the next is sized (Ray 2.60 ends it only as it
+        # starts the next): an elastic run's policy sizes the next group by the resources free
+        # now (``elastic_capacity``), and those the failed group held are then free.
+        if self._worker_group is not None and isinstance(
+            self._scaling_policy, CurrentCapacityPolicy
+        ):
+            self._shutdown_worker_group()
+        return super()._make_and_handle_scaling_decision_for_non_running_worker_group(
+            controller_state
+        )
 
     def _set_state(self, state: Any) -> None:
         group = self.get_worker_group()

@@ -197,7 +197,7 @@ def fit(
     relay = MetricsRelay.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
     trainer = _trainer(spec, plan, loop, relay)
     trainer.reclaimed_before = reclaimed_before
-    # An elastic run sizes its group to what the cluster holds, again when one cannot start.
+    # An elastic run sizes its group to what the cluster has free, again when one cannot start.
     wait_s = 0.0 if spec.scaling.elastic else spec.scaling.wait_for_resources_s
     trainer.first_group_wait_s = wait_s or None
     fitting = _Fitting(trainer, relay, handle, plan.run_name)
@@ -234,7 +234,7 @@ def _say_if_busy(spec: RunSpec, handle: EventHandler) -> None:
     lost, an autoscaling cluster that starts its workers when asked), or for other work to free
     what it holds (a busy cluster, Ray's queue). With a wait of 0, fail at once: short of nodes
     on the infrastructure budget, busy not retried. Not for an elastic run, which sizes its
-    group to what the cluster holds."""
+    group to what the cluster has free."""
     if spec.scaling.elastic:
         return
     wait_s = spec.scaling.wait_for_resources_s

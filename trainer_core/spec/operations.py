@@ -59,12 +59,13 @@ class DDPSection(_Section):
 
 class ScalingSection(_Section):
     #: Workers in the group: a count, or ``[MIN, MAX]`` for elastic capacity (Ray Train's
-    #: elastic scaling). An elastic run starts on as many workers as the cluster holds (at least
-    #: MIN), goes on with fewer after a node is lost, without waiting for it, and grows back when
-    #: capacity returns; every resize resumes from the newest committed checkpoint.
+    #: elastic scaling). An elastic run starts on as many workers as the cluster has free now
+    #: (at least MIN; what other work holds is not counted), goes on with fewer after a node is
+    #: lost, without waiting for it, and grows back when capacity returns or other work frees
+    #: it; every resize resumes from the newest committed checkpoint.
     num_workers: PositiveInt | tuple[PositiveInt, PositiveInt]
-    #: Elastic runs: seconds between Ray's checks whether the cluster holds more workers than the
-    #: group has (Ray's ``elastic_resize_monitor_interval_s``); growing restarts the group.
+    #: Elastic runs: seconds between Ray's checks whether the cluster has more workers free than
+    #: the group has (Ray's ``elastic_resize_monitor_interval_s``); growing restarts the group.
     resize_interval_s: Annotated[float, Field(ge=0)] = 60.0
     use_gpu: bool = False
     resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] | None = None
