@@ -41,20 +41,6 @@ ACTIONS = ("run", "rerun", "continue", "show", "export")
 #:   no retry, and succeed once the file is restored), ``add_file`` (a file lands in the
 #:   dataset's directory: a valid one, one half-written, one of another schema; the run's
 #:   snapshot does not read it and nothing stops).
-FAULTS = (
-    "raise",
-    "kill_rank",
-    "kill_flow",
-    "second_flow",
-    "outage",
-    "store_full",
-    "lose_node",
-    "crowd",
-    "flip_checkpoint",
-    "flip_best",
-    "flip_data",
-    "add_file",
-)
 #: The faults that fire while the command trains (the others damage storage before it).
 DURING = (
     "raise",
@@ -66,6 +52,8 @@ DURING = (
     "lose_node",
     "crowd",
 )
+#: Every fault kind above: those during a command, then those before it.
+FAULTS = (*DURING, "flip_checkpoint", "flip_best", "flip_data", "add_file")
 #: The faults that come once the command has committed ``at`` checkpoints (the others during a
 #: command are placed at a step).
 AFTER_COMMITS = ("kill_flow", "second_flow", "outage", "store_full", "lose_node", "crowd")
