@@ -39,13 +39,19 @@ def crowded(world: World, marker: str) -> Iterator[int]:
         stderr=subprocess.DEVNULL,
         text=True,
     )
+    held = False
     try:
         assert holder.stdout is not None
         line = holder.stdout.readline()  # once it holds them, or '' if it failed
         if not line.strip():
             raise RuntimeError("the crowd's holder ended without holding the cluster's CPUs")
+        held = True
         yield int(line)
     finally:
+        # Held: it reads its stdin, and ends when it closes. Stopped while it still waits for
+        # the CPUs (Ctrl-C, a failed command): it reads nothing yet, so it is terminated.
+        if not held and holder.poll() is None:
+            holder.terminate()
         if holder.stdin is not None:
             with contextlib.suppress(OSError):
                 holder.stdin.close()
