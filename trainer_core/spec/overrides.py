@@ -71,30 +71,36 @@ def apply_override(raw: dict[str, Any], path: list[str], value: Any) -> None:
             node = node[part]
 
 
-def format_validation_error(error: ValidationError) -> str:
+def format_validation_error(error: ValidationError, section: str = "") -> str:
+    """Every problem pydantic found, a line each naming its dotted field (under ``section``,
+    for a section validated on its own: ``sweep``)."""
     lines = []
     for item in error.errors():
-        loc = _error_field(item) or "spec"
+        loc = error_field(item, section) or section or "spec"
         given = item.get("input")
         # never echo a credential: user:password@ in a URI is masked
         shown = "" if isinstance(given, dict) else f" (got {_masked(repr(given))})"
         message = item["msg"].removeprefix("Value error, ")
         lines.append(f"  {loc}: {message}{shown}")
-    return "invalid run spec:\n" + "\n".join(lines)
+    return f"invalid {section or 'run'} spec:\n" + "\n".join(lines)
 
 
 def _masked(text: str) -> str:
     return re.sub(r"//[^/@\s]*@", "//***@", text)
 
 
-def _error_field(item: Any) -> str | None:
-    """The dotted field a pydantic error is about (a SpecError raised inside names its own)."""
+def error_field(item: Any, section: str = "") -> str | None:
+    """The dotted field a pydantic error is about (a SpecError raised inside names its own),
+    under ``section`` when one is given."""
     loc = ".".join(str(p) for p in item["loc"])
     raised = (item.get("ctx") or {}).get("error")
     named = raised.field if isinstance(raised, SpecError) else None
     if named and loc and named != loc and not named.startswith(f"{loc}."):
-        return f"{loc}.{named}"
-    return named or loc or None
+        named = f"{loc}.{named}"
+    field = named or loc or None
+    if section and field is not None and field != section and not field.startswith(section + "."):
+        field = f"{section}.{field}"
+    return field
 
 
 def build_spec(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> RunSpec:
@@ -108,7 +114,7 @@ def build_spec(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     try:
         return RunSpec.model_validate(raw)
     except ValidationError as e:
-        field = _error_field(e.errors()[0]) if e.errors() else None
+        field = error_field(e.errors()[0]) if e.errors() else None
         raise SpecError(format_validation_error(e), field=field) from e
 
 

@@ -1,0 +1,246 @@
+"""A sweep spec: a run spec with a ``sweep:`` section, validated whole at setup.
+
+    run: {name: digits-lr, storage: ./runs}
+    ...                                   # the run spec every trial starts from
+    sweep:
+      trials: 6
+      concurrent: 2                       # trials at once (default: what the cluster holds)
+      metric: val_loss                    # a metric every trial records
+      direction: minimize                 # known for loss, val_loss, val_perplexity, val_accuracy
+      sampler: random                     # random | grid | qmc | tpe
+      pruner: {successive_halving: {reduction_factor: 2}}   # none | median | hyperband: {...}
+      seed: 7
+      space:
+        optimizer.lr: {log_uniform: [1.0e-4, 1.0e-1]}
+        model.kwargs.hidden: {choice: [[32], [64, 64]]}
+
+Trial ``n`` is the run ``<run.name>-t<nnn>`` under the same ``run.storage``: the base spec with
+the trial's values set at their keys (``trial_spec``). Every bad input is refused here, before
+any trial starts, naming its key: an unknown key in the space (or one a trial may not set), a
+distribution that cannot be sampled, a value at the space's edges that the run spec refuses, a
+metric the trials' loop never records, a sampler or pruner Optuna does not have or will not
+build with the arguments given.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+
+from trainer_core.errors import SpecError
+from trainer_core.spec.overrides import (
+    apply_override,
+    build_spec,
+    error_field,
+    format_validation_error,
+)
+from trainer_core.spec.run_spec import RunSpec
+from trainer_core.spec.sections import MAX_SEED, _Section, validate_run_name
+from trainer_core.sweep.space import Dimension, parse_space
+
+SAMPLERS = ("random", "grid", "qmc", "tpe")
+PRUNERS = {
+    "successive_halving": "SuccessiveHalvingPruner",
+    "hyperband": "HyperbandPruner",
+    "median": "MedianPruner",
+}
+#: Keys a trial may not set: where the sweep's trials live and what they are called.
+FIXED_KEYS = {
+    "run.name": "each trial is named <run.name>-t<nnn> after the sweep",
+    "run.storage": "the sweep's trials live under its run.storage",
+    "run.credentials": "the sweep's storage has one set of credentials",
+}
+#: The direction of the metrics whose better side is known.
+DIRECTIONS: dict[str, Literal["minimize", "maximize"]] = {
+    "loss": "minimize",
+    "val_loss": "minimize",
+    "val_perplexity": "minimize",
+    "val_accuracy": "maximize",
+}
+#: A trial's run name: ``<sweep name>-t<nnn>`` within the 100 characters of a run name.
+TRIAL_SUFFIX = "-t{:03d}"
+MAX_TRIALS = 999
+
+
+class SweepSection(_Section):
+    #: The search space: dotted keys of the run spec -> distributions (``sweep.space``).
+    space: dict[str, Any]
+    trials: int = Field(ge=1, le=MAX_TRIALS)
+    #: Trials that run at once; None: as many as the cluster holds.
+    concurrent: int | None = Field(default=None, ge=1)
+    metric: str
+    direction: Literal["minimize", "maximize"] | None = None
+    sampler: Literal["random", "grid", "qmc", "tpe"] = "random"
+    #: ``none``, a pruner's name, or ``{name: {argument: value}}`` (Optuna's arguments).
+    pruner: str | dict[str, dict[str, Any] | None] = "none"
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+
+    @field_validator("pruner")
+    @classmethod
+    def _pruner(cls, value: Any) -> Any:
+        name = value if isinstance(value, str) else next(iter(value), None)
+        if (isinstance(value, dict) and len(value) != 1) or (
+            name != "none" and name not in PRUNERS
+        ):
+            raise SpecError(
+                f"sweep.pruner {value!r} is not a pruner: use none, "
+                f"{', '.join(PRUNERS)}, or {{name: {{argument: value}}}} with one of them",
+                field="pruner",
+            )
+        return value
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A validated sweep: its settings, its space and the run spec its trials start from."""
+
+    name: str
+    section: SweepSection
+    dimensions: tuple[Dimension, ...]
+    #: The run spec as written (plain data), which each trial's values are set into.
+    base: dict[str, Any]
+    direction: Literal["minimize", "maximize"]
+
+    def trial_name(self, number: int) -> str:
+        return self.name + TRIAL_SUFFIX.format(number)
+
+    def trial_spec(self, number: int, values: Mapping[str, Any]) -> RunSpec:
+        """Trial ``number``'s run spec: the base with ``values`` (dotted key -> value) set."""
+        raw = json.loads(json.dumps(self.base))
+        for key, value in values.items():
+            apply_override(raw, key.split("."), value)
+        raw.setdefault("run", {})["name"] = self.trial_name(number)
+        return build_spec(raw)
+
+    def pruner(self) -> Any:
+        """The Optuna pruner the section names (``NopPruner`` for none)."""
+        import optuna
+
+        value = self.section.pruner
+        name = value if isinstance(value, str) else next(iter(value))
+        if name == "none":
+            return optuna.pruners.NopPruner()
+        arguments = {} if isinstance(value, str) else dict(value[name] or {})
+        return getattr(optuna.pruners, PRUNERS[name])(**arguments)
+
+
+def load_sweep(path: str | Path, name: str | None = None) -> Sweep:
+    """The sweep spec in the YAML file at ``path`` (``name`` over its ``run.name``)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as e:
+        raise SpecError(f"sweep file {str(path)!r} does not exist", field="--config") from e
+    except yaml.YAMLError as e:
+        raise SpecError(f"sweep file {str(path)!r} is not valid YAML: {e}", field="--config") from e
+    return build_sweep(raw, name)
+
+
+def build_sweep(raw: Any, name: str | None = None) -> Sweep:
+    """A run spec mapping with a ``sweep:`` section, validated into a Sweep or SpecError."""
+    if not isinstance(raw, dict) or "sweep" not in raw:
+        raise SpecError(
+            "a sweep spec is a run spec with a sweep: section (trials, metric, space): "
+            "add one, or run a single training with `relaytrain run`",
+            field="sweep",
+        )
+    base = {key: value for key, value in raw.items() if key != "sweep"}
+    try:
+        section = SweepSection.model_validate(raw["sweep"])
+    except ValidationError as e:
+        field = error_field(e.errors()[0], "sweep") if e.errors() else "sweep"
+        raise SpecError(format_validation_error(e, "sweep"), field=field) from e
+    spec = build_spec(base)
+    sweep_name = name or spec.run.name
+    if sweep_name is None:
+        raise SpecError(
+            "a sweep needs a name: set run.name (or --name); its trials are the runs "
+            "<name>-t001, <name>-t002, ..., and running the sweep again finds them by it",
+            field="run.name",
+        )
+    validate_run_name(sweep_name + TRIAL_SUFFIX.format(section.trials))
+    dimensions = parse_space(section.space)
+    for dimension in dimensions:
+        _check_key(dimension, base)
+    direction = section.direction or DIRECTIONS.get(section.metric)
+    if direction is None:
+        raise SpecError(
+            f"sweep.direction: say whether {section.metric!r} is better lower or higher: "
+            "direction: minimize, or direction: maximize",
+            field="sweep.direction",
+        )
+    sweep = Sweep(sweep_name, section, dimensions, base, direction)
+    _check_metric(sweep, spec)
+    _check_sampler(sweep)
+    try:
+        sweep.pruner()
+    except (TypeError, ValueError) as e:
+        raise SpecError(
+            f"sweep.pruner {section.pruner!r}: Optuna refuses it: {e}", field="sweep.pruner"
+        ) from e
+    return sweep
+
+
+def _check_key(dimension: Dimension, base: dict[str, Any]) -> None:
+    """Every value at the dimension's edges makes a run spec (alone: the others at the base's
+    values); an unknown key, or a value the spec refuses, names the space's key."""
+    field = f"sweep.space.{dimension.key}"
+    for fixed, why in FIXED_KEYS.items():
+        if dimension.key == fixed or dimension.key.startswith(fixed + "."):
+            raise SpecError(f"{field}: a trial may not set {fixed}: {why}", field=field)
+    for value in dimension.corners():
+        raw = json.loads(json.dumps(base))
+        try:
+            apply_override(raw, dimension.key.split("."), value)
+            build_spec(raw)
+        except SpecError as e:
+            raise SpecError(f"{field} = {value!r}: {e}", field=field) from e
+
+
+def _check_metric(sweep: Sweep, spec: RunSpec) -> None:
+    """The built-in loop records a known set of metrics, whatever the space sets (validation
+    may be one of its keys): the sweep's metric must be among them at every edge. A loop of
+    one's own reports what it likes; its first report without the metric fails the trial."""
+    if spec.train_loop is not None:
+        return
+    specs = [spec] + [
+        sweep.trial_spec(0, {d.key: value}) for d in sweep.dimensions for value in d.corners()
+    ]
+    for each in specs:
+        recorded = each.builtin_metrics()
+        if sweep.section.metric not in recorded:
+            raise SpecError(
+                f"sweep.metric {sweep.section.metric!r} is not recorded by every trial (the "
+                f"built-in loop records {recorded} for a spec of this sweep; val_* need "
+                f"data.validation_fraction > 0 or data.validation)",
+                field="sweep.metric",
+            )
+
+
+def _check_sampler(sweep: Sweep) -> None:
+    """A grid has a finite number of points (choices and int ranges only), at least the
+    number of trials."""
+    if sweep.section.sampler != "grid":
+        return
+    points = 1
+    for d in sweep.dimensions:
+        axis = d.grid()
+        if axis is None:
+            raise SpecError(
+                f"sweep.space.{d.key}: the grid sampler takes choice and int dimensions only "
+                f"(a {d.kind} range has no grid): write it as a choice, or use sampler: qmc",
+                field=f"sweep.space.{d.key}",
+            )
+        points *= len(axis)
+    if sweep.section.trials > points:
+        raise SpecError(
+            f"sweep.trials {sweep.section.trials} is more than the grid's {points} points: "
+            f"set trials: {points} or fewer",
+            field="sweep.trials",
+        )
