@@ -30,6 +30,7 @@ LAYERS = (
     "train",
     "tracking",
     "run",
+    "sweep",
 )
 
 
@@ -128,8 +129,8 @@ def declared(package: str) -> set[str]:
     doc = ast.get_docstring(ast.parse(source))
     match = re.search(r"May import:(.*?)(?:\n\n|$)", doc or "", re.S)
     assert match, f"trainer_core/{package}/__init__.py's docstring declares no 'May import:'"
-    if "every other package" in match.group(1):
-        return set(LAYERS) - {package}
+    if "every package below it" in match.group(1):
+        return set(LAYERS[: LAYERS.index(package)])
     return set(BASE) | set(re.findall(r"``(\w+)``", match.group(1)))
 
 

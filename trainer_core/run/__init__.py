@@ -18,5 +18,5 @@ retry decision, the result, and what a storage holds.
 - ``epochs``: how epochs are numbered to a person (from 1), whatever the stored indexing.
 - ``catalog``: the runs a storage holds, read from their directories alone.
 
-May import: every other package of ``trainer_core``.
+May import: every package below it (all of ``trainer_core`` but ``sweep``).
 """

@@ -118,16 +118,28 @@ class Sweep:
         raw.setdefault("run", {})["name"] = self.trial_name(number)
         return build_spec(raw)
 
+    def pruner_name(self) -> str:
+        value = self.section.pruner
+        return value if isinstance(value, str) else next(iter(value))
+
+    def pruner_arguments(self) -> dict[str, Any]:
+        """The pruner's arguments as Optuna takes them: as written, with successive halving's
+        first rung at epoch 1 unless set (Optuna's ``auto`` guesses it from the trials that
+        finish first, which timing decides)."""
+        value = self.section.pruner
+        arguments = {} if isinstance(value, str) else dict(value[self.pruner_name()] or {})
+        if self.pruner_name() == "successive_halving":
+            arguments.setdefault("min_resource", 1)
+        return arguments
+
     def pruner(self) -> Any:
         """The Optuna pruner the section names (``NopPruner`` for none)."""
         import optuna
 
-        value = self.section.pruner
-        name = value if isinstance(value, str) else next(iter(value))
+        name = self.pruner_name()
         if name == "none":
             return optuna.pruners.NopPruner()
-        arguments = {} if isinstance(value, str) else dict(value[name] or {})
-        return getattr(optuna.pruners, PRUNERS[name])(**arguments)
+        return getattr(optuna.pruners, PRUNERS[name])(**self.pruner_arguments())
 
 
 def load_sweep(path: str | Path, name: str | None = None) -> Sweep:
@@ -178,6 +190,13 @@ def build_sweep(raw: Any, name: str | None = None) -> Sweep:
     sweep = Sweep(sweep_name, section, dimensions, base, direction)
     _check_metric(sweep, spec)
     _check_sampler(sweep)
+    if sweep.pruner_arguments().get("min_resource") == "auto":
+        raise SpecError(
+            "sweep.pruner: successive_halving's min_resource 'auto' is guessed from the trials "
+            "that finish first, so the rungs would depend on timing: give it in epochs "
+            "(min_resource: 1, the default here)",
+            field="sweep.pruner",
+        )
     try:
         sweep.pruner()
     except (TypeError, ValueError) as e:
