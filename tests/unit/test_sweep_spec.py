@@ -59,6 +59,9 @@ def test_a_sweep_file_loads_and_a_name_given_replaces_run_name(tmp_path):
     path.write_text(yaml.safe_dump(raw()))
     assert load_sweep(path).name == "digits-lr"
     assert load_sweep(path, name="other").trial_name(12) == "other-t012"
+    with pytest.raises(SpecError, match=r"sweep file .* does not exist") as refused:
+        load_sweep(tmp_path / "missing.yaml")
+    assert refused.value.field == "--config"
 
 
 @pytest.mark.parametrize(

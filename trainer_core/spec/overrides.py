@@ -118,13 +118,20 @@ def build_spec(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
         raise SpecError(format_validation_error(e), field=field) from e
 
 
-def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunSpec:
-    """Load a YAML spec file and apply ``--set`` overrides."""
+def read_yaml(path: str | Path, what: str = "spec") -> Any:
+    """The plain data of the YAML file at ``path`` (``--config``); a missing or unparsable file
+    raises SpecError naming it as a ``what`` file."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        return yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError as e:
-        raise SpecError(f"spec file {str(path)!r} does not exist", field="--config") from e
+        raise SpecError(f"{what} file {str(path)!r} does not exist", field="--config") from e
     except yaml.YAMLError as e:
-        raise SpecError(f"spec file {str(path)!r} is not valid YAML: {e}", field="--config") from e
-    return build_spec(raw, overrides)
+        raise SpecError(
+            f"{what} file {str(path)!r} is not valid YAML: {e}", field="--config"
+        ) from e
+
+
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunSpec:
+    """Load a YAML spec file and apply ``--set`` overrides."""
+    return build_spec(read_yaml(path), overrides)

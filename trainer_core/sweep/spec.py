@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from trainer_core.errors import SpecError
@@ -39,6 +38,7 @@ from trainer_core.spec.overrides import (
     build_spec,
     error_field,
     format_validation_error,
+    read_yaml,
 )
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.spec.sections import MAX_SEED, _Section, validate_run_name
@@ -144,14 +144,7 @@ class Sweep:
 
 def load_sweep(path: str | Path, name: str | None = None) -> Sweep:
     """The sweep spec in the YAML file at ``path`` (``name`` over its ``run.name``)."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError as e:
-        raise SpecError(f"sweep file {str(path)!r} does not exist", field="--config") from e
-    except yaml.YAMLError as e:
-        raise SpecError(f"sweep file {str(path)!r} is not valid YAML: {e}", field="--config") from e
-    return build_sweep(raw, name)
+    return build_sweep(read_yaml(path, "sweep"), name)
 
 
 def build_sweep(raw: Any, name: str | None = None) -> Sweep:
