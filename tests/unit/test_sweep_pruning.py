@@ -79,7 +79,7 @@ def test_the_next_rung_compares_only_the_trials_promoted_to_it():
 def ended(number: int, curve: list[float]) -> Finished:
     return Finished(
         number,
-        {"optimizer.lr": 0.01},
+        {"optimizer.lr": 0.01, "model.kwargs.channels": "[8, 16]", "data.batch_size": 64},
         "complete",
         value=curve[-1],
         intermediate={e + 1: v for e, v in enumerate(curve)},

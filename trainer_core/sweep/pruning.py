@@ -18,13 +18,12 @@ The metric's values are reported by epoch (the validation after epoch ``e`` is s
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import optuna
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
-from trainer_core.sweep.sampling import Finished, batch_start
+from trainer_core.sweep.sampling import Finished, as_trial, batch_start
 from trainer_core.sweep.spec import Sweep
 
 #: What a trial reported: trial number -> epoch -> the metric after that epoch's validation.
@@ -94,11 +93,10 @@ def stops_at(
     if not isinstance(pruner, optuna.pruners.MedianPruner) or not reported:
         return False
     study = optuna.create_study(study_name=sweep.name, direction=sweep.direction, pruner=pruner)
-    states = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED}
+    distributions = {d.key: d.distribution for d in sweep.dimensions}
     for f in sorted(finished, key=lambda f: f.number):
-        if f.number >= batch_start(sweep, number) or f.state not in states:
-            continue
-        study.add_trial(_ended(f, states[f.state]))
+        if f.number < batch_start(sweep, number) and f.state in ("complete", "pruned"):
+            study.add_trial(as_trial(f, distributions))
     study.add_trial(
         create_trial(
             state=TrialState.RUNNING,
@@ -108,13 +106,3 @@ def stops_at(
         )
     )
     return bool(pruner.prune(study, study.trials[-1]))
-
-
-def _ended(f: Finished, state: TrialState) -> Any:
-    return create_trial(
-        state=state,
-        params={"trial": float(f.number)},
-        distributions=dict(_NUMBER),
-        value=f.value if state == TrialState.COMPLETE else None,
-        intermediate_values=dict(f.intermediate),
-    )

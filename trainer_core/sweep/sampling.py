@@ -56,7 +56,7 @@ def trial_values(sweep: Sweep, number: int, finished: Sequence[Finished] = ()) -
         seen = [f for f in finished if f.number < batch_start(sweep, number)]
         study = _study(sweep, optuna.samplers.TPESampler(seed=_seed(sweep, number)))
         for f in sorted(seen, key=lambda f: f.number):
-            study.add_trial(_frozen(f, distributions))
+            study.add_trial(as_trial(f, distributions))
         asked = study.ask(distributions)
     else:
         study = _study(sweep, _sequence_sampler(sweep))
@@ -89,9 +89,10 @@ def _seed(sweep: Sweep, number: int) -> int:
     return int.from_bytes(digest[:4], "big")
 
 
-def _frozen(
+def as_trial(
     f: Finished, distributions: Mapping[str, optuna.distributions.BaseDistribution]
 ) -> optuna.trial.FrozenTrial:
+    """The ended trial ``f`` as Optuna's, for a study in memory (samplers and pruners read it)."""
     state = {
         "complete": optuna.trial.TrialState.COMPLETE,
         "pruned": optuna.trial.TrialState.PRUNED,

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import optuna
 from pydantic import Field, ValidationError, field_validator
 
 from trainer_core.errors import SpecError
@@ -134,8 +135,6 @@ class Sweep:
 
     def pruner(self) -> Any:
         """The Optuna pruner the section names (``NopPruner`` for none)."""
-        import optuna
-
         name = self.pruner_name()
         if name == "none":
             return optuna.pruners.NopPruner()
@@ -170,9 +169,6 @@ def build_sweep(raw: Any, name: str | None = None) -> Sweep:
             field="run.name",
         )
     validate_run_name(sweep_name + TRIAL_SUFFIX.format(section.trials))
-    dimensions = parse_space(section.space)
-    for dimension in dimensions:
-        _check_key(dimension, base)
     direction = section.direction or DIRECTIONS.get(section.metric)
     if direction is None:
         raise SpecError(
@@ -180,8 +176,8 @@ def build_sweep(raw: Any, name: str | None = None) -> Sweep:
             "direction: minimize, or direction: maximize",
             field="sweep.direction",
         )
-    sweep = Sweep(sweep_name, section, dimensions, base, direction)
-    _check_metric(sweep, spec)
+    sweep = Sweep(sweep_name, section, parse_space(section.space), base, direction)
+    _check_metric(sweep, [spec, *(s for d in sweep.dimensions for s in _edge_specs(sweep, d))])
     _check_sampler(sweep)
     if sweep.pruner_arguments().get("min_resource") == "auto":
         raise SpecError(
@@ -199,32 +195,31 @@ def build_sweep(raw: Any, name: str | None = None) -> Sweep:
     return sweep
 
 
-def _check_key(dimension: Dimension, base: dict[str, Any]) -> None:
-    """Every value at the dimension's edges makes a run spec (alone: the others at the base's
-    values); an unknown key, or a value the spec refuses, names the space's key."""
+def _edge_specs(sweep: Sweep, dimension: Dimension) -> list[RunSpec]:
+    """The trial specs at the dimension's edges (alone: the other keys at the base's values);
+    a key a trial may not set, an unknown key, or a value the spec refuses names the space's
+    key."""
     field = f"sweep.space.{dimension.key}"
     for fixed, why in FIXED_KEYS.items():
         if dimension.key == fixed or dimension.key.startswith(fixed + "."):
             raise SpecError(f"{field}: a trial may not set {fixed}: {why}", field=field)
+    specs = []
     for value in dimension.corners():
-        raw = json.loads(json.dumps(base))
         try:
-            apply_override(raw, dimension.key.split("."), value)
-            build_spec(raw)
+            specs.append(sweep.trial_spec(0, {dimension.key: value}))
         except SpecError as e:
             raise SpecError(f"{field} = {value!r}: {e}", field=field) from e
+    return specs
 
 
-def _check_metric(sweep: Sweep, spec: RunSpec) -> None:
+def _check_metric(sweep: Sweep, specs: list[RunSpec]) -> None:
     """The built-in loop records a known set of metrics, whatever the space sets (validation
-    may be one of its keys): the sweep's metric must be among them at every edge. A loop of
-    one's own reports what it likes; its first report without the metric fails the trial."""
-    if spec.train_loop is not None:
-        return
-    specs = [spec] + [
-        sweep.trial_spec(0, {d.key: value}) for d in sweep.dimensions for value in d.corners()
-    ]
+    may be one of its keys): the sweep's metric must be among them in ``specs`` (the base and
+    every edge). A loop of one's own reports what it likes; its first report without the
+    metric fails the trial."""
     for each in specs:
+        if each.train_loop is not None:
+            continue
         recorded = each.builtin_metrics()
         if sweep.section.metric not in recorded:
             raise SpecError(
