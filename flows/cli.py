@@ -1,6 +1,7 @@
 """relaytrain: train a run spec, and list, inspect and export runs.
 
     relaytrain run --config SPEC.yaml [--set key=value ...] [--run-name NAME] [--result-json PATH]
+        [--until-epoch N]                     pause after epoch N; the same command trains on
     relaytrain runs [STORAGE]                 the runs in a storage (default ./runs)
     relaytrain show RUN [--time]              attempts, checkpoints and metrics of one run
                                               (--time: where its step time went)

@@ -56,12 +56,15 @@ def _flow_run_name() -> str:
 
 
 @flow(name="training", flow_run_name=_flow_run_name, log_prints=True)
-def training(spec: RunSpec) -> TrainingResult:
-    """Train ``spec`` on Ray Train: setup, train (each failure a retry that resumes), finalize."""
+def training(spec: RunSpec, until_epoch: int | None = None) -> TrainingResult:
+    """Train ``spec`` on Ray Train: setup, train (each failure a retry that resumes), finalize.
+    ``until_epoch``: stop after that epoch (counted from 1), its checkpoint committed: the
+    result says ``paused``, and the same run name trains on from there."""
     spec = spec.with_run_name(default_run_name(spec))
     # setup applies run.credentials' block to the environment; restored when the flow ends.
     with jobs.driver_cluster(spec), credentials.restored():
-        prepared: Prepared = setup(spec, lease_owner=f"flow-run-{flow_run.id or 'local'}")
+        owner = f"flow-run-{flow_run.id or 'local'}"
+        prepared: Prepared = setup(spec, lease_owner=owner, until_epoch=until_epoch)
         if prepared.stored_result is not None:
             return prepared.stored_result
         attempt = train.with_options(
@@ -75,7 +78,7 @@ def training(spec: RunSpec) -> TrainingResult:
             except Exception:
                 finalize(spec, prepared, status="failed")  # show what happened, then fail
                 raise
-            return finalize(spec, prepared)
+            return finalize(spec, prepared, status="paused" if until_epoch else "completed")
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m flows.training") -> int:
@@ -94,6 +97,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.training") 
     )
     parser.add_argument("--run-name", help="the run's durable name (the same name resumes)")
     parser.add_argument("--result-json", help="write the TrainingResult as JSON here")
+    parser.add_argument(
+        "--until-epoch",
+        type=int,
+        metavar="N",
+        help="pause after epoch N, its checkpoint committed; the same command without it "
+        "(or with a later N) trains on",
+    )
     args = parser.parse_args(argv)
     try:
         spec = load_spec(args.config, args.set)
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.training") 
         return 2
     try:
         with embedded_server():
-            state = training(spec, return_state=True)
+            state = training(spec, until_epoch=args.until_epoch, return_state=True)
     except ServerStartError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -172,6 +182,11 @@ def print_summary(result: TrainingResult) -> None:
         )
         for line in result.time.advice:
             print(f"  advice:           {line}")
+    if result.status == "paused":
+        print(
+            f"  paused:           after epoch {result.epochs_completed} of "
+            f"{result.target_epochs}; the same command without --until-epoch trains on"
+        )
     print(f"  inspect it:       relaytrain show {result.run_uri}")
     print(f"  TensorBoard:      tensorboard --logdir {result.storage_uri}")
     if result.mlflow is not None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from prefect import get_run_logger, task
 from prefect.artifacts import (
     create_image_artifact,
@@ -20,15 +18,13 @@ from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import LeaseHeldError, StorageError
 from trainer_core.run import lease
 from trainer_core.run.report import epoch_table, render_markdown
-from trainer_core.run.summary import TrainingResult, build_result, finalize_run
+from trainer_core.run.summary import Status, TrainingResult, build_result, finalize_run
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.tracking import plots
 
 
 @task(name="finalize", cache_policy=NO_CACHE)
-def finalize(
-    spec: RunSpec, prepared: Prepared, status: Literal["completed", "failed"] = "completed"
-) -> TrainingResult:
+def finalize(spec: RunSpec, prepared: Prepared, status: Status = "completed") -> TrainingResult:
     """Write the run summary, publish the artifacts, release the run, return the result.
 
     Only under the run's lease: when another flow holds it now, or held it since this flow's

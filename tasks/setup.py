@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks import credentials
 from trainer_core.checkpoint.run_directory import RunDirectory
+from trainer_core.errors import SpecError
 from trainer_core.execution import cluster
 from trainer_core.run import jobs, lease, preflight
 from trainer_core.run.summary import (
@@ -44,6 +45,8 @@ class Prepared(BaseModel):
     #: summary.json as setup found it (``lease.summary_version``): a finalize whose lease
     #: lapsed meanwhile writes nothing over a summary another flow wrote since. None: unchecked.
     summary_seen: str | None = None
+    #: The epoch the run pauses after (``training``'s ``until_epoch``); None: its last.
+    until_epoch: int | None = None
 
 
 @contextmanager
@@ -55,11 +58,16 @@ def holding(prepared: Prepared) -> Iterator[lease.LeaseKeeper]:
         yield keeper
 
 
-def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
+def is_finished(
+    spec: RunSpec, stored: TrainingResult | None, until_epoch: int | None = None
+) -> bool:
     """A completed run is done unless the spec asks for more: more epochs than it trained (an
     early-stopped run is done: its metric stopped improving), or, for a user's own loop, another
     ``train_loop_config`` than the one it completed with (the loop runs again, Ray resumes it
-    from its newest checkpoint, and the loop's code decides what is left)."""
+    from its newest checkpoint, and the loop's code decides what is left). A paused run is done
+    only for a call that pauses it at its epoch or before (``until_epoch``)."""
+    if stored is not None and stored.status == "paused":
+        return until_epoch is not None and stored.epochs_completed >= until_epoch
     if stored is None or stored.status != "completed":
         return False
     if spec.ray_loop:  # a summary from before configs were recorded: done
@@ -68,6 +76,24 @@ def is_finished(spec: RunSpec, stored: TrainingResult | None) -> bool:
     if spec.schedule is None or stored.stop_reason:
         return True
     return stored.epochs_completed >= spec.schedule.epochs
+
+
+def check_until_epoch(spec: RunSpec, until_epoch: int | None) -> None:
+    """A pause point the run can keep: an epoch from 1, of the built-in loop (which stops
+    after it with its checkpoint committed; a loop of one's own decides its own stops)."""
+    if until_epoch is None:
+        return
+    if spec.train_loop is not None:
+        raise SpecError(
+            f"until_epoch {until_epoch}: a loop of one's own (train_loop) cannot be paused at "
+            "an epoch; run it whole (leave until_epoch unset)",
+            field="until_epoch",
+        )
+    if until_epoch < 1:
+        raise SpecError(
+            f"until_epoch {until_epoch}: epochs count from 1; pause after epoch 1 or later",
+            field="until_epoch",
+        )
 
 
 def refuse_bad_input(
@@ -92,9 +118,11 @@ def refuse_bad_input(
 
 
 @task(name="setup", cache_policy=NO_CACHE)
-def setup(spec: RunSpec, lease_owner: str) -> Prepared:
-    """Refuse bad input before any worker starts; plan the attempt; hold the run."""
+def setup(spec: RunSpec, lease_owner: str, until_epoch: int | None = None) -> Prepared:
+    """Refuse bad input before any worker starts; plan the attempt; hold the run.
+    ``until_epoch``: the epoch the run pauses after (refused for a loop of the user's own)."""
     logger = get_run_logger()
+    check_until_epoch(spec, until_epoch)
     # Storage credentials from run.credentials' block, for this process and (through
     # storage.credential_env) Ray's workers; the flow restores the environment when it ends.
     names = credentials.apply(spec.run.credentials)
@@ -111,7 +139,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
     lease.acquire(run_dir.location, owner=lease_owner)
     summary_seen = lease.summary_version(run_dir.location)  # under the lease: nobody writes it
     stored = read_stored_result(run_dir)
-    if is_finished(spec, stored) and (rotten := damaged_since(spec, run_dir, stored)):
+    if is_finished(spec, stored, until_epoch) and (rotten := damaged_since(spec, run_dir, stored)):
         logger.warning(
             "run %s finished, but %s: it trains on from its newest sound checkpoint, and its "
             "result is written again without them",
@@ -119,7 +147,7 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
             "; ".join(rotten),
         )
         stored = None
-    if is_finished(spec, stored):
+    if is_finished(spec, stored, until_epoch):
         logger.info(
             "run %s already finished (%s steps): returning its stored result",
             plan.run_name,
@@ -143,4 +171,5 @@ def setup(spec: RunSpec, lease_owner: str) -> Prepared:
         stored_result=stored,
         first_attempt=plan.attempt,
         summary_seen=summary_seen,
+        until_epoch=until_epoch,
     )

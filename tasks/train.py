@@ -260,6 +260,7 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
                     on_event=progress,
                     on_log=logger.info,
                     lease_owner=prepared.lease_owner,  # names the job: its commits are fenced
+                    until_epoch=prepared.until_epoch,
                 )
             else:
                 result = engine.run_attempt(
@@ -267,6 +268,7 @@ def train(spec: RunSpec, prepared: Prepared) -> dict[str, Any]:
                     on_event=progress,
                     lease_owner=prepared.lease_owner,
                     lost=lambda: keeper.lost,
+                    until_epoch=prepared.until_epoch,
                 )
         except LeaseLostError as error:  # the run is another flow's now: write nothing
             logger.error("attempt stopped: %s", error)

@@ -142,6 +142,27 @@ def test_finished_run_returns_stored_result_unless_more_epochs(happy):
     assert result.attempts[1].resumed_from_step == 39
 
 
+def test_a_paused_run_trains_on_to_the_uninterrupted_run(
+    relaytrain_prefect, uninterrupted, tmp_path
+):
+    """until_epoch stops the run after that epoch, its checkpoint committed, and says paused (not
+    finished: the same name trains on); asked again for the same epoch it trains nothing; run on,
+    it ends bit for bit as the run that never paused (the reference)."""
+    spec = build_spec(tiny_spec_dict(tmp_path, "flow-paused"))
+    paused = training(spec, until_epoch=1, return_state=True).result()
+    assert (paused.status, paused.epochs_completed, paused.steps_completed) == ("paused", 1, 13)
+    assert paused.latest_checkpoint_uri is not None and paused.target_epochs == 3
+    again = training(spec, until_epoch=1, return_state=True)
+    assert "train" not in task_runs(again.state_details.flow_run_id)
+    assert again.result().attempts == paused.attempts
+    result = training(spec, return_state=True).result()
+    assert (result.status, result.steps_completed) == ("completed", 39)
+    assert [a.resumed_from_step for a in result.attempts] == [0, 13]
+    run_dir = run_dir_of(spec)
+    assert_same_tensors(final_state(run_dir), uninterrupted["state"])
+    assert losses(run_dir) == uninterrupted["losses"]
+
+
 def test_raise_fault_is_retried_and_resume_is_exact(relaytrain_prefect, uninterrupted, tmp_path):
     """Also the fault matrix's case 1 (an exception in training code), with its row. The
     figures' oracles: the fault's step (it fires as step 17 begins: 16 completed), and the

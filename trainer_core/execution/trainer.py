@@ -137,6 +137,7 @@ def _worker_config(spec: RunSpec, plan: Any, relay: Any) -> WorkerConfig:
         lease_owner=plan.lease_owner,
         marks=plan.marks,
         earlier_marks=plan.earlier_marks,
+        until_epoch=plan.until_epoch,
     )
 
 

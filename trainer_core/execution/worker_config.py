@@ -32,6 +32,8 @@ class WorkerConfig:
     #: marks on its node tells the driver how far a rank killed outright got. None: no marks.
     marks: str | None = None
     earlier_marks: str | None = None
+    #: The epoch (counted from 1) the attempt stops after (``Plan.until_epoch``). None: the last.
+    until_epoch: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``train_loop_config``: plain values only, because Ray Train's controller

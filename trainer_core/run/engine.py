@@ -75,14 +75,16 @@ def run_attempt(
     poll_interval_s: float = 0.5,
     lease_owner: str | None = None,
     lost: Callable[[], BaseException | None] | None = None,
+    until_epoch: int | None = None,
 ) -> AttemptResult:
     """Run one attempt of ``spec`` (resuming if the run has committed checkpoints).
     ``lease_owner``: the lease the workers' commits are fenced by; ``lost()``: an error once
-    the lease is lost (the attempt is stopped and raises it)."""
+    the lease is lost (the attempt is stopped and raises it); ``until_epoch``: pause the run
+    after that epoch (``Plan.until_epoch``)."""
     started = time.time()
     checked = preflight(spec, attempt)  # bad input names itself before any worker starts
     run_dir, pinned, tables = checked.run_dir, checked.pinned, checked.tables
-    plan = replace(checked.plan, lease_owner=lease_owner)
+    plan = replace(checked.plan, lease_owner=lease_owner, until_epoch=until_epoch)
     if pinned is not None:
         plan = replace(plan, dataset=pinned.for_workers())
     if tables is not None:

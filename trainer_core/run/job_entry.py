@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--lease-fence", help="commit only while the run's lease names this (the job's id)"
     )
+    parser.add_argument("--until-epoch", type=int, help="pause the run after this epoch")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     spec = RunSpec.model_validate_json(base64.b64decode(args.spec))
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             attempt=args.attempt,
             on_event=lambda e: _emit(EVENT_TAG, e),
             lease_owner=args.lease_fence,
+            until_epoch=args.until_epoch,
         )
     except RelaytrainError as error:
         _emit(OUTCOME_TAG, {"error": errors.to_json(error)})

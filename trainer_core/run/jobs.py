@@ -152,12 +152,16 @@ def free_submission_id(taken: set[str], run_name: str, attempt: int) -> str:
     return submission_id(run_name, attempt, suffix)
 
 
-def entrypoint(spec: RunSpec, attempt: int, fence: str | None = None) -> str:
-    """The job's command line; ``fence``: the id its commits are fenced by (its own)."""
+def entrypoint(
+    spec: RunSpec, attempt: int, fence: str | None = None, until_epoch: int | None = None
+) -> str:
+    """The job's command line; ``fence``: the id its commits are fenced by (its own);
+    ``until_epoch``: the epoch the run pauses after."""
     payload = base64.b64encode(spec.model_dump_json().encode()).decode()
     fenced = f" --lease-fence {shlex.quote(fence)}" if fence else ""
+    until = f" --until-epoch {int(until_epoch)}" if until_epoch is not None else ""
     return (
-        f"python -m trainer_core.run.job_entry --attempt {attempt}{fenced} "
+        f"python -m trainer_core.run.job_entry --attempt {attempt}{fenced}{until} "
         f"--spec {shlex.quote(payload)}"
     )
 
@@ -172,6 +176,7 @@ def run_attempt(
     on_log: LineHandler | None = None,
     address: str | None = None,
     lease_owner: str | None = None,
+    until_epoch: int | None = None,
 ) -> engine.AttemptResult:
     """Run (or re-attach to) this run's attempt as a Ray job and follow it to its end.
     ``lease_owner``: the flow's lease, which names the job so that its commits are fenced."""
@@ -180,7 +185,9 @@ def run_attempt(
     # The job plans the attempt (and checks storage) itself; here only its number and run.
     assert spec.run.name, "the flow names the run before any attempt"
     run_dir = RunDirectory.of(canonical_storage_uri(spec.run.storage), spec.run.name)
-    plan = Submission(spec.run.name, run_dir.uri, attempts.next_number(attempts.read(run_dir)))
+    plan = Submission(
+        spec.run.name, run_dir.uri, attempts.next_number(attempts.read(run_dir)), until_epoch
+    )
     fence = _LeaseFence(run_dir, lease_owner) if lease_owner else None
     say = on_log or logger.info
     jobs_client = client_waiting(address, say)  # setup saw it answer: a restart is waited for
@@ -212,6 +219,8 @@ class Submission:
     run_name: str
     run_uri: str
     attempt: int
+    #: The epoch the run pauses after (``Plan.until_epoch``); None: the last.
+    until_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -254,7 +263,7 @@ def _attach_or_submit(
         fence.name(job_id)
     _submit(
         jobs_client,
-        entrypoint=entrypoint(spec, plan.attempt, job_id if fence else None),
+        entrypoint=entrypoint(spec, plan.attempt, job_id if fence else None, plan.until_epoch),
         submission_id=job_id,
         metadata={RUN_KEY: plan.run_uri, ATTEMPT_KEY: str(plan.attempt)},
         # No runtime_env: Ray logs runtime envs whole, so no credential may travel in one. The

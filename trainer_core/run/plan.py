@@ -38,6 +38,9 @@ class Plan:
     #: The step marks' keys of this attempt and of the one before it (``WorkerConfig.marks``).
     marks: str | None = None
     earlier_marks: str | None = None
+    #: Train to the end of this epoch (counted from 1) and stop there, its checkpoint
+    #: committed: the run is paused, and a later attempt trains on. None: to the last epoch.
+    until_epoch: int | None = None
 
 
 def canonical_storage_uri(uri: str) -> str:

@@ -88,13 +88,18 @@ class AttemptSummary(_Frozen):
     resume_note: str | None = None
 
 
+#: How a run ended: trained to its last epoch (or early-stopped), failed, or paused after the
+#: epoch it was asked to stop at (``until_epoch``): the same run name trains on from there.
+Status = Literal["completed", "failed", "paused"]
+
+
 class TrainingResult(_Frozen):
     """The flow's result: JSON-serializable, also written as the run's ``summary.json``."""
 
     run_name: str
     storage_uri: str
     run_uri: str
-    status: Literal["completed", "failed"]
+    status: Status
     attempts: list[AttemptSummary]
     steps_completed: int
     epochs_completed: int
@@ -253,7 +258,7 @@ def build_result(
     spec: RunSpec,
     run_dir: RunDirectory,
     storage_uri: str,
-    status: Literal["completed", "failed"],
+    status: Status,
     model_uris: dict[int, str | None] | None = None,
     history: list[dict[str, Any]] | None = None,
 ) -> TrainingResult:
@@ -277,6 +282,10 @@ def build_result(
         done = newest.step if newest else 0
     computed = steps_computed(attempts)
     wall = round(ended - started, 3)
+    stop_reason = (newest.manifest.get("early_stopping") or {}).get("stopped") if newest else None
+    target = spec.schedule.epochs if spec.schedule else None
+    if status == "paused" and (stop_reason or target is None or epochs_done >= target):
+        status = "completed"  # early stopping, or the pause at the last epoch, ended the run
     return TrainingResult(
         run_name=spec.run.name or run_dir.location.path.rsplit("/", 1)[-1],
         storage_uri=storage_uri,
@@ -296,10 +305,8 @@ def build_result(
         steps_computed=computed,
         goodput=round(done / computed, 4) if computed else None,
         storage_bytes=storage_bytes(run_dir),
-        target_epochs=spec.schedule.epochs if spec.schedule else None,
-        stop_reason=(newest.manifest.get("early_stopping") or {}).get("stopped")
-        if newest
-        else None,
+        target_epochs=target,
+        stop_reason=stop_reason,
         train_loop_config=dict(spec.train_loop_config) if spec.train_loop is not None else None,
     )
 
@@ -308,7 +315,7 @@ def finalize_run(
     spec: RunSpec,
     run_dir: RunDirectory,
     storage_uri: str,
-    status: Literal["completed", "failed"],
+    status: Status,
     history: list[dict[str, Any]] | None = None,
 ) -> TrainingResult:
     """Apply retention one last time, give the best and latest checkpoints a model file (an

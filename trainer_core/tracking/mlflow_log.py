@@ -308,7 +308,7 @@ class Tracker:
 
     def _end(self, status: str) -> None:
         self._mlflow_client().set_terminated(
-            self.state.run_id, "FINISHED" if status == "completed" else "FAILED"
+            self.state.run_id, "FAILED" if status == "failed" else "FINISHED"
         )
         self.state.finished = True
 

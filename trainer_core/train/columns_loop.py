@@ -58,7 +58,7 @@ class ColumnsLoop(BuiltinLoop):
 
     def _epochs(self, first_epoch: int, first: int) -> rank_stream.Epochs:
         assert self.spec.schedule is not None
-        return self.data.epochs(first_epoch, first, self.spec.schedule.epochs, self.batches.start)
+        return self.data.epochs(first_epoch, first, self.stop_epoch, self.batches.start)
 
     def _gradients(self, model: torch.nn.Module, micro_batches: list[Any]) -> float:
         self.last_batch = micro_batches[0]

@@ -34,7 +34,7 @@ class DatasetLoop(ColumnsLoop):
 
     def _epochs(self, first_epoch: int, first: int) -> Any:
         assert self.spec.schedule is not None
-        return self.data.epochs(first_epoch, first, self.spec.schedule.epochs)
+        return self.data.epochs(first_epoch, first, self.stop_epoch)
 
     def _validate(self) -> dict[str, float]:
         return self.batch_validation.run(self.model, self.data.validation(), dummy=self.last_batch)

@@ -76,6 +76,10 @@ class BuiltinLoop:
         self.total_steps = self.spec.schedule.epochs * data_mod.steps_per_epoch(
             self.data.batches_per_epoch, self.accumulation
         )
+        #: The epoch (counted from 1) this attempt stops after: the run's last, or the one it
+        #: pauses after (``WorkerConfig.until_epoch``), its checkpoint committed.
+        epochs = self.spec.schedule.epochs
+        self.stop_epoch = min(config.until_epoch or epochs, epochs)
         self._build_model(info)
         training_state.seed_everything(self.spec.run.seed * 1009 + self.rank + 1)  # per-rank RNG
         self.progress = Progress()
@@ -282,8 +286,6 @@ class BuiltinLoop:
         """What is due after optimizer step ``step`` (ending at global batch ``end - 1`` of
         ``epoch``): validation and early stopping at the end of the epoch, the metrics window, a
         checkpoint, a drain's hold."""
-        schedule = self.spec.schedule
-        assert schedule is not None
         end_of_epoch = end == self.data.batches_per_epoch
         extra: dict[str, float] = {}
         stop = False
@@ -297,7 +299,7 @@ class BuiltinLoop:
         # checkpoints carry val_* metrics, so only they are ranked (keep_best, best exports).
         should_checkpoint = (
             step % self.spec.checkpoint.every == 0
-            or (end_of_epoch and (epoch == schedule.epochs - 1 or bool(extra)))
+            or (end_of_epoch and (epoch == self.stop_epoch - 1 or bool(extra)))
             or stop
         )
         at_report = step % self.spec.report.every == 0 or end_of_epoch or should_checkpoint
@@ -370,7 +372,7 @@ class BuiltinLoop:
         slice of each batch, read ahead (the next epoch's first batches during this one's end:
         ``rank_stream.Epochs``)."""
         assert self.spec.schedule is not None
-        return self.data.epochs(first_epoch, first, self.spec.schedule.epochs)
+        return self.data.epochs(first_epoch, first, self.stop_epoch)
 
     def _validate(self) -> dict[str, float]:
         """The validation metrics over every rank's validation rows."""
