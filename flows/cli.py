@@ -2,6 +2,9 @@
 
     relaytrain run --config SPEC.yaml [--set key=value ...] [--run-name NAME] [--result-json PATH]
         [--until-epoch N]                     pause after epoch N; the same command trains on
+    relaytrain sweep --config SWEEP.yaml [--set key=value ...] [--name NAME]
+                                              a sweep: trials of a spec, pruned (docs/sweeps.md)
+    relaytrain sweep show SWEEP               the trials of a sweep, its best, what pruning saved
     relaytrain runs [STORAGE]                 the runs in a storage (default ./runs)
     relaytrain show RUN [--time]              attempts, checkpoints and metrics of one run
                                               (--time: where its step time went)
@@ -42,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flows.training import main as run_main
 
         return run_main(args[1:], prog="relaytrain run")
+    if args and args[0] == "sweep":  # flows.sweep owns sweep's options
+        from flows.sweep import main as sweep_main
+
+        return sweep_main(args[1:], prog="relaytrain sweep")
     parser = _parser()
     parsed = parser.parse_args(args)
     if parsed.command is None:
@@ -69,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser("run", help="train a spec (see `relaytrain run --help`)")
+    commands.add_parser(
+        "sweep", help="a sweep of trials of a spec, or `sweep show DIR` (`relaytrain sweep -h`)"
+    )
     runs = commands.add_parser("runs", help="the runs in a storage, with status and size")
     runs.add_argument("storage", nargs="?", default="./runs", help="a run.storage path or URI")
     runs.set_defaults(handler=_runs)

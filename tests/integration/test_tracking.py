@@ -367,3 +367,49 @@ def test_a_language_model_is_tracked_with_its_perplexity_and_logged_as_a_model(
         for value in event.summary.value
     }
     assert {"train/loss", "val/perplexity"} <= tags, tags
+
+
+def test_a_sweep_is_a_parent_run_in_mlflow_with_a_child_run_per_trial(
+    relaytrain_ray, relaytrain_prefect, mlflow_server, tmp_path
+):
+    """Three trials, halving by 3 after epoch 1 (one goes on): MLflow holds the sweep as a
+    parent run with its settings, and each trial's own run as its child, tagged with how the
+    trial ended; the parent ends FINISHED with the best metric, the result and the picture."""
+    from flows.sweep import sweep
+
+    raw = tiny_spec_dict(
+        tmp_path,
+        "tracked-sweep",
+        tracking={"mlflow_uri": mlflow_server.uri, "mlflow_experiment": "sweeps"},
+        scaling=ONE_WORKER,
+        schedule={"epochs": 2},
+    )
+    raw["sweep"] = {
+        "trials": 3,
+        "concurrent": 1,
+        "metric": "val_loss",
+        "pruner": {"successive_halving": {"reduction_factor": 3}},
+        "seed": 1,
+        "space": {"optimizer.lr": {"log_uniform": [1.0e-3, 1.0e-1]}},
+    }
+    result = sweep(raw)
+    assert sorted(t.status for t in result.trials) == ["completed", "pruned", "pruned"]
+    client = mlflow_server.client()
+    parent = client.get_run(result.mlflow_run_id)
+    assert parent.info.run_name == "tracked-sweep" and parent.info.status == "FINISHED"
+    assert parent.data.params["sweep.sampler"] == "random"
+    assert parent.data.params["sweep.space.optimizer.lr"] == '{"log_uniform": [0.001, 0.1]}'
+    assert parent.data.metrics["best_val_loss"] == pytest.approx(result.best.metric)
+    assert parent.data.tags["relaytrain.best_trial"] == result.best.run_name
+    children = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+    )
+    assert {c.info.run_name: c.data.tags["relaytrain.sweep_status"] for c in children} == {
+        t.run_name: t.status for t in result.trials
+    }
+    for child in children:  # each child is the trial's own run, with its own lr as a param
+        (trial,) = [t for t in result.trials if t.run_name == child.info.run_name]
+        assert float(child.data.params["optimizer.lr"]) == trial.values["optimizer.lr"]
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"result.json", "sweep.png"} <= artifacts

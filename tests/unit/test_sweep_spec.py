@@ -169,6 +169,17 @@ def test_a_trials_values_do_not_depend_on_what_was_drawn_before(sampler):
     assert other_seed != in_turn
 
 
+@pytest.mark.parametrize("sampler", ["random", "qmc", "tpe"])
+def test_a_trials_values_do_not_depend_on_the_order_the_space_was_written_in(sampler):
+    """A YAML dump sorts the keys, a merge may reorder them: the same space, the same values
+    (the sampler draws the keys in turn, so it is asked in one order, the keys')."""
+    reordered = dict(reversed(list(SPACE.items())))
+    assert list(reordered) != list(SPACE)
+    for n in range(4):
+        written = trial_values(sweep(sampler=sampler), n)
+        assert trial_values(sweep(sampler=sampler, space=reordered), n) == written
+
+
 def test_the_values_are_optunas_own_sequence_for_the_seed():
     """Random and QMC give what Optuna's own ask loop gives for the seed (its study, asked in
     turn), choices decoded from the JSON Optuna stores them as."""

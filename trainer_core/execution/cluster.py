@@ -23,6 +23,8 @@ from trainer_core.execution.capacity import (
     NodeType,
     WaitForNodes,
     decide,
+    holds,
+    workers_placed,
 )
 from trainer_core.spec.run_spec import RunSpec
 
@@ -174,6 +176,14 @@ def capacity(spec: RunSpec) -> CapacityDecision:
     """Whether the live nodes hold the smallest worker group of ``spec`` (an elastic run's MIN),
     more nodes could, or no node the cluster can have could (``capacity.decide``)."""
     return decide_now(worker_needs(spec), spec.scaling.min_workers, spec.scaling.placement_strategy)
+
+
+def groups_held(spec: RunSpec) -> int:
+    """How many smallest worker groups of ``spec`` the live nodes hold side by side (at least
+    1): as many runs of it as can train at once."""
+    slots = [holds(node, worker_needs(spec)) for node in _live_nodes()]
+    placed = workers_placed(slots, spec.scaling.placement_strategy)
+    return max(1, placed // max(1, spec.scaling.min_workers))
 
 
 def decide_now(per_worker: dict[str, float], num_workers: int, strategy: str) -> CapacityDecision:

@@ -35,38 +35,70 @@ _RUNG_KEY = "completed_rung_{}"
 _NUMBER = {"trial": FloatDistribution(0, 1e9)}
 
 
-def rung_epochs(sweep: Sweep, epochs: int) -> tuple[int, ...]:
-    """The epochs before ``epochs`` (the run's last) at which a trial pauses for its rung to
-    be decided: ``min_resource * reduction_factor ** (min_early_stopping_rate + r)``."""
+def halvings(sweep: Sweep) -> list[optuna.pruners.SuccessiveHalvingPruner]:
+    """The sweep's successive halvings: one for ``successive_halving``, one per bracket for
+    ``hyperband`` (Optuna's own brackets, over the sweep's epochs), none for other pruners."""
     pruner = sweep.pruner()
-    if not isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner):
+    if isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner):
+        return [pruner]
+    if isinstance(pruner, optuna.pruners.HyperbandPruner):
+        pruner._try_initialization(_study(sweep, pruner))  # its brackets, max_resource given
+        return list(pruner._pruners)
+    return []
+
+
+def bracket(sweep: Sweep, number: int) -> int:
+    """Trial ``number``'s hyperband bracket, as Optuna draws it (a hash of the study's name,
+    the sweep's, and the number); 0 for successive halving."""
+    pruner = sweep.pruner()
+    if not isinstance(pruner, optuna.pruners.HyperbandPruner):
+        return 0
+    study = _study(sweep, pruner)
+    pruner._try_initialization(study)
+    trial = create_trial(state=TrialState.RUNNING, params={}, distributions={})
+    trial.number = number
+    return int(pruner._get_bracket_id(study, trial))
+
+
+def rung_epochs(sweep: Sweep, epochs: int, bracket: int = 0) -> tuple[int, ...]:
+    """The epochs before ``epochs`` (the run's last) at which a trial of ``bracket`` pauses for
+    its rung to be decided: ``min_resource * reduction_factor ** (min_early_stopping_rate +
+    r)``, the bracket's own rate for hyperband."""
+    found = halvings(sweep)
+    if not found:
         return ()
-    settings = sweep.pruner_arguments()
-    low = int(settings.get("min_resource", 1))
-    factor = int(settings.get("reduction_factor", 4))
-    rate = int(settings.get("min_early_stopping_rate", 0))
-    found = []
+    halving = found[bracket]
+    low = halving._min_resource
+    factor = halving._reduction_factor
+    rate = halving._min_early_stopping_rate
+    rungs = []
     rung = 0
     while (epoch := low * factor ** (rate + rung)) < epochs:
-        found.append(epoch)
+        rungs.append(epoch)
         rung += 1
-    return tuple(found)
+    return tuple(rungs)
 
 
 def goes_on(sweep: Sweep, number: int, epoch: int, reports: Reports) -> bool:
-    """Whether trial ``number``, paused at its rung ``epoch``, trains on: Optuna's pruner asked
-    on a study in which every other trial that reached ``epoch`` has reported it."""
-    rungs = rung_epochs(sweep, epoch + 1)
+    """Whether trial ``number``, paused at its rung ``epoch``, trains on: its bracket's
+    successive halving asked on a study in which every other trial of the bracket that reached
+    ``epoch`` has reported it."""
+    own = bracket(sweep, number)
+    rungs = rung_epochs(sweep, epoch + 1, own)
     if epoch not in rungs:
         raise ValueError(f"epoch {epoch} is no rung of this sweep (its rungs: {rungs})")
     if epoch not in reports.get(number, {}):
         raise ValueError(f"trial {number} has not reported epoch {epoch}")
     rung = rungs.index(epoch)
-    study = optuna.create_study(
-        study_name=sweep.name, direction=sweep.direction, pruner=sweep.pruner()
-    )
-    for n in range(max(reports) + 1):
-        reported = {e: v for e, v in reports.get(n, {}).items() if e <= epoch}
+    halving = halvings(sweep)[own]
+    study = _study(sweep, halving)
+    index = 0
+    for n in sorted(reports):
+        if bracket(sweep, n) != own:
+            continue
+        if n == number:
+            index = len(study.trials)
+        reported = {e: v for e, v in reports[n].items() if e <= epoch}
         # the others' every rung so far; this trial's rungs before this one
         decided = rungs[: rung + (0 if n == number else 1)]
         study.add_trial(
@@ -80,8 +112,11 @@ def goes_on(sweep: Sweep, number: int, epoch: int, reports: Reports) -> bool:
                 },
             )
         )
-    trial = study.trials[number]
-    return not study.pruner.prune(study, trial)
+    return not halving.prune(study, study.trials[index])
+
+
+def _study(sweep: Sweep, pruner: optuna.pruners.BasePruner) -> optuna.Study:
+    return optuna.create_study(study_name=sweep.name, direction=sweep.direction, pruner=pruner)
 
 
 def stops_at(
@@ -92,7 +127,7 @@ def stops_at(
     pruner = sweep.pruner()
     if not isinstance(pruner, optuna.pruners.MedianPruner) or not reported:
         return False
-    study = optuna.create_study(study_name=sweep.name, direction=sweep.direction, pruner=pruner)
+    study = _study(sweep, pruner)
     distributions = {d.key: d.distribution for d in sweep.dimensions}
     for f in sorted(finished, key=lambda f: f.number):
         if f.number < batch_start(sweep, number) and f.state in ("complete", "pruned"):

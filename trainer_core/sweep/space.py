@@ -47,6 +47,10 @@ class Dimension:
         """The value a trial's spec gets for what Optuna sampled."""
         return json.loads(sampled) if self.encoded else sampled
 
+    def stored(self, value: Any) -> Any:
+        """What Optuna stores for the value a trial's spec got (``value``'s inverse)."""
+        return json.dumps(value, sort_keys=True) if self.encoded else value
+
     def corners(self) -> list[Any]:
         """The values a trial may get at the space's edges, each a spec must accept: the
         bounds of a range (an ``int``'s highest reachable one), every choice."""

@@ -103,10 +103,13 @@ class Sweep:
 
     name: str
     section: SweepSection
+    #: The space's dimensions, by key.
     dimensions: tuple[Dimension, ...]
     #: The run spec as written (plain data), which each trial's values are set into.
     base: dict[str, Any]
     direction: Literal["minimize", "maximize"]
+    #: The epochs every trial trains (the base spec's; a pruner's rungs are counted in them).
+    epochs: int = 0
 
     def trial_name(self, number: int) -> str:
         return self.name + TRIAL_SUFFIX.format(number)
@@ -125,12 +128,15 @@ class Sweep:
 
     def pruner_arguments(self) -> dict[str, Any]:
         """The pruner's arguments as Optuna takes them: as written, with successive halving's
-        first rung at epoch 1 unless set (Optuna's ``auto`` guesses it from the trials that
-        finish first, which timing decides)."""
+        and hyperband's first rung at epoch 1 and hyperband's budget the sweep's epochs unless
+        set (Optuna's ``auto`` guesses them from the trials that finish first, which timing
+        decides)."""
         value = self.section.pruner
         arguments = {} if isinstance(value, str) else dict(value[self.pruner_name()] or {})
-        if self.pruner_name() == "successive_halving":
+        if self.pruner_name() in ("successive_halving", "hyperband"):
             arguments.setdefault("min_resource", 1)
+        if self.pruner_name() == "hyperband":
+            arguments.setdefault("max_resource", self.epochs)
         return arguments
 
     def pruner(self) -> Any:
@@ -143,7 +149,34 @@ class Sweep:
 
 def load_sweep(path: str | Path, name: str | None = None) -> Sweep:
     """The sweep spec in the YAML file at ``path`` (``name`` over its ``run.name``)."""
-    return build_sweep(read_yaml(path, "sweep"), name)
+    return build_sweep(read_sweep_file(path), name)
+
+
+def read_sweep_file(path: str | Path) -> Any:
+    """The sweep file at ``path`` as plain data: a run spec with a ``sweep:`` section, or a
+    file that names its run spec (``spec: digits_cnn.yaml``, relative to the file), whose
+    sections it then updates key by key (``run: {name: ...}`` sets the name, keeps the rest)."""
+    raw = read_yaml(path, "sweep")
+    if not isinstance(raw, dict) or "spec" not in raw:
+        return raw
+    named = raw["spec"]
+    if not isinstance(named, str) or not named:
+        raise SpecError(
+            f"spec {named!r}: name the run spec file the sweep starts from, e.g. "
+            "spec: digits_cnn.yaml (relative to the sweep file)",
+            field="spec",
+        )
+    base = read_yaml(Path(path).parent / named, "run spec")
+    if not isinstance(base, dict):
+        raise SpecError(f"spec {named!r} holds no run spec (a mapping)", field="spec")
+    for key, value in raw.items():
+        if key == "spec":
+            continue
+        section = base.get(key)
+        base[key] = (
+            {**section, **value} if isinstance(section, dict) and isinstance(value, dict) else value
+        )
+    return base
 
 
 def build_sweep(raw: Any, name: str | None = None) -> Sweep:
@@ -176,16 +209,14 @@ def build_sweep(raw: Any, name: str | None = None) -> Sweep:
             "direction: minimize, or direction: maximize",
             field="sweep.direction",
         )
-    sweep = Sweep(sweep_name, section, parse_space(section.space), base, direction)
+    epochs = spec.schedule.epochs if spec.schedule else 0
+    # by key: a sampler draws the keys in turn, so the order they were written in (which a
+    # YAML dump or a dict merge may change) must not choose the values
+    dimensions = tuple(sorted(parse_space(section.space), key=lambda d: d.key))
+    sweep = Sweep(sweep_name, section, dimensions, base, direction, epochs)
     _check_metric(sweep, [spec, *(s for d in sweep.dimensions for s in _edge_specs(sweep, d))])
     _check_sampler(sweep)
-    if sweep.pruner_arguments().get("min_resource") == "auto":
-        raise SpecError(
-            "sweep.pruner: successive_halving's min_resource 'auto' is guessed from the trials "
-            "that finish first, so the rungs would depend on timing: give it in epochs "
-            "(min_resource: 1, the default here)",
-            field="sweep.pruner",
-        )
+    _check_pruner(sweep, spec)
     try:
         sweep.pruner()
     except (TypeError, ValueError) as e:
@@ -228,6 +259,46 @@ def _check_metric(sweep: Sweep, specs: list[RunSpec]) -> None:
                 f"data.validation_fraction > 0 or data.validation)",
                 field="sweep.metric",
             )
+
+
+def _check_pruner(sweep: Sweep, spec: RunSpec) -> None:
+    """A pruner the sweep can ask at fixed epochs: the built-in loop (which pauses at an
+    epoch), every trial the same epochs, rungs given in epochs (not Optuna's ``auto``), and no
+    TPE beside successive halving (which ends no trial before every trial reached its first
+    rung, so TPE would learn from none)."""
+    name = sweep.pruner_name()
+    if name == "none":
+        return
+    if spec.train_loop is not None:
+        raise SpecError(
+            f"sweep.pruner {name}: a pruned trial pauses after an epoch, which only the "
+            "built-in loop can do (a loop of one's own decides its own stops): use pruner: none",
+            field="sweep.pruner",
+        )
+    for d in sweep.dimensions:
+        if d.key == "schedule.epochs":
+            raise SpecError(
+                f"sweep.space.schedule.epochs: with pruner {name} every trial trains the same "
+                "epochs (the pruner's rungs are counted in them): remove it from the space, or "
+                "use pruner: none",
+                field="sweep.space.schedule.epochs",
+            )
+    arguments = sweep.pruner_arguments()
+    for key in ("min_resource", "max_resource"):
+        if arguments.get(key) == "auto":
+            raise SpecError(
+                f"sweep.pruner: {name}'s {key} 'auto' is guessed from the trials that finish "
+                "first, so the rungs would depend on timing: give it in epochs (min_resource: "
+                "1 and max_resource: the run's epochs are the defaults here)",
+                field="sweep.pruner",
+            )
+    if name in ("successive_halving", "hyperband") and sweep.section.sampler == "tpe":
+        raise SpecError(
+            f"sweep.sampler tpe learns from trials that ended, and {name} ends none before "
+            "every trial has reached its first rung, so TPE would draw every trial blind: use "
+            "sampler: random or qmc with it, or tpe with pruner: median or none",
+            field="sweep.sampler",
+        )
 
 
 def _check_sampler(sweep: Sweep) -> None:

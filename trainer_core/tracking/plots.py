@@ -34,7 +34,7 @@ def curve_png(history: Sequence[dict[str, Any]], title: str) -> bytes:
         _plot_eval(axes[0][1], evals, "val_accuracy", color="C2")
         axes[0][1].set_ylabel("val accuracy")
     figure.suptitle(title, fontsize=10)
-    return _png(figure)
+    return figure_png(figure)
 
 
 def _plot_eval(ax: Any, evals: Sequence[dict[str, Any]], key: str, **style: Any) -> None:
@@ -113,10 +113,10 @@ def step_time_png(
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     ax.set_title(title, fontsize=10)
-    return _png(figure)
+    return figure_png(figure)
 
 
-def _png(figure: Any) -> bytes:
+def figure_png(figure: Any) -> bytes:
     """``figure`` laid out, as PNG bytes; the figure is closed."""
     figure.tight_layout()
     buffer = io.BytesIO()
