@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,38 @@ def test_tpe_learns_only_from_the_batches_before_its_own():
     assert trial_values(s, 13, before) == trial_values(s, 13, ended)
     upside_down = [Finished(f.number, f.values, f.state, value=-(f.value or 0)) for f in before]
     assert trial_values(s, 13, upside_down) != trial_values(s, 13, before)
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "says"),
+    [
+        (
+            {"sampler": "tpe", "pruner": {"successive_halving": {}}},
+            "sweep.sampler",
+            "TPE would draw every trial blind",
+        ),
+        (
+            {"pruner": {"hyperband": {"max_resource": "auto"}}},
+            "sweep.pruner",
+            "max_resource 'auto'",
+        ),
+        (
+            {"pruner": "median", "space": {"schedule.epochs": {"int": [2, 4]}}},
+            "sweep.space.schedule.epochs",
+            "every trial trains the same epochs",
+        ),
+    ],
+)
+def test_a_pruner_the_sweep_cannot_ask_at_fixed_epochs_is_refused(settings, field, says):
+    with pytest.raises(SpecError, match=re.escape(says)) as refused:
+        sweep(**settings)
+    assert refused.value.field == field
+
+
+def test_a_pruner_on_a_loop_of_ones_own_is_refused():
+    spec = raw(pruner="median")
+    spec["train_loop"] = "examples.own_loop:train"
+    spec["train_loop_config"] = {}
+    with pytest.raises(SpecError, match="only the built-in loop") as refused:
+        build_sweep(spec)
+    assert refused.value.field == "sweep.pruner"

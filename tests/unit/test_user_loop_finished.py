@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.setup import is_finished
+import pytest
+
+from tasks.setup import check_until_epoch, is_finished
+from trainer_core.errors import SpecError
 from trainer_core.run.summary import TrainingResult
 from trainer_core.spec.overrides import build_spec
 
@@ -51,3 +54,31 @@ def test_a_failed_run_is_never_finished_and_an_old_summary_stays_finished():
     assert not is_finished(own_loop(config), stored("failed", config))
     assert not is_finished(own_loop(config), None)
     assert is_finished(own_loop({"num_epochs": 6}), stored(config=None))  # before configs
+
+
+#: The rest of a built-in loop's spec.
+BUILT_IN = {
+    "scaling": {"num_workers": 1},
+    "model": {"name": "mlp"},
+    "data": {"dataset": "synthetic"},
+    "schedule": {"epochs": 10},
+}
+
+
+def test_a_paused_run_is_finished_only_for_a_call_that_pauses_it_there_or_before():
+    """Paused after epoch 4 (``until_epoch``): a call for epoch 4 or an earlier one returns it;
+    a later epoch, or the run's end, trains on."""
+    spec = build_spec({"run": {"name": "r"}, **BUILT_IN})
+    paused = stored("paused")
+    assert is_finished(spec, paused, until_epoch=4) and is_finished(spec, paused, until_epoch=2)
+    assert not is_finished(spec, paused, until_epoch=5)
+    assert not is_finished(spec, paused)
+
+
+def test_a_loop_of_ones_own_cannot_be_paused_and_epochs_count_from_1():
+    with pytest.raises(SpecError, match="cannot be paused") as refused:
+        check_until_epoch(own_loop({"num_epochs": 4}), 2)
+    assert refused.value.field == "until_epoch"
+    with pytest.raises(SpecError, match="count from 1"):
+        check_until_epoch(build_spec({"run": {"name": "r"}, **BUILT_IN}), 0)
+    check_until_epoch(build_spec({"run": {"name": "r"}, **BUILT_IN}), 1)
