@@ -40,7 +40,7 @@ run: $(STAMP)
 
 # Every benchmark in full, one process tree each (bench/README.md; about 105 min on 2 cores: run it
 # on a quiet machine), then the tables of bench/README.md. BENCH_ARGS goes to each benchmark.
-BENCHMARKS := overhead recovery checkpoints fsdp_checkpoints restore reporting scaling memory precision data elastic workloads datasets queue
+BENCHMARKS := overhead recovery checkpoints fsdp_checkpoints restore reporting scaling memory precision data elastic workloads datasets queue sweep
 bench: $(STAMP)
 	status=0; for name in $(BENCHMARKS); do \
 		$(PY) -m bench.$$name $(BENCH_ARGS) || status=1; \
