@@ -35,6 +35,7 @@ LONGEST_FIRST = (  # 2026-11-28, each module whole to one process (--dist loadfi
     "tests/integration/test_fault_matrix.py",  # 177 + 83 + 68 (2026-11-29: heads lost)
     "tests/integration/test_flow.py",  # 258
     "tests/integration/test_growing_table.py",  # test_streaming.py's 233 until 2026-12-04
+    "tests/integration/test_sweep.py",  # new 2026-12-07: about 190 s alone
     "tests/integration/test_fsdp.py",  # 185
     "tests/integration/test_brought_scripts.py",  # new 2026-12-05: 165 s, 253 s at load 7-22
     "tests/integration/test_storage_faults.py",  # 175
