@@ -22,8 +22,11 @@ other. Each later trial's Train controller asked for its 1-CPU worker group and 
 60 s, again and again (its log: "worker group startup timed out ... waiting for 1 workers"): the
 first trials' worker groups kept their CPUs after Tune stopped their trial actors, with reused
 actors (Tune's default) and without, with TUNE_FORCE_TRIAL_CLEANUP_S at 600 s and at 1 s. In a
-4-trial sweep without stops by ASHA before ``max_t`` it ran through once. So the Tune variant is
-bounded by ``--tune-budget-s`` and recorded as not measured, with why, where it does not end.
+4-trial sweep without stops by ASHA before ``max_t`` it ran through once. This is Ray's
+ray-project/ray#54305 ("[Ray Tune + Train V2] Broken resource sharing among Tune trials"): a
+trial actor Tune terminates leaves its Train run's placement group behind, which lives as long
+as the Tune driver; Ray's maintainers were looking into it, and it persists in 2.60 here. So the
+Tune variant is bounded by ``--tune-budget-s`` and recorded as not measured, with why.
 
 Figures: makespan (the call to its end); the epochs each trained against 16 trials' full
 epochs (compute saved by pruning); the best val_loss and the learning rate that reached it.
