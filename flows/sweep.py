@@ -57,10 +57,11 @@ def sweep_setup(spec: dict[str, Any], name: str | None) -> str:
     trial's run spec as a run's setup checks it: storage, data, model, the cluster), then hold
     the sweep's directory for this spec. Returns the directory's URI."""
     sweep = build_sweep(spec, name)
-    directory.check(sweep, _storage(sweep), spec)  # a rerun's spec, before its trials' checks
+    storage = trials.storage_uri(sweep)
+    directory.check(sweep, storage, spec)  # a rerun's spec, before its trials' own checks
     first = sweep.trial_spec(0, schedule.standing(sweep, _fresh(sweep)).values[0])
     refuse_bad_input(first)
-    return directory.claim(sweep, _storage(sweep), spec).uri
+    return directory.claim(sweep, storage, spec).uri
 
 
 @flow(name="sweep", flow_run_name=_flow_run_name, log_prints=True)
@@ -74,7 +75,7 @@ def sweep(spec: dict[str, Any], name: str | None = None) -> SweepResult:
     with jobs.driver_cluster(first), credentials.restored():
         credentials.apply(first.run.credentials)
         sweep_setup(spec, name)
-        location = directory.sweep_location(swept, _storage(swept))
+        location = directory.sweep_location(swept, trials.storage_uri(swept))
         at_once = _at_once(swept)
         logger.info(
             "sweep %s: %s trials, %s at a time, %s sampler, %s pruner, seed %s; its directory %s",
@@ -171,10 +172,6 @@ def _fresh(swept: Sweep) -> dict[int, trials.TrialRun]:
         n: trials.TrialRun(n, swept.trial_name(n), "", swept.section.metric)
         for n in range(swept.section.trials)
     }
-
-
-def _storage(swept: Sweep) -> str:
-    return canonical_storage_uri(str(swept.base.get("run", {}).get("storage", "./runs")))
 
 
 def _describe(swept: Sweep, leg: schedule.Leg) -> str:

@@ -20,12 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trainer_core.checkpoint.run_directory import RunDirectory
-from trainer_core.run.plan import canonical_storage_uri
 from trainer_core.spec.run_spec import RunSpec
 from trainer_core.storage import Location
 from trainer_core.sweep.result import SweepResult
 from trainer_core.sweep.spec import Sweep
+from trainer_core.sweep.trials import trial_directory
 from trainer_core.tracking.mlflow_server import _bounded_http, _get_run, _probe
 from trainer_core.tracking.mlflow_state import read_state_quietly, tracking_uri
 
@@ -83,8 +82,7 @@ def _sync(
         metrics.append(Metric(f"best_{result.metric}", result.best.metric, 0, len(ended)))
     client.log_batch(parent, metrics=metrics)
     for trial in result.trials:
-        storage = canonical_storage_uri(spec.run.storage)
-        child = read_state_quietly(RunDirectory.of(storage, trial.run_name))
+        child = read_state_quietly(trial_directory(sweep, trial.number))
         if child is not None and child.run_id is not None:
             client.set_tag(child.run_id, PARENT_TAG, parent)
             client.set_tag(child.run_id, STATUS_TAG, trial.status)

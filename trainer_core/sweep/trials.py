@@ -56,9 +56,14 @@ class TrialRun:
         return None
 
 
+def storage_uri(sweep: Sweep) -> str:
+    """Where the sweep's trials and its own directory live: its run spec's ``run.storage``, as
+    every process resolves it."""
+    return canonical_storage_uri(sweep.trial_spec(0, {}).run.storage)
+
+
 def trial_directory(sweep: Sweep, number: int) -> RunDirectory:
-    storage = canonical_storage_uri(str(sweep.base.get("run", {}).get("storage", "./runs")))
-    return RunDirectory.of(storage, sweep.trial_name(number))
+    return RunDirectory.of(storage_uri(sweep), sweep.trial_name(number))
 
 
 def read_trial(sweep: Sweep, number: int) -> TrialRun:
