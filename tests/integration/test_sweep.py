@@ -124,7 +124,11 @@ def test_two_at_a_time_killed_twice_with_workers_lost_ends_as_one_at_a_time(
             process.kill()
             process.wait()
     process = start_sweep(config, relaytrain_ray)
-    out, _ = process.communicate()
+    try:
+        out, _ = process.communicate()
+    finally:  # a test stopped meanwhile (its timeout) leaves no sweep running
+        process.kill()
+        process.wait()
     assert process.returncode == 0, out
     result = sweep(killed)  # run again once over: returns what the trials hold, trains nothing
     assert outcome(result) == outcome(serial)
