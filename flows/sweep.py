@@ -38,7 +38,7 @@ from trainer_core.run import jobs
 from trainer_core.run.plan import canonical_storage_uri
 from trainer_core.spec.overrides import apply_override, parse_override
 from trainer_core.storage import Location
-from trainer_core.sweep import directory, plot, schedule, trials
+from trainer_core.sweep import directory, plot, sampling, schedule, trials
 from trainer_core.sweep import tracking as sweep_tracking
 from trainer_core.sweep.result import SweepResult, sweep_result
 from trainer_core.sweep.spec import Sweep, build_sweep, read_sweep_file
@@ -59,7 +59,7 @@ def sweep_setup(spec: dict[str, Any], name: str | None) -> str:
     sweep = build_sweep(spec, name)
     storage = trials.storage_uri(sweep)
     directory.check(sweep, storage, spec)  # a rerun's spec, before its trials' own checks
-    first = sweep.trial_spec(0, schedule.standing(sweep, _fresh(sweep)).values[0])
+    first = sweep.trial_spec(0, sampling.trial_values(sweep, 0))  # the first batch: no learning
     refuse_bad_input(first)
     return directory.claim(sweep, storage, spec).uri
 
@@ -164,14 +164,6 @@ def _at_once(swept: Sweep) -> int:
     if jobs.job_address(swept.trial_spec(0, {})):
         return 1  # the remote cluster's size is the job's to know
     return cluster.groups_held(swept.trial_spec(0, {}))
-
-
-def _fresh(swept: Sweep) -> dict[int, trials.TrialRun]:
-    """Every trial as not begun (what its values are drawn from before any ran)."""
-    return {
-        n: trials.TrialRun(n, swept.trial_name(n), "", swept.section.metric)
-        for n in range(swept.section.trials)
-    }
 
 
 def _describe(swept: Sweep, leg: schedule.Leg) -> str:

@@ -28,6 +28,7 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState, create_trial
 
 from trainer_core import storage
+from trainer_core.checkpoint.run_directory import RUN_FILE
 from trainer_core.errors import SpecError
 from trainer_core.storage import Location
 from trainer_core.sweep.result import SweepResult
@@ -38,8 +39,6 @@ SWEEP_FILE = "sweep.json"
 RESULT_FILE = "result.json"
 STUDY_FILE = "study.journal"
 FAILED_DIR = "failed"
-#: A run directory's record: a sweep's directory holds none (trainer_core.checkpoint).
-RUN_RECORD = "run.json"
 
 
 def sweep_location(sweep: Sweep, storage_uri: str) -> Location:
@@ -52,7 +51,7 @@ def check(sweep: Sweep, storage_uri: str, raw: Mapping[str, Any]) -> Location:
     trials it finds another sweep's). A run's directory by the name is refused too. Writes
     nothing."""
     location = sweep_location(sweep, storage_uri)
-    if location.child(RUN_RECORD).exists():
+    if location.child(RUN_FILE).exists():  # a run's record, whatever it holds
         raise SpecError(
             f"run.name {sweep.name!r}: {location.uri} is a run's directory, not a sweep's: "
             "give the sweep another name",

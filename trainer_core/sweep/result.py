@@ -67,9 +67,7 @@ class SweepResult(_Frozen):
     mlflow_run_id: str | None = None
 
 
-def trial_result(
-    sweep: Sweep, run: TrialRun, values: Mapping[str, Any], pruned_at: int | None
-) -> TrialResult:
+def trial_result(run: TrialRun, values: Mapping[str, Any], pruned_at: int | None) -> TrialResult:
     result = run.result
     status: TrialStatus
     if pruned_at is not None:
@@ -97,9 +95,7 @@ def sweep_result(
     sweep: Sweep, sweep_uri: str, runs: Mapping[int, TrialRun], now: Standing
 ) -> SweepResult:
     """The sweep as ``runs`` and its standing ``now`` have it."""
-    trials = [
-        trial_result(sweep, runs[n], now.values.get(n, {}), now.pruned.get(n)) for n in sorted(runs)
-    ]
+    trials = [trial_result(runs[n], now.values.get(n, {}), now.pruned.get(n)) for n in sorted(runs)]
     completed = [t for t in trials if t.status == "completed" and t.metric is not None]
     sign = 1.0 if sweep.direction == "minimize" else -1.0
     best = min(completed, key=lambda t: (sign * (t.metric or 0.0), t.number), default=None)
