@@ -21,6 +21,17 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
+def written(results_dir: Path, benchmark: str, before: dt.date) -> tuple[Path, dict]:
+    """The one result a quick run wrote: named by the day the benchmark started (read back from
+    the result itself), a day between the test's start and now, so a run across midnight reads
+    as it should."""
+    [path] = results_dir.glob("*.json")
+    data = json.loads(path.read_text())
+    assert path.name == f"{data['date']}-{benchmark}.json"
+    assert before <= dt.date.fromisoformat(data["date"]) <= dt.date.today()
+    return path, data
+
+
 def run_quick(name: str, results_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop(common.RESULTS_ENV, None)
@@ -44,13 +55,12 @@ def run_quick(name: str, results_dir: Path, *extra: str) -> subprocess.Completed
 
 def test_quick_checkpoints_benchmark_writes_its_result(tmp_path):
     official = set(common.RESULTS_DIR.glob("*.json"))
+    before = dt.date.today()
     done = run_quick("checkpoints", tmp_path, "--stores", "local", "--sizes", "1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    path = tmp_path / f"{dt.date.today().isoformat()}-checkpoints.json"
-    assert [p.name for p in tmp_path.glob("*.json")] == [path.name]
+    path, data = written(tmp_path, "checkpoints", before)
     assert set(common.RESULTS_DIR.glob("*.json")) == official  # quick runs stay out
-    data = json.loads(path.read_text())
     assert data["schema"] == common.SCHEMA_VERSION
     assert data["benchmark"] == "checkpoints" and data["quick"] is True
     assert {"cpu_model", "logical_cores", "ram_gb", "os", "load_average"} <= set(data["machine"])
@@ -91,11 +101,10 @@ def test_quick_checkpoints_benchmark_writes_its_result(tmp_path):
 
 
 def test_quick_fsdp_checkpoints_benchmark_measures_every_variant(tmp_path):
+    before = dt.date.today()
     done = run_quick("fsdp_checkpoints", tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = json.loads(
-        (tmp_path / f"{dt.date.today().isoformat()}-fsdp_checkpoints.json").read_text()
-    )
+    _, data = written(tmp_path, "fsdp_checkpoints", before)
     assert set(data["variants"]) == {
         f"local/{v}"
         for v in ("relaytrain", "dcp_save", "dcp_async_save", "raw_copy", "relaytrain_loop")
@@ -106,9 +115,10 @@ def test_quick_fsdp_checkpoints_benchmark_measures_every_variant(tmp_path):
 
 
 def test_quick_restore_benchmark_reads_replicated_files_once_per_node(tmp_path):
+    before = dt.date.today()
     done = run_quick("restore", tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = json.loads((tmp_path / f"{dt.date.today().isoformat()}-restore.json").read_text())
+    _, data = written(tmp_path, "restore", before)
     variants = data["variants"]
     assert set(variants) == {
         f"s3/{kind}{how}" for kind in ("", "fsdp/") for how in ("each_rank_reads", "once_per_node")
