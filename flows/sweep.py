@@ -38,7 +38,7 @@ from trainer_core.run import jobs
 from trainer_core.run.plan import canonical_storage_uri
 from trainer_core.spec.overrides import apply_override, parse_override
 from trainer_core.storage import Location
-from trainer_core.sweep import directory, plot, sampling, schedule, trials
+from trainer_core.sweep import directory, plot, sampling, schedule, study, trials
 from trainer_core.sweep import tracking as sweep_tracking
 from trainer_core.sweep.result import SweepResult, sweep_result
 from trainer_core.sweep.spec import Sweep, build_sweep, read_sweep_file
@@ -59,6 +59,8 @@ def sweep_setup(spec: dict[str, Any], name: str | None) -> str:
     sweep = build_sweep(spec, name)
     storage = trials.storage_uri(sweep)
     directory.check(sweep, storage, spec)  # a rerun's spec, before its trials' own checks
+    if sweep.section.study_url_env:
+        study.database(sweep)  # reachable, before any trial trains
     first = sweep.trial_spec(0, sampling.trial_values(sweep, 0))  # the first batch: no learning
     refuse_bad_input(first)
     return directory.claim(sweep, storage, spec).uri
@@ -90,12 +92,13 @@ def sweep(spec: dict[str, Any], name: str | None = None) -> SweepResult:
         while True:
             runs = read_runs(swept, location)
             now = schedule.standing(swept, runs)
+            trials.record_pruned(swept, runs, now.pruned)
             result = sweep_result(swept, location.uri, runs, now)
             png = plot.sweep_png(result) if now.over else None
             parent = sweep_tracking.sync(swept, first, location, result, png)
             result = result.model_copy(update={"mlflow_run_id": parent})
             directory.write_result(location, result)
-            directory.write_study(location, swept, result)
+            study.write(location, swept, result)
             if now.over:
                 break
             logger.info("next: %s", ", ".join(_describe(swept, leg) for leg in now.legs))

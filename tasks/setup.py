@@ -64,9 +64,10 @@ def is_finished(
     """A completed run is done unless the spec asks for more: more epochs than it trained (an
     early-stopped run is done: its metric stopped improving), or, for a user's own loop, another
     ``train_loop_config`` than the one it completed with (the loop runs again, Ray resumes it
-    from its newest checkpoint, and the loop's code decides what is left). A paused run is done
-    only for a call that pauses it at its epoch or before (``until_epoch``)."""
-    if stored is not None and stored.status == "paused":
+    from its newest checkpoint, and the loop's code decides what is left). A paused run (or one
+    a sweep pruned) is done only for a call that pauses it at its epoch or before
+    (``until_epoch``)."""
+    if stored is not None and stored.status in ("paused", "pruned"):
         return until_epoch is not None and stored.epochs_completed >= until_epoch
     if stored is None or stored.status != "completed":
         return False

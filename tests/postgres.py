@@ -95,6 +95,10 @@ class Postgres:
             "-w",
             "start",
         )
+        self.create_database("prefect")
+        return self
+
+    def create_database(self, name: str) -> None:
         self._run(
             str(self.bin / "createdb"),
             "-h",
@@ -103,10 +107,9 @@ class Postgres:
             str(self.port),
             "-U",
             USER,
-            "prefect",
+            name,
             env={"PGPASSWORD": self.password},
         )
-        return self
 
     def query(self, sql: str) -> list[tuple]:
         """Rows of ``sql``, read with asyncpg (Prefect's own driver), as another client."""

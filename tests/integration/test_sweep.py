@@ -9,8 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
 import pytest
 import yaml
+from optuna.storages.journal import JournalFileBackend, JournalStorage
 
 from flows.pytest_plugin import tiny_spec_dict
 from flows.sweep import sweep
@@ -18,10 +20,12 @@ from tests.conftest import ONE_WORKER
 from tests.recovery import assert_same_tensors, final_state, measure_checkpoints
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.errors import SpecError
+from trainer_core.run import catalog
 from trainer_core.sweep import trials
 from trainer_core.sweep.spec import build_sweep
 
 REPO = Path(__file__).resolve().parents[2]
+STUDY_URL_ENV = "RELAYTRAIN_TEST_STUDY_URL"
 #: Six trials of the tiny spec (three epochs: rungs after epochs 1 and 2), halving at each.
 SECTION = {
     "trials": 6,
@@ -50,11 +54,29 @@ def outcome(result) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def one_at_a_time(relaytrain_ray, relaytrain_prefect, tmp_path_factory):
-    """The sweep run 1 trial at a time in this process: what every other way of running it
-    must end as."""
+def study_url():
+    """A real PostgreSQL server with a database of its own for the study (as a user gives the
+    Prefect server's PostgreSQL one); its URL in the environment variable STUDY_URL_ENV."""
+    from tests.postgres import Postgres
+
+    database = Postgres().start()
+    try:
+        database.create_database("optuna")
+        url = database.url("postgresql+asyncpg", "optuna")
+        os.environ[STUDY_URL_ENV] = url
+        yield url
+    finally:
+        os.environ.pop(STUDY_URL_ENV, None)
+        database.stop()
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(relaytrain_ray, relaytrain_prefect, tmp_path_factory, study_url):
+    """The sweep run 1 trial at a time in this process, its study kept in PostgreSQL too:
+    what every other way of running it must end as."""
     storage = tmp_path_factory.mktemp("sweep-serial")
     raw = sweep_dict(storage, "serial", concurrent=1)
+    raw["sweep"]["study_url_env"] = STUDY_URL_ENV
     return raw, sweep(raw)
 
 
@@ -81,6 +103,38 @@ def test_successive_halving_keeps_the_best_half_at_each_rung(one_at_a_time):
         assert spec["optimizer"]["lr"] == t.values["optimizer.lr"]
         assert spec["model"]["kwargs"]["hidden"] == t.values["model.kwargs.hidden"]
     assert len({t.values["optimizer.lr"] for t in result.trials}) == 6
+    # each trial's own run says how it ended, as `relaytrain show` reads it
+    for t in result.trials:
+        run_dir = RunDirectory.of(str(raw["run"]["storage"]), t.run_name)
+        assert catalog.view(run_dir).status == t.status
+
+
+def test_the_study_in_postgresql_and_the_journal_hold_every_trial_as_it_ended(
+    one_at_a_time, study_url
+):
+    """Optuna's own load_study reads the sweep from PostgreSQL and from the sweep directory's
+    journal: each trial's values, state and metric as the sweep's result has them."""
+    raw, result = one_at_a_time
+    journal = JournalStorage(
+        JournalFileBackend(str(Path(raw["run"]["storage"]) / "serial" / "study.journal"))
+    )
+    states = {"completed": "COMPLETE", "pruned": "PRUNED"}
+    # Optuna's way: a pruned trial has no value, its metric is its last intermediate value
+    expected = [(states[t.status], t.metric, t.values["optimizer.lr"]) for t in result.trials]
+    # the study's URL as Prefect's is written (asyncpg); Optuna's engine reads it with psycopg
+    for storage in (study_url.replace("+asyncpg", "+psycopg"), journal):
+        loaded = optuna.load_study(study_name="serial", storage=storage)
+        assert [
+            (
+                t.state.name,
+                t.value
+                if t.state.name == "COMPLETE"
+                else t.intermediate_values[max(t.intermediate_values)],
+                t.params["optimizer.lr"],
+            )
+            for t in loaded.trials
+        ] == expected
+        assert loaded.best_trial.user_attrs["run_name"] == result.best.run_name
 
 
 def test_the_best_trial_scores_what_the_sweep_reports(one_at_a_time):

@@ -13,7 +13,7 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 
 from tests.unit.test_sweep_spec import EXAMPLE, raw
 from trainer_core.errors import SpecError
-from trainer_core.sweep import directory
+from trainer_core.sweep import directory, study
 from trainer_core.sweep.result import SweepResult, TrialResult
 from trainer_core.sweep.spec import build_sweep, load_sweep, read_sweep_file
 
@@ -81,17 +81,58 @@ def test_the_study_journal_loads_in_optuna_with_every_trial(tmp_path):
     location = directory.claim(s, str(tmp_path), raw())
     for _ in range(2):  # rewritten, not appended to
         result = result_of(values, ["pruned", "failed", "completed"])
-        assert directory.write_study(location, s, result)
+        assert study.write_journal(location, s, result)
     journal = JournalStorage(JournalFileBackend(str(tmp_path / "digits-lr" / "study.journal")))
-    study = optuna.load_study(study_name="digits-lr", storage=journal)
-    assert [t.state.name for t in study.trials] == ["PRUNED", "FAIL", "COMPLETE"]
-    assert study.best_trial.number == 2 and study.best_value == pytest.approx(0.3)
-    assert json.loads(study.trials[1].params["model.kwargs.channels"]) == [16, 32]
-    assert study.trials[0].intermediate_values == {1: pytest.approx(0.9), 2: pytest.approx(0.5)}
-    assert study.trials[2].user_attrs["run_name"] == "digits-lr-t002"
+    loaded = optuna.load_study(study_name="digits-lr", storage=journal)
+    assert [t.state.name for t in loaded.trials] == ["PRUNED", "FAIL", "COMPLETE"]
+    assert loaded.best_trial.number == 2 and loaded.best_value == pytest.approx(0.3)
+    assert json.loads(loaded.trials[1].params["model.kwargs.channels"]) == [16, 32]
+    assert loaded.trials[0].intermediate_values == {1: pytest.approx(0.9), 2: pytest.approx(0.5)}
+    assert loaded.trials[2].user_attrs["run_name"] == "digits-lr-t002"
     assert directory.read_result(location) is None  # the result is the flow's to write
     directory.write_result(location, result)
     assert directory.read_result(location) == result
+
+
+def test_the_study_kept_in_a_database_named_by_the_environment_is_replaced_each_wave(
+    tmp_path, monkeypatch
+):
+    """sweep.study_url_env names the variable holding the database's URL (SQLite's file here;
+    PostgreSQL in tests/integration/test_sweep.py): Optuna's load_study reads the study there,
+    the second wave's in place of the first's; the URL is nowhere in the spec."""
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    monkeypatch.setenv("STUDY_DB", url)
+    raw_sweep = raw()
+    raw_sweep["sweep"]["study_url_env"] = "STUDY_DB"
+    s = build_sweep(raw_sweep)
+    values = [{"optimizer.lr": 0.01, "model.kwargs.channels": [8, 16], "data.batch_size": 64}]
+    location = directory.claim(s, str(tmp_path / "runs"), raw_sweep)
+    study.write(location, s, result_of(values, ["pruned"]))
+    values.append({"optimizer.lr": 0.02, "model.kwargs.channels": [16, 32], "data.batch_size": 32})
+    study.write(location, s, result_of(values, ["pruned", "completed"]))
+    loaded = optuna.load_study(study_name="digits-lr", storage=url)
+    assert [t.state.name for t in loaded.trials] == ["PRUNED", "COMPLETE"]
+    assert loaded.best_trial.params["optimizer.lr"] == pytest.approx(0.02)
+    assert url not in json.dumps(raw_sweep)
+
+
+def test_a_study_database_that_is_missing_or_unreachable_is_named_not_shown(tmp_path, monkeypatch):
+    raw_sweep = raw()
+    raw_sweep["sweep"]["study_url_env"] = "STUDY_DB"
+    s = build_sweep(raw_sweep)
+    monkeypatch.delenv("STUDY_DB", raising=False)
+    with pytest.raises(SpecError, match="STUDY_DB: this environment has no such variable"):
+        study.database(s)
+    monkeypatch.setenv("STUDY_DB", "not a url")
+    with pytest.raises(SpecError, match="STUDY_DB: its value is not a database URL"):
+        study.database(s)
+    monkeypatch.setenv("STUDY_DB", "postgresql://someone:hunter2@127.0.0.1:1/optuna")
+    with pytest.raises(SpecError, match="cannot be used") as refused:
+        study.database(s)
+    assert "hunter2" not in str(refused.value) and refused.value.field == "sweep.study_url_env"
+    raw_sweep["sweep"]["study_url_env"] = "not-a-name"
+    with pytest.raises(SpecError, match="study_url_env"):
+        build_sweep(raw_sweep)
 
 
 def test_a_sweep_file_may_name_its_run_spec(tmp_path):

@@ -65,11 +65,12 @@ BUILT_IN = {
 }
 
 
-def test_a_paused_run_is_finished_only_for_a_call_that_pauses_it_there_or_before():
-    """Paused after epoch 4 (``until_epoch``): a call for epoch 4 or an earlier one returns it;
-    a later epoch, or the run's end, trains on."""
+@pytest.mark.parametrize("status", ["paused", "pruned"])
+def test_a_paused_run_is_finished_only_for_a_call_that_pauses_it_there_or_before(status):
+    """Paused after epoch 4 (``until_epoch``), or pruned there by a sweep: a call for epoch 4
+    or an earlier one returns it; a later epoch, or the run's end, trains on."""
     spec = build_spec({"run": {"name": "r"}, **BUILT_IN})
-    paused = stored("paused")
+    paused = stored(status)
     assert is_finished(spec, paused, until_epoch=4) and is_finished(spec, paused, until_epoch=2)
     assert not is_finished(spec, paused, until_epoch=5)
     assert not is_finished(spec, paused)

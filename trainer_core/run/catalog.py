@@ -35,7 +35,7 @@ from trainer_core.spec.run_spec import RunSpec
 #: A run's state as its directory tells it. ``running``: a live flow holds its lease;
 #: ``interrupted``: attempts ran, nothing finalized it and nobody holds it (run the same
 #: run name again to resume); ``new``: set up, never trained.
-Status = Literal["completed", "failed", "paused", "running", "interrupted", "new"]
+Status = Literal["completed", "failed", "paused", "pruned", "running", "interrupted", "new"]
 
 
 @dataclass(frozen=True)

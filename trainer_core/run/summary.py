@@ -90,7 +90,9 @@ class AttemptSummary(_Frozen):
 
 #: How a run ended: trained to its last epoch (or early-stopped), failed, or paused after the
 #: epoch it was asked to stop at (``until_epoch``): the same run name trains on from there.
-Status = Literal["completed", "failed", "paused"]
+#: ``pruned``: paused where a sweep's pruner stopped it (``mark_pruned``); asked for more, it
+#: trains on as a paused run does.
+Status = Literal["completed", "failed", "paused", "pruned"]
 
 
 class TrainingResult(_Frozen):
@@ -381,6 +383,18 @@ def _model_uri(run_dir: RunDirectory, checkpoint: CheckpointInfo) -> str | None:
     except (CheckpointCorruptError, SpecError) as e:  # the result still names the checkpoint
         logger.warning("no model file for checkpoint %s: %s", checkpoint.uri, e)
         return None
+
+
+def mark_pruned(run_dir: RunDirectory, epoch: int) -> TrainingResult | None:
+    """Record in a run paused after ``epoch`` that a sweep pruned it there: its summary's
+    status becomes ``pruned`` (the sweep decides between legs, when no attempt holds the run).
+    A run not paused at that epoch is left as it is. Returns the summary as it now is."""
+    stored = read_stored_result(run_dir)
+    if stored is None or stored.status != "paused" or stored.epochs_completed != epoch:
+        return stored
+    pruned = stored.model_copy(update={"status": "pruned"})
+    write_summary(run_dir, pruned)
+    return pruned
 
 
 def read_stored_result(run_dir: RunDirectory) -> TrainingResult | None:

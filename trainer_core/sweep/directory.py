@@ -5,27 +5,17 @@ directories (``{sweep name}-t001``, ...):
     result.json     the SweepResult, rewritten after every wave
     failed/<trial>.json   a trial whose leg failed before its run could say so (its setup
                     refused it): out of the sweep, and not trained again by a rerun
-    study.journal   the study in Optuna's journal format (local storage): every trial with its
-                    values, its metric by epoch and its state, for Optuna's own tools
-                    (``optuna.load_study`` with a ``JournalFileBackend``, optuna-dashboard)
+    study.journal   the study in Optuna's journal format (local storage; ``study``)
 
 Apart from ``failed/``, nothing here is read back to decide anything: the trials' run
-directories are the record (``trials``), and the study is rebuilt whole from them after every
-wave. On object storage, where a journal cannot be appended, no journal is written; ``study``
-builds the same study into any Optuna storage (an RDB URL such as PostgreSQL's).
+directories are the record (``trials``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
-
-import optuna
-from optuna.storages.journal import JournalFileBackend, JournalStorage
-from optuna.trial import TrialState, create_trial
 
 from trainer_core import storage
 from trainer_core.checkpoint.run_directory import RUN_FILE
@@ -37,7 +27,6 @@ from trainer_core.sweep.spec import Sweep
 SCHEMA_VERSION = 1
 SWEEP_FILE = "sweep.json"
 RESULT_FILE = "result.json"
-STUDY_FILE = "study.journal"
 FAILED_DIR = "failed"
 
 
@@ -110,53 +99,6 @@ def failed_trials(location: Location) -> set[str]:
     if not folder.exists():
         return set()
     return {i.base_name[: -len(".json")] for i in folder.list() if i.base_name.endswith(".json")}
-
-
-def study(sweep: Sweep, result: SweepResult, storage: Any = None) -> optuna.Study:
-    """The sweep as an Optuna study in ``storage`` (None: in memory): each trial with its
-    values as Optuna stores them, its metric by epoch, and its state."""
-    dimensions = {d.key: d for d in sweep.dimensions}
-    built = optuna.create_study(
-        study_name=sweep.name, direction=sweep.direction, storage=storage, load_if_exists=False
-    )
-    states = {
-        "completed": TrialState.COMPLETE,
-        "pruned": TrialState.PRUNED,
-        "failed": TrialState.FAIL,
-        "pending": TrialState.WAITING,
-    }
-    for trial in result.trials:
-        if not trial.values:
-            continue
-        state = states[trial.status]
-        built.add_trial(
-            create_trial(
-                params={k: dimensions[k].stored(v) for k, v in trial.values.items()},
-                distributions={k: dimensions[k].distribution for k in trial.values},
-                value=trial.metric if state == TrialState.COMPLETE else None,
-                intermediate_values={int(e): v for e, v in trial.reports.items()},
-                state=state,
-                user_attrs={"run_name": trial.run_name, "run_uri": trial.run_uri},
-            )
-        )
-    return built
-
-
-def write_study(location: Location, sweep: Sweep, result: SweepResult) -> bool:
-    """The study's journal in a local sweep directory, rebuilt whole and put in place at once
-    (a reader never sees half of it); False on object storage, which gets none."""
-    if not location.is_local:
-        return False
-    handle, staged = tempfile.mkstemp(prefix=".study-", dir=location.path)
-    os.close(handle)
-    os.unlink(staged)  # the journal backend makes its own file
-    try:
-        study(sweep, result, JournalStorage(JournalFileBackend(staged)))
-        os.replace(staged, os.path.join(location.path, STUDY_FILE))
-    finally:
-        if os.path.exists(staged):
-            os.unlink(staged)
-    return True
 
 
 def _canonical(raw: Any) -> Any:

@@ -31,7 +31,7 @@ class TrialResult(_Frozen):
     #: The values the sweep set, by dotted key of the run spec.
     values: dict[str, Any]
     #: ``pruned``: stopped at the checkpoint of the validation that pruned it (its run says
-    #: paused); ``pending``: not ended yet (a sweep still running).
+    #: so too); ``pending``: not ended yet (a sweep still running).
     status: TrialStatus
     #: The sweep's metric at the trial's last committed epoch: measured on the weights of
     #: ``checkpoint_uri``.

@@ -10,6 +10,7 @@
       sampler: random                     # random | grid | qmc | tpe
       pruner: {successive_halving: {reduction_factor: 2}}   # none | median | hyperband: {...}
       seed: 7
+      study_url_env: OPTUNA_STUDY_URL     # also keep the study in this database (optional)
       space:
         optimizer.lr: {log_uniform: [1.0e-4, 1.0e-1]}
         model.kwargs.hidden: {choice: [[32], [64, 64]]}
@@ -81,6 +82,9 @@ class SweepSection(_Section):
     #: ``none``, a pruner's name, or ``{name: {argument: value}}`` (Optuna's arguments).
     pruner: str | dict[str, dict[str, Any] | None] = "none"
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    #: The name of an environment variable holding the URL of a database the study is kept in
+    #: as well (trainer_core/sweep/study.py); the URL itself never enters the spec.
+    study_url_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 
     @field_validator("pruner")
     @classmethod

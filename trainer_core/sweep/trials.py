@@ -17,7 +17,7 @@ from trainer_core.checkpoint.history import read_metrics_history
 from trainer_core.checkpoint.run_directory import RunDirectory
 from trainer_core.numbers import is_finite_number
 from trainer_core.run.plan import canonical_storage_uri
-from trainer_core.run.summary import TrainingResult, read_stored_result
+from trainer_core.run.summary import TrainingResult, mark_pruned, read_stored_result
 from trainer_core.sweep.spec import Sweep
 
 
@@ -30,8 +30,8 @@ class TrialRun:
     run_uri: str
     #: The sweep's metric.
     metric: str
-    #: Its summary's status (``paused``, ``completed``, ``failed``); None before a first leg
-    #: ended.
+    #: Its summary's status (``paused``, ``pruned``, ``completed``, ``failed``); None before a
+    #: first leg ended.
     status: str | None = None
     #: Epochs committed, by its summary.
     epochs: int = 0
@@ -77,6 +77,15 @@ def read_trial(sweep: Sweep, number: int) -> TrialRun:
     return TrialRun(
         number, name, run_dir.uri, metric, result.status, result.epochs_completed, reports, result
     )
+
+
+def record_pruned(sweep: Sweep, runs: Mapping[int, TrialRun], pruned: Mapping[int, int]) -> None:
+    """Say in each trial the sweep pruned (number -> epoch) that it was: its own run's summary
+    then reads ``pruned``, not ``paused``, for ``relaytrain show`` and the run catalog. Only
+    between waves (no leg holds a trial), and the same however often it is done."""
+    for number, epoch in pruned.items():
+        if runs[number].status == "paused" and runs[number].epochs == epoch:
+            mark_pruned(trial_directory(sweep, number), epoch)
 
 
 def by_epoch(history: list[dict[str, Any]], metric: str, committed: int) -> dict[int, float]:
