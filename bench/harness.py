@@ -26,9 +26,12 @@ RAY_NUM_CPUS = 4
 
 
 @contextlib.contextmanager
-def local_ray(num_cpus: int = RAY_NUM_CPUS) -> Iterator[dict[str, Any]]:
+def local_ray(num_cpus: int = RAY_NUM_CPUS, dashboard: bool = False) -> Iterator[dict[str, Any]]:
     """A new local Ray cluster for this process, with relaytrain's Ray Train settings and the
-    probe directory in the environment (workers inherit both). Yields what it set up."""
+    probe directory in the environment (workers inherit both). Yields what it set up.
+    ``dashboard``: with Ray's dashboard, whose State API Ray Train V2's placement group cleaner
+    asks whether a controller still lives (without it, a controller killed from outside, as
+    Ray Tune kills a stopped trial's, leaves its worker group's placement group behind)."""
     import ray
 
     from trainer_core.execution.cluster import apply_ray_env_defaults
@@ -38,10 +41,13 @@ def local_ray(num_cpus: int = RAY_NUM_CPUS) -> Iterator[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-probe-") as probe_dir:
         os.environ[PROBE_DIR_ENV] = probe_dir
         started = time.perf_counter()
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=False
+        )
         try:
             yield {
                 "ray_num_cpus": num_cpus,
+                "ray_dashboard": dashboard,
                 "ray_start_s": round(time.perf_counter() - started, 2),
                 "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ[
                     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"

@@ -17,16 +17,17 @@ from epoch 1 to the last:
   ``max_concurrent_trials=2`` and ``reuse_actors=False`` (with reused actors Tune never ran a
   third trial here: see ``ray_tune``).
 
-Found on 2026-12-07 (Ray 2.60, this 2-core machine): Ray Tune ran the first 2 trials and then no
-other. Each later trial's Train controller asked for its 1-CPU worker group and timed out after
-60 s, again and again (its log: "worker group startup timed out ... waiting for 1 workers"): the
-first trials' worker groups kept their CPUs after Tune stopped their trial actors, with reused
-actors (Tune's default) and without, with TUNE_FORCE_TRIAL_CLEANUP_S at 600 s and at 1 s. In a
-4-trial sweep without stops by ASHA before ``max_t`` it ran through once. This is Ray's
-ray-project/ray#54305 ("[Ray Tune + Train V2] Broken resource sharing among Tune trials"): a
-trial actor Tune terminates leaves its Train run's placement group behind, which lives as long
-as the Tune driver; Ray's maintainers were looking into it, and it persists in 2.60 here. So the
-Tune variant is bounded by ``--tune-budget-s`` and recorded as not measured, with why.
+Both run on one local Ray cluster of 2 CPUs with Ray's dashboard. Ray Train V2 needs it under
+Tune: a trial Tune stops has its actor, and with it the trial's Train controller, killed, and
+the controller's placement group is removed by Train's placement group cleaner, which asks the
+dashboard's State API whether the controller still lives. On 2026-12-07 this benchmark ran
+without the dashboard (as the other benchmarks do): the cleaner never saw a controller die, the
+first 2 trials' worker groups kept both CPUs, and no third trial started (each later
+controller's "worker group startup timed out ... waiting for 1 workers", retried without end).
+That was read then as ray-project/ray#54305 (Tune + Train V2 trials not sharing resources); a
+probe on 2026-12-08 showed the same 6-trial ASHA sweep running through with the dashboard and
+stalling after 2 trials without it. The Tune variant stays bounded by ``--tune-budget-s``, and
+is recorded as not measured, with why, where it does not end.
 
 Figures: makespan (the call to its end); the epochs each trained against 16 trials' full
 epochs (compute saved by pruning); the best val_loss and the learning rate that reached it.
@@ -176,9 +177,8 @@ def ray_tune(
             scheduler=scheduler,
             max_concurrent_trials=SLOTS,
             time_budget_s=budget_s,  # the finding below, bounded: Tune alone waits forever
-            # A reused trial actor (Tune's default for function trainables) never started its
-            # next trial's Train worker group here: the cluster's CPUs stayed held after the
-            # first two trials ended, and the sweep waited forever (Ray 2.60, 2026-12-07).
+            # a fresh actor a trial: a stopped trial's actor (and its Train controller) is
+            # killed, and its worker group freed (see the module's docstring)
             reuse_actors=False,
         ),
         run_config=tune.RunConfig(name="bench-tune", storage_path=storage, verbose=0),
@@ -191,10 +191,9 @@ def ray_tune(
     if len(reported) < TRIALS:
         raise common.NotAvailable(
             f"Ray Tune had {len(reported)} of {TRIALS} trials report within its budget of "
-            f"{budget_s:g} s (TuneConfig.time_budget_s): the trials after the first ones never "
-            "started their worker groups (Ray Train's controller: 'worker group startup timed "
-            "out after 60.0 seconds waiting for 1 workers', retried without end): the first "
-            "trials' worker groups, whose trial actors Tune stopped, kept the cluster's CPUs"
+            f"{budget_s:g} s (TuneConfig.time_budget_s): see the Ray Train controllers' "
+            "logs (a worker group that never started: 'worker group startup timed out', the "
+            "CPUs held by stopped trials' placement groups)"
         )
     trained = sum(len(frame) for frame in reported)
     best = grid.get_best_result(metric="val_loss", mode="min", scope="last")
@@ -233,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     # the trial's actor. Killed after 1 s here, as a user who met it would set it.
     os.environ.setdefault("TUNE_FORCE_TRIAL_CLEANUP_S", "1")
     with (
-        harness.local_ray(num_cpus=SLOTS) as ray_info,
+        # the dashboard: Train V2 under Tune frees a stopped trial's workers through it
+        harness.local_ray(num_cpus=SLOTS, dashboard=True) as ray_info,
         harness.prefect_api() as api_info,
         tempfile.TemporaryDirectory(prefix="relaytrain-bench-sweep-") as tmp,
     ):
