@@ -31,6 +31,13 @@ def test_a_rerun_must_give_the_spec_the_sweep_began_with(tmp_path):
     with pytest.raises(SpecError, match=r"differs at optimizer\.lr, sweep\.seed") as refused:
         directory.claim(build_sweep(other), str(tmp_path), other)
     assert refused.value.field == "run.name"
+    # where the study is also kept decides nothing about the trials: a rerun may name a database
+    with_database = json.loads(json.dumps(spec))
+    with_database["sweep"]["study_url_env"] = "STUDY_DB"
+    assert directory.check(build_sweep(with_database), str(tmp_path), with_database) == location
+    with_database["sweep"]["seed"] = 8
+    with pytest.raises(SpecError, match=r"differs at sweep\.seed\)"):
+        directory.check(build_sweep(with_database), str(tmp_path), with_database)
     (tmp_path / "a-run").mkdir()
     (tmp_path / "a-run" / "run.json").write_text("{}")
     with pytest.raises(SpecError, match="a run's directory"):

@@ -48,9 +48,9 @@ def check(sweep: Sweep, storage_uri: str, raw: Mapping[str, Any]) -> Location:
         )
     stored_file = location.child(SWEEP_FILE)
     if stored_file.exists():
-        stored = stored_file.read_json().get("spec")
-        if _canonical(stored) != _canonical(raw):
-            keys = sorted(_differing(stored, _canonical(raw)))
+        stored = _deciding(stored_file.read_json().get("spec"))
+        if stored != _deciding(raw):
+            keys = sorted(_differing(stored, _deciding(raw)))
             raise SpecError(
                 f"sweep {sweep.name} at {location.uri} was begun with another spec (it differs "
                 f"at {', '.join(keys) or 'its layout'}): its trials belong to that spec. Run it "
@@ -103,6 +103,15 @@ def failed_trials(location: Location) -> set[str]:
 
 def _canonical(raw: Any) -> Any:
     return json.loads(json.dumps(raw, sort_keys=True, default=str))
+
+
+def _deciding(raw: Any) -> Any:
+    """The sweep spec as far as it decides the trials: without where the study is also kept
+    (``sweep.study_url_env``), which a rerun may add, change or drop."""
+    spec = _canonical(raw)
+    if isinstance(spec, dict) and isinstance(spec.get("sweep"), dict):
+        spec["sweep"].pop("study_url_env", None)
+    return spec
 
 
 def _differing(a: Any, b: Any, prefix: str = "") -> list[str]:

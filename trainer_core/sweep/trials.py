@@ -84,7 +84,7 @@ def record_pruned(sweep: Sweep, runs: Mapping[int, TrialRun], pruned: Mapping[in
     then reads ``pruned``, not ``paused``, for ``relaytrain show`` and the run catalog. Only
     between waves (no leg holds a trial), and the same however often it is done."""
     for number, epoch in pruned.items():
-        if runs[number].status == "paused" and runs[number].epochs == epoch:
+        if runs[number].status == "paused":  # marked already: nothing to read again
             mark_pruned(trial_directory(sweep, number), epoch)
 
 
